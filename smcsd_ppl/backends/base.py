@@ -1,0 +1,139 @@
+"""The batched LM protocol and the row bookkeeping its implementations share.
+
+A backend holds R rows (all particles of all requests, in the batch dimension)
+of one model's state. Rows have a common physical length; positions that hold
+no real token (left padding, a rejected draft, a block cut short) are *holes*,
+masked out of attention and skipped by position ids, so rows of different
+logical lengths share one rectangular cache.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Protocol, Sequence, runtime_checkable
+
+import torch
+
+
+@dataclass
+class ForwardStats:
+    """Counts and wall time of a backend's model forwards."""
+
+    calls: int = 0
+    seconds: float = 0.0
+    tokens: int = 0  # rows x new positions fed, holes included
+
+    def reset(self) -> None:
+        self.calls, self.seconds, self.tokens = 0, 0.0, 0
+
+
+@runtime_checkable
+class BatchedLM(Protocol):
+    """What the inference code needs from a language model."""
+
+    vocab_size: int
+    max_length: int
+    stats: ForwardStats
+
+    @property
+    def n_rows(self) -> int:
+        """Rows currently held."""
+
+    def prefill(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Start afresh with one row per prompt; logits of each prompt's next token ``[B, V]``."""
+
+    def extend(self, tokens: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """Append ``tokens [R, T]`` to every row in ONE forward; logits ``[R, T, V]`` (float32).
+
+        ``valid [R, T]`` marks holes (False): fed but invisible to later tokens.
+        """
+
+    def fork(self, rows: torch.Tensor) -> None:
+        """Keep rows ``rows [R']`` in that order (duplicates allowed): one gather on dim 0."""
+
+    def drop_tail(self, n: torch.Tensor) -> None:
+        """Turn the last ``n[r]`` real positions of each row into holes (rejected tokens)."""
+
+
+class RowMask:
+    """Which physical positions of each row are real tokens, and their position ids."""
+
+    def __init__(self, valid: torch.Tensor) -> None:
+        self.valid = valid  # [R, L] bool
+        self.n_real = valid.sum(1)  # [R] next position id of each row
+
+    @property
+    def length(self) -> int:
+        return self.valid.shape[1]
+
+    def new_positions(self, valid_new: torch.Tensor) -> torch.Tensor:
+        """Position ids ``[R, T]`` for appended tokens; holes reuse the next free id."""
+        before = torch.cumsum(valid_new.long(), 1) - valid_new.long()
+        return self.n_real[:, None] + before
+
+    def append(self, valid_new: torch.Tensor) -> None:
+        self.valid = torch.cat([self.valid, valid_new], 1)
+        self.n_real = self.n_real + valid_new.sum(1)
+
+    def gather(self, rows: torch.Tensor) -> None:
+        self.valid = self.valid.index_select(0, rows)
+        self.n_real = self.n_real.index_select(0, rows)
+
+    def drop_tail(self, n: torch.Tensor) -> None:
+        """Mark the last n[r] real positions of row r as holes."""
+        if int(n.max()) == 0:
+            return
+        if bool((n > self.n_real).any()):
+            raise ValueError(f"cannot drop {n.tolist()} tokens from rows holding {self.n_real.tolist()}")
+        # rank of each real position counted from the row's end: 1 = last real token
+        from_end = self.valid.long().flip(1).cumsum(1).flip(1)
+        drop = self.valid & (from_end <= n[:, None])
+        self.valid = self.valid & ~drop
+        self.n_real = self.n_real - n
+
+    def trailing_holes(self) -> int:
+        """Physical columns at the end that are holes in every row (safe to crop)."""
+        any_real = self.valid.any(0)
+        real_cols = torch.nonzero(any_real)
+        return self.length if real_cols.numel() == 0 else self.length - 1 - int(real_cols[-1])
+
+    def crop(self, n: int) -> None:
+        if n:
+            self.valid = self.valid[:, : self.length - n]
+
+
+class Timer:
+    """Adds a block's wall time to ``ForwardStats`` (synchronizing CUDA first)."""
+
+    def __init__(self, stats: ForwardStats, device: torch.device, tokens: int) -> None:
+        self.stats, self.device, self.tokens = stats, device, tokens
+
+    def __enter__(self) -> Timer:
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.stats.calls += 1
+        self.stats.tokens += self.tokens
+        self.stats.seconds += time.perf_counter() - self.start
+
+
+def check_prompts(prompts: Sequence[Sequence[int]], max_length: int) -> None:
+    """Clear errors for empty or over-long prompts before any forward runs."""
+    if len(prompts) == 0:
+        raise ValueError("no prompts given")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty: at least one token is needed")
+        if len(p) >= max_length:
+            raise ValueError(f"prompt {i} has {len(p)} tokens; the model's context is {max_length}")
+
+
+def check_logits(logits: torch.Tensor, what: str) -> torch.Tensor:
+    """NaN logits mean a broken model or dtype overflow: fail loudly, not deep in sampling."""
+    if torch.isnan(logits).any():
+        raise ValueError(f"{what} produced NaN logits (try dtype=float32, or check the weights)")
+    return logits

@@ -1,0 +1,124 @@
+"""Batched backend over any Hugging Face causal LM with a KV cache per row."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from .base import ForwardStats, RowMask, Timer, check_logits, check_prompts
+
+DEFAULT_CACHE_BUDGET = 8 * 2**30  # bytes of KV cache one backend may hold
+
+
+class HFBatchedLM:
+    """Rows of one HF model's KV cache; particles live in the batch dimension.
+
+    Args:
+        model: a causal LM in eval mode (any device and dtype).
+        max_cache_bytes: refuse (``ValueError``) a forward whose KV cache would exceed this.
+        name: used in error messages.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        max_cache_bytes: int = DEFAULT_CACHE_BUDGET,
+        name: str = "model",
+    ) -> None:
+        self.model = model
+        self.name = name
+        self.device = next(model.parameters()).device
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.max_length = int(getattr(model.config, "max_position_embeddings", 2048))
+        self.max_cache_bytes = max_cache_bytes
+        self.bytes_per_token = _kv_bytes_per_token(model)
+        self.stats = ForwardStats()
+        self.cache: DynamicCache | None = None
+        self.rows = RowMask(torch.zeros(0, 0, dtype=torch.bool, device=self.device))
+
+    @property
+    def n_rows(self) -> int:
+        return self.rows.valid.shape[0]
+
+    def prefill(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        check_prompts(prompts, self.max_length)
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros(len(prompts), width, dtype=torch.long, device=self.device)
+        valid = torch.zeros(len(prompts), width, dtype=torch.bool, device=self.device)
+        for i, p in enumerate(prompts):  # left padding keeps every row's last token in the last column
+            ids[i, width - len(p) :] = torch.tensor(list(p), dtype=torch.long)
+            valid[i, width - len(p) :] = True
+        self.cache = DynamicCache()
+        self.rows = RowMask(torch.zeros(len(prompts), 0, dtype=torch.bool, device=self.device))
+        return self._forward(ids, valid, last_only=True)[:, -1]
+
+    def extend(self, tokens: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        if self.cache is None:
+            raise ValueError(f"{self.name}: extend() before prefill()")
+        if tokens.dim() != 2 or tokens.shape[0] != self.n_rows:
+            raise ValueError(f"{self.name}: tokens must be [{self.n_rows}, T], got {list(tokens.shape)}")
+        if valid is None:
+            valid = torch.ones_like(tokens, dtype=torch.bool)
+        return self._forward(tokens.to(self.device), valid.to(self.device), last_only=False)
+
+    def fork(self, rows: torch.Tensor) -> None:
+        rows = rows.to(self.device)
+        if rows.numel() == 0:
+            raise ValueError(f"{self.name}: fork() needs at least one row")
+        self.rows.gather(rows)
+        self._map_cache(lambda t: t.index_select(0, rows))
+        self._crop_holes()
+
+    def drop_tail(self, n: torch.Tensor) -> None:
+        self.rows.drop_tail(n.to(self.device))
+        self._crop_holes()
+
+    def _crop_holes(self) -> None:
+        n = self.rows.trailing_holes()
+        if n:
+            self.rows.crop(n)
+            self._map_cache(lambda t: t[:, :, : t.shape[2] - n])
+
+    def _map_cache(self, fn) -> None:
+        for layer in self.cache.layers:
+            if getattr(layer, "keys", None) is not None and layer.keys.numel():
+                layer.keys, layer.values = fn(layer.keys), fn(layer.values)
+
+    def _forward(self, ids: torch.Tensor, valid: torch.Tensor, *, last_only: bool) -> torch.Tensor:
+        r, t = ids.shape
+        need = int(self.rows.n_real.max()) + t if r else t
+        if need > self.max_length:
+            raise ValueError(
+                f"{self.name}: sequence would reach {need} tokens; the model's context is {self.max_length}"
+            )
+        cache_bytes = self.bytes_per_token * r * (self.rows.length + t)
+        if cache_bytes > self.max_cache_bytes:
+            raise ValueError(
+                f"{self.name}: KV cache would need {cache_bytes / 2**30:.2f} GiB for {r} rows x "
+                f"{self.rows.length + t} positions, over the budget of {self.max_cache_bytes / 2**30:.2f} GiB; "
+                "use fewer particles or tokens, or raise max_cache_bytes"
+            )
+        positions = self.rows.new_positions(valid)
+        self.rows.append(valid)
+        with Timer(self.stats, self.device, r * t), torch.inference_mode():
+            out = self.model(
+                input_ids=ids,
+                attention_mask=self.rows.valid.long(),
+                position_ids=positions,
+                past_key_values=self.cache,
+                use_cache=True,
+                logits_to_keep=1 if last_only else 0,
+            )
+        return check_logits(out.logits.float(), self.name)
+
+
+def _kv_bytes_per_token(model: PreTrainedModel) -> int:
+    """Bytes one row's KV cache grows by per position (keys + values, all layers)."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    elem = next(model.parameters()).element_size()
+    return 2 * cfg.num_hidden_layers * heads * head_dim * elem

@@ -1,0 +1,104 @@
+"""A deterministic tiny language model for exact tests.
+
+Its next-token logits depend only on the last ``order`` real tokens, read from a
+fixed table, so the probability of any sequence can be enumerated exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .base import ForwardStats, RowMask, Timer, check_logits, check_prompts
+
+
+class MockLM:
+    """Tiny n-gram LM implementing the ``BatchedLM`` protocol.
+
+    Args:
+        vocab_size: V (<= 8 keeps enumeration cheap).
+        order: how many previous tokens the logits depend on.
+        seed: seeds the random logit table.
+        scale: spread of the logits (larger = peakier distributions).
+        table: explicit logits ``[V] * order + [V]``, overriding the random one.
+        max_length: context limit, to exercise over-long prompt errors.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 5,
+        *,
+        order: int = 2,
+        seed: int = 0,
+        scale: float = 1.5,
+        table: torch.Tensor | None = None,
+        max_length: int = 64,
+    ) -> None:
+        if table is None:
+            g = torch.Generator().manual_seed(seed)
+            table = scale * torch.randn(*([vocab_size] * (order + 1)), generator=g)
+        self.table = table.float()
+        self.vocab_size = self.table.shape[-1]
+        self.order = self.table.dim() - 1
+        self.max_length = max_length
+        self.stats = ForwardStats()
+        self.device = torch.device("cpu")
+        self.history = torch.zeros(0, 0, dtype=torch.long)
+        self.rows = RowMask(torch.zeros(0, 0, dtype=torch.bool))
+
+    @property
+    def n_rows(self) -> int:
+        return self.history.shape[0]
+
+    def next_logits(self, context: Sequence[int]) -> torch.Tensor:
+        """Logits ``[V]`` after a token sequence (missing history reads as token 0)."""
+        last = [0] * max(0, self.order - len(context)) + list(context)[-self.order :]
+        return self.table[tuple(last)] if self.order else self.table
+
+    def prefill(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        check_prompts(prompts, self.max_length)
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        valid = torch.zeros(len(prompts), width, dtype=torch.bool)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p) :] = torch.tensor(list(p))
+            valid[i, width - len(p) :] = True
+        self.history = torch.zeros(len(prompts), 0, dtype=torch.long)
+        self.rows = RowMask(torch.zeros(len(prompts), 0, dtype=torch.bool))
+        return self._forward(ids, valid)[:, -1]
+
+    def extend(self, tokens: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        if tokens.dim() != 2 or tokens.shape[0] != self.n_rows:
+            raise ValueError(f"tokens must be [{self.n_rows}, T], got {list(tokens.shape)}")
+        return self._forward(tokens, torch.ones_like(tokens, dtype=torch.bool) if valid is None else valid)
+
+    def fork(self, rows: torch.Tensor) -> None:
+        self.history = self.history.index_select(0, rows)
+        self.rows.gather(rows)
+
+    def drop_tail(self, n: torch.Tensor) -> None:
+        self.rows.drop_tail(n)
+
+    def _forward(self, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        if int(self.rows.n_real.max()) + ids.shape[1] > self.max_length:
+            raise ValueError(f"sequence would exceed the context of {self.max_length} tokens")
+        self.history = torch.cat([self.history, ids], 1)
+        self.rows.append(valid)
+        r, t = ids.shape
+        with Timer(self.stats, self.device, r * t):
+            out = self._logits_of_last(t)
+        return check_logits(out, "mock model")
+
+    def _logits_of_last(self, t: int) -> torch.Tensor:
+        """Logits after each of the last ``t`` physical positions, vectorized over rows."""
+        valid = self.rows.valid
+        r, n = valid.shape
+        # compact every row's real tokens to the left, then read the last `order` of each prefix
+        count = torch.cumsum(valid.long(), 1)  # [R, L] real tokens up to each position
+        compact = torch.zeros(r, n + 1, dtype=torch.long)
+        compact.scatter_(1, torch.where(valid, count - 1, n), self.history)
+        seen = count[:, n - t :]  # [R, T]
+        idx = seen[:, :, None] - self.order + torch.arange(self.order)  # [R, T, order]
+        ctx = torch.where(idx >= 0, compact.gather(1, idx.clamp(min=0).view(r, -1)).view(idx.shape), 0)
+        return self.table[tuple(ctx.unbind(-1))] if self.order else self.table.expand(r, t, -1)

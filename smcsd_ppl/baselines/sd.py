@@ -1,0 +1,79 @@
+"""Exact speculative sampling on the block engine: the baseline that keeps SMC-SD honest."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from ..inference.engine import BlockEngine
+from ..spec import speculative_accept
+
+
+@dataclass
+class SpeculativeRun:
+    """Token ids per request, and acceptance statistics."""
+
+    token_ids: list[list[int]]
+    target_calls: int
+    drafted: int  # draft tokens proposed
+    accepted: int  # draft tokens accepted
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / max(1, self.drafted)
+
+
+def speculative_sampling(
+    engine: BlockEngine,
+    prompts: Sequence[Sequence[int]],
+    *,
+    on_step: Callable[[int], None] | None = None,
+) -> SpeculativeRun:
+    """Leviathan/Chen speculative sampling, one row per prompt, K drafted tokens per cycle.
+
+    The output distribution equals the target's at T_t exactly; ``alpha`` must be 1.
+    """
+    cfg = engine.config
+    if cfg.alpha != 1.0:
+        raise ValueError("exact speculative sampling samples the target itself: alpha must be 1")
+    x0, _ = engine.start(prompts, copies=1)
+    outs = [[x] for x in x0]
+    rows = [i for i, x in enumerate(x0) if x not in engine.eos and cfg.max_new_tokens > 1]
+    engine.reorder(rows)
+    calls, drafted, accepted = 1, 0, 0
+    while rows:
+        blocks = engine.draft_blocks(
+            range(len(rows)), [cfg.max_new_tokens - len(outs[r]) for r in rows], keep_probs=True
+        )
+        target_probs = torch.softmax(engine.target_logits(blocks), -1)  # [R, K+1, V]
+        draft_probs = torch.stack([b.draft_probs for b in blocks])  # [R, K, V]
+        tokens = torch.tensor([b.tokens for b in blocks], device=draft_probs.device)
+        n_acc, nxt = speculative_accept(target_probs, draft_probs, tokens, engine.g)
+        calls += 1
+        kept, nexts, going = [], [], []
+        for i, (b, n, t) in enumerate(zip(blocks, n_acc.tolist(), nxt.tolist())):
+            out = outs[rows[i]]
+            drafted += b.kept
+            accepted += min(n, b.kept)
+            if n >= b.kept:  # everything up to the EOS / budget cut was accepted
+                out.extend(b.kept_tokens)
+                t = None if b.stops else t
+                kept.append(b.kept)
+            else:  # rejected at n: the residual draw replaces d_{n+1}
+                out.extend(b.tokens[:n])
+                kept.append(n)
+            if t is not None:
+                out.append(t)
+                if t in engine.eos or len(out) >= cfg.max_new_tokens:
+                    t = None
+            nexts.append(t)
+            if t is not None:
+                going.append(i)
+        engine.commit(blocks, kept, nexts)
+        engine.reorder(going)
+        rows = [rows[i] for i in going]
+        if on_step is not None:
+            on_step(max(len(o) for o in outs))
+    return SpeculativeRun(outs, calls, drafted, accepted)

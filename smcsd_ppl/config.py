@@ -1,0 +1,64 @@
+"""Validated settings for SMC speculative decoding and its baselines."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+RESAMPLING_SCHEMES = ("systematic", "multinomial", "stratified", "residual")
+SELECTIONS = ("sample", "argmax")
+
+
+@dataclass(frozen=True)
+class SMCConfig:
+    """Settings of one SMC-SD run (defaults follow the reference implementation).
+
+    Attributes:
+        n_particles: N, particles per request.
+        block_size: K, tokens drafted per particle and cycle.
+        ess_threshold: resample when ESS < threshold * N; 0 never resamples.
+        resampling: one of ``RESAMPLING_SCHEMES``.
+        draft_temperature: T_d of the proposal q.
+        target_temperature: T_t of the target p.
+        alpha: power on the target (1 = the target itself; > 1 sharpens).
+        selection: ``"sample"`` picks the output particle in proportion to its
+            final weight, ``"argmax"`` picks the heaviest.
+        max_new_tokens: generation budget per request.
+        seed: seed of the run's ``torch.Generator``.
+    """
+
+    n_particles: int = 4
+    block_size: int = 4
+    ess_threshold: float = 0.5
+    resampling: str = "systematic"
+    draft_temperature: float = 0.7
+    target_temperature: float = 1.0
+    alpha: float = 1.0
+    selection: str = "sample"
+    max_new_tokens: int = 128
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check_int("n_particles", self.n_particles, 1)
+        _check_int("block_size", self.block_size, 1)
+        _check_int("max_new_tokens", self.max_new_tokens, 1)
+        _check_int("seed", self.seed, 0)
+        if not 0.0 <= self.ess_threshold <= 1.0:
+            raise ValueError(f"ess_threshold must be in [0, 1], got {self.ess_threshold}")
+        _check_positive("draft_temperature", self.draft_temperature)
+        _check_positive("target_temperature", self.target_temperature)
+        _check_positive("alpha", self.alpha)
+        if self.resampling not in RESAMPLING_SCHEMES:
+            raise ValueError(f"resampling must be one of {RESAMPLING_SCHEMES}, got {self.resampling!r}")
+        if self.selection not in SELECTIONS:
+            raise ValueError(f"selection must be one of {SELECTIONS}, got {self.selection!r}")
+
+
+def _check_int(name: str, value: object, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+def _check_positive(name: str, value: object) -> None:
+    if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")

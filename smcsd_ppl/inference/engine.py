@@ -1,0 +1,206 @@
+"""The block engine: batched drafting and fused verification over all rows.
+
+It owns the draft and target backends, the tokens each row has generated but
+not yet fed to each model (the deferred bonus token, the last drafted token),
+and the run's random generator. Particles only hold their row index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from ..backends.base import BatchedLM
+from ..config import SMCConfig
+from ..spec import pick, power_log_normalizer, sample_tokens
+
+
+@dataclass
+class DraftedBlock:
+    """K tokens drafted for one row, and how many of them count."""
+
+    row: int
+    tokens: list[int]  # all K drafted tokens
+    draft_logq: torch.Tensor  # [K] log q(d_j | .) at T_d
+    kept: int  # tokens that count: an EOS (included) or the budget cuts the rest
+    stops: bool  # the particle finishes with this block (EOS or budget)
+    draft_probs: torch.Tensor | None = None  # [K, V] q at each drafted position, on request
+
+    @property
+    def kept_tokens(self) -> list[int]:
+        return self.tokens[: self.kept]
+
+
+@dataclass
+class ScoredBlock:
+    """A drafted block after the target's fused forward."""
+
+    drafted: DraftedBlock
+    target_logp: torch.Tensor  # [K] alpha-free log p_T(d_j | .)
+    bonus: int | None  # token drawn from the target after the kept prefix
+    bonus_log_z: float  # log sum_v p_T(v)^alpha at the bonus position (0 if alpha = 1)
+    log_weight: float = field(default=0.0)  # alpha * sum log p over kept + bonus_log_z
+
+
+def pad_left(seqs: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists -> ``ids [R, T]`` and ``valid [R, T]``, holes on the left."""
+    width = max(1, max(len(s) for s in seqs))
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    valid = torch.zeros(len(seqs), width, dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        if s:
+            ids[i, width - len(s) :] = torch.tensor(list(s), dtype=torch.long)
+            valid[i, width - len(s) :] = True
+    return ids.to(device), valid.to(device)
+
+
+class BlockEngine:
+    """Batched draft-and-verify over rows of a draft and a target backend."""
+
+    def __init__(self, target: BatchedLM, draft: BatchedLM, eos_token_ids: Sequence[int], config: SMCConfig):
+        if target.vocab_size != draft.vocab_size:
+            raise ValueError(
+                f"draft vocabulary ({draft.vocab_size}) differs from the target's ({target.vocab_size}); "
+                "SMC-SD needs a draft that shares the target's tokenizer"
+            )
+        self.target, self.draft, self.config = target, draft, config
+        self.eos = set(int(e) for e in eos_token_ids)
+        self.device = getattr(target, "device", torch.device("cpu"))
+        self.g = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.g_cpu = torch.Generator().manual_seed(config.seed + 1)
+        self.target_pending: list[list[int]] = []
+        self.draft_pending: list[list[int]] = []
+
+    @property
+    def n_rows(self) -> int:
+        return len(self.target_pending)
+
+    def start(self, prompts: Sequence[Sequence[int]], copies: int) -> tuple[list[int], list[float]]:
+        """Prefill both models, draw each request's first token x0 from the target.
+
+        Returns x0 per prompt and its log-normalizer (nonzero only when alpha != 1).
+        Rows are then ``copies`` consecutive forks of each prompt.
+        """
+        logits = self.target.prefill(prompts)  # [B, V]
+        self.draft.prefill(prompts)
+        c = self.config
+        x0 = sample_tokens(c.alpha * logits / c.target_temperature, 1.0, self.g)
+        log_z0 = power_log_normalizer(logits, c.target_temperature, c.alpha)
+        rows = torch.arange(len(prompts), device=self.device).repeat_interleave(copies)
+        self.target.fork(rows)
+        self.draft.fork(rows)
+        self.target_pending = [[int(x0[i])] for i in rows.tolist()]
+        self.draft_pending = [[int(x0[i])] for i in rows.tolist()]
+        return x0.tolist(), log_z0.tolist()
+
+    def draft_blocks(
+        self, rows: Sequence[int], budgets: Sequence[int], *, keep_probs: bool = False
+    ) -> list[DraftedBlock]:
+        """K batched draft forwards over all rows; rows not asked for are fed holes.
+
+        ``budgets[i]`` is how many more tokens row ``rows[i]`` may emit; ``keep_probs``
+        also returns q over the whole vocabulary (exact speculative sampling needs it).
+        """
+        k, t_d = self.config.block_size, self.config.draft_temperature
+        asked = torch.zeros(self.n_rows, dtype=torch.bool)
+        asked[list(rows)] = True
+        feed = [p if a else [] for p, a in zip(self.draft_pending, asked.tolist())]
+        ids, valid = pad_left(feed, self.device)
+        asked = asked.to(self.device)
+        drafts, logqs, probs = [], [], []
+        for _ in range(k):
+            logq = torch.log_softmax(self.draft.extend(ids, valid)[:, -1] / t_d, -1)  # [R, V]
+            d = sample_tokens(logq, 1.0, self.g)
+            logqs.append(logq.gather(-1, d[:, None])[:, 0])
+            drafts.append(d)
+            if keep_probs:
+                probs.append(logq.exp())
+            ids, valid = d[:, None], asked[:, None]
+        tokens = torch.stack(drafts, 1).cpu()  # [R, K]
+        logq = torch.stack(logqs, 1).cpu()
+        q = torch.stack(probs, 1) if keep_probs else None  # [R, K, V]
+        for r in rows:
+            self.draft_pending[r] = []  # fed, except d_K which commit() queues
+        return [
+            self._cut(r, tokens[r].tolist(), logq[r], b, None if q is None else q[r])
+            for r, b in zip(rows, budgets)
+        ]
+
+    def _cut(self, row, tokens, logq, budget, probs) -> DraftedBlock:
+        k = len(tokens)
+        eos_at = next((j for j, t in enumerate(tokens) if t in self.eos), None)
+        kept = min(k if eos_at is None else eos_at + 1, budget)
+        stops = (eos_at is not None and eos_at < kept) or kept >= budget
+        return DraftedBlock(row, tokens, logq, kept, stops, probs)
+
+    def target_logits(self, blocks: Sequence[DraftedBlock]) -> torch.Tensor:
+        """ONE target forward over [pending, d_1..d_K] for all rows -> ``[n, K+1, V]`` / T_t.
+
+        Position j of the result scores d_{j+1}; position K is the bonus position.
+        """
+        k = self.config.block_size
+        by_row = {b.row: b for b in blocks}
+        feed = [self.target_pending[r] + by_row[r].tokens if r in by_row else [] for r in range(self.n_rows)]
+        ids, valid = pad_left(feed, self.device)
+        logits = self.target.extend(ids, valid)[:, -(k + 1) :]
+        rows = torch.tensor([b.row for b in blocks], device=self.device)
+        return logits.index_select(0, rows) / self.config.target_temperature
+
+    def verify_blocks(self, blocks: Sequence[DraftedBlock]) -> list[ScoredBlock]:
+        """SMC-SD verification: score every block in one forward, draw bonus tokens, commit."""
+        c, k = self.config, self.config.block_size
+        logits = self.target_logits(blocks)  # [n, K+1, V]
+        drafted = torch.tensor([b.tokens for b in blocks], device=self.device)
+        token_logp = pick(torch.log_softmax(logits[:, :k], -1), drafted).cpu()  # [n, K]
+        kept = torch.tensor([b.kept for b in blocks], device=self.device)
+        at_bonus = logits[torch.arange(len(blocks), device=self.device), kept]  # [n, V]
+        bonus = sample_tokens(c.alpha * at_bonus, 1.0, self.g).tolist()
+        bonus_log_z = power_log_normalizer(at_bonus, 1.0, c.alpha).tolist()
+        out, nexts = [], []
+        for i, b in enumerate(blocks):
+            nxt = None if b.stops else bonus[i]
+            lw = c.alpha * float(token_logp[i, : b.kept].sum()) + (0.0 if nxt is None else bonus_log_z[i])
+            out.append(ScoredBlock(b, token_logp[i], nxt, bonus_log_z[i], lw))
+            nexts.append(nxt)
+        self.commit(blocks, [b.kept for b in blocks], nexts)
+        return out
+
+    def commit(self, blocks: Sequence[DraftedBlock], kept: Sequence[int], nexts: Sequence[int | None]) -> None:
+        """Keep ``kept[i]`` drafted tokens of each block, queue the next token, hole out the rest.
+
+        After a forward the target holds [pending, d_1..d_K] and the draft [pending,
+        d_1..d_{K-1}]; both then await the next token (the deferred bonus), the draft
+        also d_K when the whole block was kept. Rows without a next token stop and
+        leave at the next ``reorder``.
+        """
+        k = self.config.block_size
+        drop_t, drop_d = {}, {}
+        for b, n, nxt in zip(blocks, kept, nexts):
+            tail = [] if nxt is None else [nxt]
+            self.target_pending[b.row] = tail
+            self.draft_pending[b.row] = ([b.tokens[-1]] if n == k else []) + tail
+            if nxt is not None:
+                drop_t[b.row], drop_d[b.row] = k - n, max(0, k - 1 - n)
+        self._drop(self.target, drop_t)
+        self._drop(self.draft, drop_d)
+
+    def _drop(self, backend: BatchedLM, n_by_row: dict[int, int]) -> None:
+        if any(n_by_row.values()):
+            n = torch.zeros(self.n_rows, dtype=torch.long)
+            for r, d in n_by_row.items():
+                n[r] = d
+            backend.drop_tail(n)
+
+    def reorder(self, rows: Sequence[int]) -> None:
+        """Keep ``rows`` in this order (live particles, resampled ancestors repeated)."""
+        rows = list(rows)
+        if rows == list(range(self.n_rows)):
+            return
+        if rows:
+            index = torch.tensor(rows, device=self.device)
+            self.target.fork(index)
+            self.draft.fork(index)
+        self.target_pending = [list(self.target_pending[r]) for r in rows]
+        self.draft_pending = [list(self.draft_pending[r]) for r in rows]

