@@ -25,6 +25,8 @@ class SMCConfig:
             final weight, ``"argmax"`` picks the heaviest.
         max_new_tokens: generation budget per request.
         seed: seed of the run's ``torch.Generator``.
+        ignore_eos: treat EOS as an ordinary token and emit exactly
+            ``max_new_tokens`` (for speed measurements).
     """
 
     n_particles: int = 4
@@ -37,6 +39,7 @@ class SMCConfig:
     selection: str = "sample"
     max_new_tokens: int = 128
     seed: int = 0
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         _check_int("n_particles", self.n_particles, 1)

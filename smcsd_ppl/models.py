@@ -128,11 +128,12 @@ def _convert_embedded(gguf: pathlib.Path, dest: pathlib.Path) -> None:
     if tokenizer.eos_token != "<|im_end|>":
         tokenizer.eos_token = "<|im_end|>"
     model.generation_config.eos_token_id = tokenizer.eos_token_id
-    # The weights are plain floats now; the GGUF quantizer would refuse to save them.
+    # The weights are dequantized floats now, but the attached GGUF quantizer makes save_pretrained
+    # refuse, and a saved quantization_config would make every reload expect a GGUF file.
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.hf_quantizer = None
-    model.save_pretrained(dest, safe_serialization=True)
+    model.save_pretrained(dest)  # safetensors
     tokenizer.save_pretrained(dest)
 
 

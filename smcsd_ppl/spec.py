@@ -10,14 +10,19 @@ import torch
 
 
 def sample_tokens(logits: torch.Tensor, temperature: float, g: torch.Generator) -> torch.Tensor:
-    """One token per row from softmax(logits / T) (``[R, V] -> [R]``).
+    """One token per row from softmax(logits / T) (``[R, V] -> [R]``)."""
+    return sample_probs(torch.softmax(logits.float() / temperature, dim=-1), g)
 
-    Uses the exponential race (argmax p / E, E ~ Exp(1)), which is exact and
-    avoids a cumulative sum over the vocabulary.
+
+def sample_probs(probs: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """One index per row of ``probs [R, V]`` (rows need not be normalized).
+
+    Inverse CDF with one uniform per row: drawing V exponentials per row (the
+    exponential race) costs ~10x more on CPU for a 49k vocabulary.
     """
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    noise = torch.empty_like(probs).exponential_(generator=g)
-    return torch.argmax(probs / noise, dim=-1)
+    cdf = torch.cumsum(probs, dim=-1)
+    u = torch.rand(probs.shape[0], 1, generator=g, device=probs.device, dtype=cdf.dtype) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
 
 
 def pick(table: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -78,5 +83,4 @@ def speculative_accept(
     # All accepted: q_next is 0 and the residual is p itself (the bonus draw).
     mass = residual.sum(-1, keepdim=True)
     residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_next)
-    noise = torch.empty_like(residual).exponential_(generator=g)
-    return n_acc, torch.argmax(residual / noise, dim=-1)
+    return n_acc, sample_probs(residual, g)

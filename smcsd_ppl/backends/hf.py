@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Sequence
 
 import torch
@@ -36,6 +37,9 @@ class HFBatchedLM:
         self.max_cache_bytes = max_cache_bytes
         self.bytes_per_token = _kv_bytes_per_token(model)
         self.stats = ForwardStats()
+        # transformers 5.24 renamed `past_key_values` to `cache`; accept either release.
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self.cache: DynamicCache | None = None
         self.rows = RowMask(torch.zeros(0, 0, dtype=torch.bool, device=self.device))
 
@@ -108,8 +112,8 @@ class HFBatchedLM:
                 input_ids=ids,
                 attention_mask=self.rows.valid.long(),
                 position_ids=positions,
-                past_key_values=self.cache,
                 use_cache=True,
+                **{self._cache_kw: self.cache},
                 logits_to_keep=1 if last_only else 0,
             )
         return check_logits(out.logits.float(), self.name)

@@ -14,7 +14,7 @@ import torch
 
 from ..backends.base import BatchedLM
 from ..config import SMCConfig
-from ..spec import pick, power_log_normalizer, sample_tokens
+from ..spec import pick, power_log_normalizer, sample_probs, sample_tokens
 
 
 @dataclass
@@ -112,7 +112,7 @@ class BlockEngine:
         drafts, logqs, probs = [], [], []
         for _ in range(k):
             logq = torch.log_softmax(self.draft.extend(ids, valid)[:, -1] / t_d, -1)  # [R, V]
-            d = sample_tokens(logq, 1.0, self.g)
+            d = sample_probs(logq.exp(), self.g)
             logqs.append(logq.gather(-1, d[:, None])[:, 0])
             drafts.append(d)
             if keep_probs:

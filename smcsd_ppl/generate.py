@@ -1,0 +1,239 @@
+"""High-level API: a target and a draft, ready to generate with SMC-SD, exact SD or AR."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from .backends.hf import DEFAULT_CACHE_BUDGET, HFBatchedLM
+from .baselines.ar import autoregressive
+from .baselines.sd import speculative_sampling
+from .config import SMCConfig
+from .inference.engine import BlockEngine
+from .inference.program import SMCSDModel
+from .inference.smc import CycleInfo, ParticleOut, SMCResult, run_smc_sd
+from .models import LoadedModel, load_model, resolve_draft
+
+METHODS = ("smcsd", "sd", "ar")
+
+
+@dataclass
+class RunStats:
+    """Cost of one call (all its requests together).
+
+    ``overhead_fraction`` is the share of wall time spent outside model forwards:
+    sampling, weighting, resampling and Python bookkeeping.
+    """
+
+    method: str
+    new_tokens: int
+    seconds: float
+    target_calls: int
+    draft_calls: int
+    target_seconds: float
+    draft_seconds: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def tokens_per_target_call(self) -> float:
+        return self.new_tokens / max(1, self.target_calls)
+
+    @property
+    def overhead_fraction(self) -> float:
+        return max(0.0, 1.0 - (self.target_seconds + self.draft_seconds) / self.seconds) if self.seconds else 0.0
+
+
+@dataclass
+class Generation:
+    """One request's output.
+
+    Attributes:
+        text, token_ids: the generated continuation (the prompt excluded).
+        method: ``"smcsd"``, ``"sd"`` or ``"ar"``.
+        stats: the cost of the whole call this request was part of.
+        log_z, n_resamples, mean_ess, particles: SMC-SD only.
+        acceptance: exact SD only (accepted / drafted tokens).
+        message: why an output is empty, if it is.
+    """
+
+    text: str
+    token_ids: list[int]
+    method: str
+    stats: RunStats
+    log_z: float | None = None
+    n_resamples: int | None = None
+    mean_ess: float | None = None
+    acceptance: float | None = None
+    particles: list[ParticleOut] = field(default_factory=list)
+    message: str = ""
+
+
+class SMCSD:
+    """A target and a draft model sharing a tokenizer, with batched backends.
+
+    Args:
+        target, draft: loaded models (see ``smcsd_ppl.models``).
+        chat: wrap text prompts in the tokenizer's chat template when it has one.
+        max_cache_bytes: KV-cache budget of each backend.
+    """
+
+    def __init__(
+        self,
+        target: LoadedModel,
+        draft: LoadedModel,
+        *,
+        chat: bool = True,
+        max_cache_bytes: int = DEFAULT_CACHE_BUDGET,
+    ) -> None:
+        if draft.tokenizer is not target.tokenizer and draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
+            raise ValueError(
+                f"draft {draft.name!r} and target {target.name!r} use different tokenizers; "
+                "SMC-SD and speculative sampling need the same vocabulary"
+            )
+        self.target, self.draft, self.chat = target, draft, chat
+        self.tokenizer = target.tokenizer
+        self.target_lm = HFBatchedLM(target.model, max_cache_bytes=max_cache_bytes, name="target")
+        self.draft_lm = HFBatchedLM(draft.model, max_cache_bytes=max_cache_bytes, name="draft")
+        self.eos_token_ids = _eos_ids(target)
+
+    @classmethod
+    def load(
+        cls,
+        target: str | None = None,
+        draft: str | None = None,
+        *,
+        device: str = "cpu",
+        dtype: str = "bfloat16",
+        **kwargs,
+    ) -> SMCSD:
+        """Load models by name: hub id, local path, ``None`` for the embedded default.
+
+        ``draft`` may also be ``"layers:N"``, the target's first N layers (a weak draft).
+        """
+        t = load_model(target, device=device, dtype=dtype)
+        return cls(t, resolve_draft(draft, t, device=device, dtype=dtype), **kwargs)
+
+    def encode(self, prompt: str) -> list[int]:
+        """Token ids of a text prompt (chat template applied for instruct models)."""
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ValueError("the prompt is empty: give some text to continue")
+        if self.chat and getattr(self.tokenizer, "chat_template", None):
+            ids = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+            )
+            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        else:
+            ids = self.tokenizer(prompt)["input_ids"]
+        return [int(t) for t in ids]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def engine(self, config: SMCConfig) -> BlockEngine:
+        """A block engine over this pair's backends, for custom loops."""
+        return BlockEngine(self.target_lm, self.draft_lm, self._eos(config), config)
+
+    def _eos(self, config: SMCConfig) -> list[int]:
+        return [] if config.ignore_eos else self.eos_token_ids
+
+    def generate(
+        self,
+        prompts: str | Sequence[str],
+        *,
+        method: str = "smcsd",
+        config: SMCConfig | None = None,
+        on_progress: Callable[[int], None] | None = None,
+    ) -> Generation | list[Generation]:
+        """Generate a continuation of each prompt, all prompts batched.
+
+        Args:
+            prompts: one text or a list of texts.
+            method: ``"smcsd"`` (default), ``"sd"`` (exact speculative sampling) or ``"ar"``.
+            config: settings (``SMCConfig``); SD uses K, T_d, T_t; AR uses T_t.
+            on_progress: called with the length of the longest output so far.
+        """
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        config = config or SMCConfig()
+        single = isinstance(prompts, str)
+        texts = [prompts] if single else list(prompts)
+        ids = [self.encode(p) for p in texts]
+        if method == "smcsd":
+            outs = self._smcsd([SMCSDModel(i) for i in ids], config, on_progress)
+        else:
+            outs = self._baseline(method, ids, config, on_progress)
+        return outs[0] if single else outs
+
+    def run(
+        self,
+        programs: Sequence[SMCSDModel],
+        config: SMCConfig | None = None,
+        on_cycle: Callable[[CycleInfo], None] | None = None,
+    ) -> list[Generation]:
+        """Run user programs (``SMCSDModel`` subclasses), one request each, in one batch."""
+        return self._smcsd(list(programs), config or SMCConfig(), None, on_cycle)
+
+    def _smcsd(self, programs, config, on_progress, on_cycle=None) -> list[Generation]:
+        def report(info: CycleInfo) -> None:
+            if on_progress is not None:
+                on_progress(info.tokens)
+            if on_cycle is not None:
+                on_cycle(info)
+
+        start = self._start_clock()
+        results = run_smc_sd(programs, self.engine(config), encode=self.encode, decode=self.decode, on_cycle=report)
+        stats = self._stats("smcsd", start, sum(len(r.token_ids) for r in results))
+        return [_from_smc(r, stats) for r in results]
+
+    def _baseline(self, method, ids, config, on_progress) -> list[Generation]:
+        start = self._start_clock()
+        if method == "ar":
+            g = torch.Generator(device=self.target_lm.device).manual_seed(config.seed)
+            run = autoregressive(
+                self.target_lm, ids, eos_token_ids=self._eos(config), max_new_tokens=config.max_new_tokens,
+                temperature=config.target_temperature, g=g, on_step=on_progress,
+            )
+            acceptance = None
+        else:
+            run = speculative_sampling(self.engine(config), ids, on_step=on_progress)
+            acceptance = run.acceptance
+        stats = self._stats(method, start, sum(len(t) for t in run.token_ids))
+        return [Generation(self.decode(t), t, method, stats, acceptance=acceptance) for t in run.token_ids]
+
+    def _start_clock(self) -> float:
+        self.target_lm.stats.reset()
+        self.draft_lm.stats.reset()
+        return time.perf_counter()
+
+    def _stats(self, method: str, start: float, new_tokens: int) -> RunStats:
+        if self.target_lm.device.type == "cuda":
+            torch.cuda.synchronize(self.target_lm.device)
+        t, d = self.target_lm.stats, self.draft_lm.stats
+        return RunStats(method, new_tokens, time.perf_counter() - start, t.calls, d.calls, t.seconds, d.seconds)
+
+
+def _from_smc(r: SMCResult, stats: RunStats) -> Generation:
+    mean_ess = statistics.fmean(r.ess_trace) if r.ess_trace else None
+    return Generation(
+        r.text, r.token_ids, "smcsd", stats, log_z=r.log_z, n_resamples=r.n_resamples,
+        mean_ess=mean_ess, particles=r.particles, message=r.message,
+    )
+
+
+def _eos_ids(model: LoadedModel) -> list[int]:
+    """End-of-sequence ids from the tokenizer and the generation config."""
+    ids = {model.tokenizer.eos_token_id}
+    gen = getattr(model.model, "generation_config", None)
+    extra = getattr(gen, "eos_token_id", None)
+    ids |= set(extra) if isinstance(extra, (list, tuple)) else {extra}
+    ids.discard(None)
+    if not ids:
+        raise ValueError(f"model {model.name!r} defines no EOS token")
+    return sorted(int(i) for i in ids)
