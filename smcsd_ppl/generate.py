@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import torch
 
@@ -39,15 +39,20 @@ class RunStats:
 
     @property
     def tokens_per_second(self) -> float:
+        """New tokens per wall-clock second."""
         return self.new_tokens / self.seconds if self.seconds else 0.0
 
     @property
     def tokens_per_target_call(self) -> float:
+        """New tokens per target forward (prefill included)."""
         return self.new_tokens / max(1, self.target_calls)
 
     @property
     def overhead_fraction(self) -> float:
-        return max(0.0, 1.0 - (self.target_seconds + self.draft_seconds) / self.seconds) if self.seconds else 0.0
+        """Share of wall time outside model forwards."""
+        return (
+            max(0.0, 1.0 - (self.target_seconds + self.draft_seconds) / self.seconds) if self.seconds else 0.0
+        )
 
 
 @dataclass
@@ -92,7 +97,10 @@ class SMCSD:
         chat: bool = True,
         max_cache_bytes: int = DEFAULT_CACHE_BUDGET,
     ) -> None:
-        if draft.tokenizer is not target.tokenizer and draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
+        if (
+            draft.tokenizer is not target.tokenizer
+            and draft.tokenizer.get_vocab() != target.tokenizer.get_vocab()
+        ):
             raise ValueError(
                 f"draft {draft.name!r} and target {target.name!r} use different tokenizers; "
                 "SMC-SD and speculative sampling need the same vocabulary"
@@ -134,6 +142,7 @@ class SMCSD:
         return [int(t) for t in ids]
 
     def decode(self, ids: Sequence[int]) -> str:
+        """Text of token ids (special tokens dropped)."""
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
     def engine(self, config: SMCConfig) -> BlockEngine:
@@ -188,7 +197,9 @@ class SMCSD:
                 on_cycle(info)
 
         start = self._start_clock()
-        results = run_smc_sd(programs, self.engine(config), encode=self.encode, decode=self.decode, on_cycle=report)
+        results = run_smc_sd(
+            programs, self.engine(config), encode=self.encode, decode=self.decode, on_cycle=report
+        )
         stats = self._stats("smcsd", start, sum(len(r.token_ids) for r in results))
         return [_from_smc(r, stats) for r in results]
 
@@ -197,8 +208,13 @@ class SMCSD:
         if method == "ar":
             g = torch.Generator(device=self.target_lm.device).manual_seed(config.seed)
             run = autoregressive(
-                self.target_lm, ids, eos_token_ids=self._eos(config), max_new_tokens=config.max_new_tokens,
-                temperature=config.target_temperature, g=g, on_step=on_progress,
+                self.target_lm,
+                ids,
+                eos_token_ids=self._eos(config),
+                max_new_tokens=config.max_new_tokens,
+                temperature=config.target_temperature,
+                g=g,
+                on_step=on_progress,
             )
             acceptance = None
         else:
@@ -216,14 +232,23 @@ class SMCSD:
         if self.target_lm.device.type == "cuda":
             torch.cuda.synchronize(self.target_lm.device)
         t, d = self.target_lm.stats, self.draft_lm.stats
-        return RunStats(method, new_tokens, time.perf_counter() - start, t.calls, d.calls, t.seconds, d.seconds)
+        return RunStats(
+            method, new_tokens, time.perf_counter() - start, t.calls, d.calls, t.seconds, d.seconds
+        )
 
 
 def _from_smc(r: SMCResult, stats: RunStats) -> Generation:
     mean_ess = statistics.fmean(r.ess_trace) if r.ess_trace else None
     return Generation(
-        r.text, r.token_ids, "smcsd", stats, log_z=r.log_z, n_resamples=r.n_resamples,
-        mean_ess=mean_ess, particles=r.particles, message=r.message,
+        r.text,
+        r.token_ids,
+        "smcsd",
+        stats,
+        log_z=r.log_z,
+        n_resamples=r.n_resamples,
+        mean_ess=mean_ess,
+        particles=r.particles,
+        message=r.message,
     )
 
 

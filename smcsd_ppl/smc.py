@@ -8,7 +8,7 @@ residual resampling are one inverse-CDF lookup of differently drawn uniforms.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

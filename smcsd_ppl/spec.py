@@ -31,7 +31,7 @@ def pick(table: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def power_log_normalizer(logits: torch.Tensor, temperature: float, alpha: float) -> torch.Tensor:
-    """log sum_v p_T(v)^alpha for ``[..., V]`` logits (0 when alpha = 1).
+    """Log sum_v p_T(v)^alpha for ``[..., V]`` logits (0 when alpha = 1).
 
     This is the weight of a token drawn from the normalized power p_T^alpha / Z.
     """

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from .baselines.hf import hf_generate
 from .config import SMCConfig
@@ -52,13 +52,19 @@ def compare_speed(
                 cfg = dataclasses.replace(config, seed=config.seed + rep)
                 if method == "hf_generate":
                     ids, secs = hf_generate(
-                        pair.target.model, pair.encode(prompt), max_new_tokens=cfg.max_new_tokens,
-                        temperature=cfg.target_temperature, seed=cfg.seed, exact_length=True,
+                        pair.target.model,
+                        pair.encode(prompt),
+                        max_new_tokens=cfg.max_new_tokens,
+                        temperature=cfg.target_temperature,
+                        seed=cfg.seed,
+                        exact_length=True,
                     )
                     samples[method].append((len(ids) / secs, 1.0, float("nan")))
                 else:
                     s = pair.generate(prompt, method=method, config=cfg).stats
-                    samples[method].append((s.tokens_per_second, s.tokens_per_target_call, s.overhead_fraction))
+                    samples[method].append(
+                        (s.tokens_per_second, s.tokens_per_target_call, s.overhead_fraction)
+                    )
                 if on_run is not None:
                     on_run(method)
     ar = statistics.median(t for t, _, _ in samples["ar"]) if "ar" in samples else float("nan")
@@ -67,8 +73,12 @@ def compare_speed(
         tps = statistics.median(t for t, _, _ in runs)
         rows.append(
             SpeedRow(
-                method, tps, tps / ar, statistics.median(c for _, c, _ in runs),
-                statistics.median(o for _, _, o in runs), len(runs),
+                method,
+                tps,
+                tps / ar,
+                statistics.median(c for _, c, _ in runs),
+                statistics.median(o for _, _, o in runs),
+                len(runs),
             )
         )
     return rows

@@ -10,8 +10,9 @@ logical lengths share one rectangular cache.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -25,6 +26,7 @@ class ForwardStats:
     tokens: int = 0  # rows x new positions fed, holes included
 
     def reset(self) -> None:
+        """Zero the counters."""
         self.calls, self.seconds, self.tokens = 0, 0.0, 0
 
 
@@ -65,6 +67,7 @@ class RowMask:
 
     @property
     def length(self) -> int:
+        """Physical columns per row."""
         return self.valid.shape[1]
 
     def new_positions(self, valid_new: torch.Tensor) -> torch.Tensor:
@@ -73,10 +76,12 @@ class RowMask:
         return self.n_real[:, None] + before
 
     def append(self, valid_new: torch.Tensor) -> None:
+        """Record appended positions ``[R, T]``."""
         self.valid = torch.cat([self.valid, valid_new], 1)
         self.n_real = self.n_real + valid_new.sum(1)
 
     def gather(self, rows: torch.Tensor) -> None:
+        """Keep ``rows`` in this order."""
         self.valid = self.valid.index_select(0, rows)
         self.n_real = self.n_real.index_select(0, rows)
 
@@ -99,6 +104,7 @@ class RowMask:
         return self.length if real_cols.numel() == 0 else self.length - 1 - int(real_cols[-1])
 
     def crop(self, n: int) -> None:
+        """Remove the last ``n`` physical columns."""
         if n:
             self.valid = self.valid[:, : self.length - n]
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -45,9 +45,11 @@ class HFBatchedLM:
 
     @property
     def n_rows(self) -> int:
+        """Rows currently held."""
         return self.rows.valid.shape[0]
 
     def prefill(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Start afresh with one row per prompt (left-padded); next-token logits ``[B, V]``."""
         check_prompts(prompts, self.max_length)
         width = max(len(p) for p in prompts)
         ids = torch.zeros(len(prompts), width, dtype=torch.long, device=self.device)
@@ -60,6 +62,7 @@ class HFBatchedLM:
         return self._forward(ids, valid, last_only=True)[:, -1]
 
     def extend(self, tokens: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """Append ``tokens [R, T]`` in one forward; logits ``[R, T, V]`` (float32)."""
         if self.cache is None:
             raise ValueError(f"{self.name}: extend() before prefill()")
         if tokens.dim() != 2 or tokens.shape[0] != self.n_rows:
@@ -69,6 +72,7 @@ class HFBatchedLM:
         return self._forward(tokens.to(self.device), valid.to(self.device), last_only=False)
 
     def fork(self, rows: torch.Tensor) -> None:
+        """Keep rows ``rows [R']`` in order: one ``index_select`` per cache tensor."""
         rows = rows.to(self.device)
         if rows.numel() == 0:
             raise ValueError(f"{self.name}: fork() needs at least one row")
@@ -77,6 +81,7 @@ class HFBatchedLM:
         self._crop_holes()
 
     def drop_tail(self, n: torch.Tensor) -> None:
+        """Turn the last ``n[r]`` real positions of each row into holes."""
         self.rows.drop_tail(n.to(self.device))
         self._crop_holes()
 
@@ -102,7 +107,8 @@ class HFBatchedLM:
         if cache_bytes > self.max_cache_bytes:
             raise ValueError(
                 f"{self.name}: KV cache would need {cache_bytes / 2**30:.2f} GiB for {r} rows x "
-                f"{self.rows.length + t} positions, over the budget of {self.max_cache_bytes / 2**30:.2f} GiB; "
+                f"{self.rows.length + t} positions, over the budget of "
+                f"{self.max_cache_bytes / 2**30:.2f} GiB; "
                 "use fewer particles or tokens, or raise max_cache_bytes"
             )
         positions = self.rows.new_positions(valid)

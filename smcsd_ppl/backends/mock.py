@@ -6,7 +6,7 @@ fixed table, so the probability of any sequence can be enumerated exactly.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -49,6 +49,7 @@ class MockLM:
 
     @property
     def n_rows(self) -> int:
+        """Rows currently held."""
         return self.history.shape[0]
 
     def next_logits(self, context: Sequence[int]) -> torch.Tensor:
@@ -57,6 +58,7 @@ class MockLM:
         return self.table[tuple(last)] if self.order else self.table
 
     def prefill(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Start afresh with one row per prompt; next-token logits ``[B, V]``."""
         check_prompts(prompts, self.max_length)
         width = max(len(p) for p in prompts)
         ids = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -69,15 +71,18 @@ class MockLM:
         return self._forward(ids, valid)[:, -1]
 
     def extend(self, tokens: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """Append ``tokens [R, T]``; logits ``[R, T, V]``."""
         if tokens.dim() != 2 or tokens.shape[0] != self.n_rows:
             raise ValueError(f"tokens must be [{self.n_rows}, T], got {list(tokens.shape)}")
         return self._forward(tokens, torch.ones_like(tokens, dtype=torch.bool) if valid is None else valid)
 
     def fork(self, rows: torch.Tensor) -> None:
+        """Keep rows ``rows [R']`` in order."""
         self.history = self.history.index_select(0, rows)
         self.rows.gather(rows)
 
     def drop_tail(self, n: torch.Tensor) -> None:
+        """Turn the last ``n[r]`` real positions of each row into holes."""
         self.rows.drop_tail(n)
 
     def _forward(self, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 
@@ -22,6 +22,7 @@ class SpeculativeRun:
 
     @property
     def acceptance(self) -> float:
+        """Accepted / drafted tokens."""
         return self.accepted / max(1, self.drafted)
 
 

@@ -7,14 +7,14 @@ and the run's random generator. Particles only hold their row index.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from ..backends.base import BatchedLM
 from ..config import SMCConfig
-from ..spec import pick, power_log_normalizer, sample_probs, sample_tokens
+from ..spec import block_log_weights, pick, power_log_normalizer, sample_probs, sample_tokens
 
 
 @dataclass
@@ -30,7 +30,13 @@ class DraftedBlock:
 
     @property
     def kept_tokens(self) -> list[int]:
+        """The drafted tokens that count."""
         return self.tokens[: self.kept]
+
+    @property
+    def log_q(self) -> float:
+        """Log q of the kept tokens (the proposal's density of this block)."""
+        return float(self.draft_logq[: self.kept].sum())
 
 
 @dataclass
@@ -41,7 +47,7 @@ class ScoredBlock:
     target_logp: torch.Tensor  # [K] alpha-free log p_T(d_j | .)
     bonus: int | None  # token drawn from the target after the kept prefix
     bonus_log_z: float  # log sum_v p_T(v)^alpha at the bonus position (0 if alpha = 1)
-    log_weight: float = field(default=0.0)  # alpha * sum log p over kept + bonus_log_z
+    log_weight: float  # the SMC-SD increment: sum over kept of (alpha log p - log q) + bonus_log_z
 
 
 def pad_left(seqs: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,6 +81,7 @@ class BlockEngine:
 
     @property
     def n_rows(self) -> int:
+        """Rows held by the backends."""
         return len(self.target_pending)
 
     def start(self, prompts: Sequence[Sequence[int]], copies: int) -> tuple[list[int], list[float]]:
@@ -157,17 +164,23 @@ class BlockEngine:
         kept = torch.tensor([b.kept for b in blocks], device=self.device)
         at_bonus = logits[torch.arange(len(blocks), device=self.device), kept]  # [n, V]
         bonus = sample_tokens(c.alpha * at_bonus, 1.0, self.g).tolist()
-        bonus_log_z = power_log_normalizer(at_bonus, 1.0, c.alpha).tolist()
-        out, nexts = [], []
-        for i, b in enumerate(blocks):
-            nxt = None if b.stops else bonus[i]
-            lw = c.alpha * float(token_logp[i, : b.kept].sum()) + (0.0 if nxt is None else bonus_log_z[i])
-            out.append(ScoredBlock(b, token_logp[i], nxt, bonus_log_z[i], lw))
-            nexts.append(nxt)
+        bonus_log_z = power_log_normalizer(at_bonus, 1.0, c.alpha).cpu()
+        has_bonus = torch.tensor([not b.stops for b in blocks])
+        draft_logq = torch.stack([b.draft_logq for b in blocks])
+        log_w = block_log_weights(
+            token_logp, draft_logq, kept.cpu(), bonus_log_z, has_bonus, c.alpha
+        ).tolist()
+        nexts = [bonus[i] if has_bonus[i] else None for i in range(len(blocks))]
+        out = [
+            ScoredBlock(b, token_logp[i], nexts[i], float(bonus_log_z[i]), log_w[i])
+            for i, b in enumerate(blocks)
+        ]
         self.commit(blocks, [b.kept for b in blocks], nexts)
         return out
 
-    def commit(self, blocks: Sequence[DraftedBlock], kept: Sequence[int], nexts: Sequence[int | None]) -> None:
+    def commit(
+        self, blocks: Sequence[DraftedBlock], kept: Sequence[int], nexts: Sequence[int | None]
+    ) -> None:
         """Keep ``kept[i]`` drafted tokens of each block, queue the next token, hole out the rest.
 
         After a forward the target holds [pending, d_1..d_K] and the draft [pending,

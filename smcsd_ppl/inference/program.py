@@ -14,8 +14,9 @@ Particles are light: their KV state lives in row ``self.row`` of the batched bac
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from llamppl import Model
 from llamppl.distributions import Distribution
@@ -37,15 +38,18 @@ class CycleBarrier:
         self.pending: list[tuple[str, Any, asyncio.Future]] = []
 
     def open(self, n_active: int) -> None:
+        """Start a cycle with ``n_active`` stepping particles."""
         self.active, self.pending = n_active, []
 
     async def submit(self, kind: str, item: Any) -> Any:
+        """Queue a request; resolves when its batch has run."""
         future = asyncio.get_running_loop().create_future()
         self.pending.append((kind, item, future))
         self._maybe_flush()
         return await future
 
     def leave(self) -> None:
+        """A particle finished its step (it will ask for nothing more this cycle)."""
         self.active -= 1
         self._maybe_flush()
 
@@ -97,6 +101,7 @@ class SMCSDModel(Model):
         self.runtime: Runtime | None = None
 
     def immutable_properties(self) -> set[str]:
+        """Attributes shared, not copied, on resampling."""
         return {"prompt", "runtime"}
 
     def __deepcopy__(self, memo: dict) -> SMCSDModel:
@@ -150,14 +155,16 @@ class DraftBlock(Distribution):
         self.particle = particle
 
     async def sample(self) -> tuple[DraftedBlock, float]:
+        """Draft a block; returns it with its log q."""
         if self.particle.finished:
             raise ValueError("a finished particle cannot draft")
         p = self.particle
         block = await p.runtime.barrier.submit("draft", (p.row, p.budget))
-        return block, float(block.draft_logq[: block.kept].sum())
+        return block, block.log_q
 
     async def log_prob(self, block: DraftedBlock) -> float:
-        return float(block.draft_logq[: block.kept].sum())
+        """Log q of the block."""
+        return block.log_q
 
 
 class TargetBlock(Distribution):
@@ -172,10 +179,12 @@ class TargetBlock(Distribution):
         self.particle = particle
 
     async def log_prob(self, block: DraftedBlock) -> float:
+        """Score the block with the target (batched); commits it and its bonus token."""
         p = self.particle
         scored: ScoredBlock = await p.runtime.barrier.submit("target", block)
         p.token_ids.extend(block.kept_tokens)
         if scored.bonus is not None:
             p.token_ids.append(scored.bonus)
         p.last_block = scored
-        return scored.log_weight
+        # LLaMPPL's sample() subtracts log q itself; hand back the potential's part.
+        return scored.log_weight + block.log_q

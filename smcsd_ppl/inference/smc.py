@@ -5,9 +5,8 @@ from __future__ import annotations
 import asyncio
 import copy
 import math
-import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import torch
 
