@@ -174,6 +174,7 @@ class SMCSD:
         single = isinstance(prompts, str)
         texts = [prompts] if single else list(prompts)
         ids = [self.encode(p) for p in texts]
+        self._check_fits(ids, config, rows_per_prompt=config.n_particles if method == "smcsd" else 1)
         if method == "smcsd":
             outs = self._smcsd([SMCSDModel(i) for i in ids], config, on_progress)
         else:
@@ -222,6 +223,24 @@ class SMCSD:
             acceptance = run.acceptance
         stats = self._stats(method, start, sum(len(t) for t in run.token_ids))
         return [Generation(self.decode(t), t, method, stats, acceptance=acceptance) for t in run.token_ids]
+
+    def _check_fits(self, ids: list[list[int]], config: SMCConfig, rows_per_prompt: int) -> None:
+        """Refuse up front what would fail mid-generation (context length, KV budget)."""
+        longest = max(len(i) for i in ids) + config.max_new_tokens + config.block_size + 1
+        limit = min(self.target_lm.max_length, self.draft_lm.max_length)
+        if longest > limit:
+            raise ValueError(
+                f"prompt ({max(len(i) for i in ids)} tokens) + max_new_tokens ({config.max_new_tokens}) + "
+                f"block ({config.block_size}) exceeds the model context of {limit} tokens"
+            )
+        rows = len(ids) * rows_per_prompt
+        for lm in (self.target_lm, self.draft_lm):
+            need = lm.bytes_per_token * rows * longest
+            if need > lm.max_cache_bytes:
+                raise ValueError(
+                    f"{lm.name} KV cache for {rows} rows x {longest} positions needs {need / 2**30:.2f} GiB, "
+                    f"over the budget of {lm.max_cache_bytes / 2**30:.2f} GiB (max_cache_bytes)"
+                )
 
     def _start_clock(self) -> float:
         self.target_lm.stats.reset()

@@ -103,6 +103,21 @@ class RowMask:
         real_cols = torch.nonzero(any_real)
         return self.length if real_cols.numel() == 0 else self.length - 1 - int(real_cols[-1])
 
+    def wasteful(self) -> bool:
+        """Holes take more than half the columns (SD rows that rejected different amounts)."""
+        return self.length > 2 * int(self.n_real.max()) + 16
+
+    def compaction(self) -> torch.Tensor:
+        """Column index ``[R, L']`` moving each row's real positions to the front, in order.
+
+        The mask becomes the matching one (holes only at row ends); callers gather
+        their per-position state (KV cache, token history) with the returned index.
+        """
+        width = int(self.n_real.max())
+        order = torch.argsort((~self.valid).to(torch.uint8), dim=1, stable=True)[:, :width]
+        self.valid = torch.arange(width, device=self.valid.device)[None, :] < self.n_real[:, None]
+        return order
+
     def crop(self, n: int) -> None:
         """Remove the last ``n`` physical columns."""
         if n:

@@ -86,6 +86,9 @@ class HFBatchedLM:
         self._crop_holes()
 
     def _crop_holes(self) -> None:
+        if self.rows.wasteful():  # gather real positions to the front, per row
+            index = self.rows.compaction()
+            self._map_cache(lambda t: t.gather(2, index[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])))
         n = self.rows.trailing_holes()
         if n:
             self.rows.crop(n)

@@ -84,6 +84,8 @@ class MockLM:
     def drop_tail(self, n: torch.Tensor) -> None:
         """Turn the last ``n[r]`` real positions of each row into holes."""
         self.rows.drop_tail(n)
+        if self.rows.wasteful():
+            self.history = self.history.gather(1, self.rows.compaction())
 
     def _forward(self, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         if int(self.rows.n_real.max()) + ids.shape[1] > self.max_length:

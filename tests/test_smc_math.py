@@ -1,0 +1,107 @@
+"""Pure SMC and verification math: ESS, resampling schemes, weights, speculative acceptance."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from smcsd_ppl import smc
+from smcsd_ppl.spec import block_log_weights, power_log_normalizer, sample_probs, speculative_accept
+
+
+def test_ess_extremes_and_dead_particles():
+    assert smc.ess(torch.zeros(8)) == pytest.approx(8.0)
+    assert smc.ess(torch.tensor([0.0, -math.inf, -math.inf])) == pytest.approx(1.0)
+    assert smc.ess(torch.full((4,), -math.inf)) == pytest.approx(4.0)  # all dead: uniform, no NaN
+    assert smc.normalize(torch.tensor([float("nan"), 0.0])).tolist() == [0.0, 1.0]
+
+
+def test_positive_infinite_weight_is_a_bug():
+    with pytest.raises(ValueError, match=r"\+inf"):
+        smc.normalize(torch.tensor([0.0, math.inf]))
+
+
+def test_log_mean_exp():
+    assert smc.log_mean_exp(torch.log(torch.tensor([1.0, 3.0]))) == pytest.approx(math.log(2.0))
+
+
+@pytest.mark.parametrize("scheme", list(smc.RESAMPLERS))
+def test_resampling_matches_weighted_means(scheme):
+    g = torch.Generator().manual_seed(0)
+    w = torch.tensor([0.5, 0.0, 0.2, 0.3])
+    f = torch.tensor([1.0, 100.0, -2.0, 4.0])
+    counts = torch.zeros(4)
+    reps = 4000
+    for _ in range(reps):
+        a = smc.RESAMPLERS[scheme](w, g)
+        assert a.shape == (4,) and a.dtype == torch.long
+        assert not (a == 1).any()  # zero weight is never chosen
+        counts += torch.bincount(a, minlength=4)
+    freq = counts / counts.sum()
+    assert torch.allclose(freq, w, atol=0.015)
+    assert float((freq * f).sum()) == pytest.approx(float((w * f).sum()), abs=0.08)
+
+
+@pytest.mark.parametrize("scheme", ["systematic", "stratified", "residual"])
+def test_low_variance_schemes_keep_deterministic_copies(scheme):
+    # N * W_i = 2 exactly: systematic, stratified and residual must each give exactly 2 copies.
+    g = torch.Generator().manual_seed(1)
+    a = smc.RESAMPLERS[scheme](torch.tensor([0.5, 0.5, 0.0, 0.0]), g)
+    assert torch.bincount(a, minlength=4).tolist() == [2, 2, 0, 0]
+
+
+def test_float32_cumsum_below_one_never_indexes_out_of_range():
+    g = torch.Generator().manual_seed(2)
+    w = torch.full((1000,), 1.0 / 1000, dtype=torch.float32) * 0.9999  # sums to < 1
+    for scheme, fn in smc.RESAMPLERS.items():
+        a = fn(w / w.sum(), g)
+        assert int(a.max()) < 1000 and int(a.min()) >= 0, scheme
+
+
+def test_unknown_scheme():
+    with pytest.raises(ValueError, match="resampling"):
+        smc.resample(torch.zeros(3), "bogus", torch.Generator())
+
+
+def test_block_log_weights_masks_after_cut_and_adds_bonus():
+    logp = torch.log(torch.tensor([[0.5, 0.25, 0.5], [0.5, 0.5, 0.5]]))
+    logq = torch.log(torch.tensor([[0.25, 0.5, 0.1], [0.5, 0.5, 0.5]]))
+    kept = torch.tensor([2, 3])
+    lw = block_log_weights(logp, logq, kept, torch.tensor([0.3, 0.7]), torch.tensor([True, False]), 1.0)
+    assert lw[0].item() == pytest.approx(math.log(2.0) + math.log(0.5) + 0.3)
+    assert lw[1].item() == pytest.approx(0.0)
+    lw2 = block_log_weights(logp, logq, kept, torch.zeros(2), torch.tensor([False, False]), 2.0)
+    assert lw2[0].item() == pytest.approx(2 * math.log(0.125) - math.log(0.125))
+
+
+def test_power_log_normalizer():
+    logits = torch.log(torch.tensor([[0.2, 0.3, 0.5]]))
+    assert power_log_normalizer(logits, 1.0, 1.0).item() == 0.0
+    expect = math.log(0.2**2 + 0.3**2 + 0.5**2)
+    assert power_log_normalizer(logits, 1.0, 2.0).item() == pytest.approx(expect, rel=1e-5)
+
+
+def test_sample_probs_frequencies():
+    g = torch.Generator().manual_seed(3)
+    p = torch.tensor([[0.1, 0.0, 0.6, 0.3]]).repeat(20000, 1)
+    freq = torch.bincount(sample_probs(p, g), minlength=4).float() / 20000
+    assert freq[1] == 0
+    assert torch.allclose(freq, p[0], atol=0.015)
+
+
+def test_speculative_accept_single_position_is_exact():
+    # One drafted position over V=3: the emitted token must be distributed as p exactly.
+    g = torch.Generator().manual_seed(4)
+    p = torch.tensor([0.6, 0.3, 0.1])
+    q = torch.tensor([0.2, 0.2, 0.6])
+    n = 40000
+    drafts = torch.multinomial(q, n, replacement=True, generator=g)[:, None]
+    target_probs = p.expand(n, 2, 3).clone()
+    n_acc, nxt = speculative_accept(target_probs, q.expand(n, 1, 3).clone(), drafts, g)
+    emitted = torch.where(n_acc == 1, drafts[:, 0], nxt)
+    freq = torch.bincount(emitted, minlength=3).float() / n
+    assert torch.allclose(freq, p, atol=0.01)
+    accept_rate = (n_acc == 1).float().mean().item()
+    assert accept_rate == pytest.approx(float(torch.minimum(p, q).sum()), abs=0.01)
