@@ -130,7 +130,12 @@ class SMCSD:
 
     def encode(self, prompt: str) -> list[int]:
         """Token ids of a text prompt (chat template applied for instruct models)."""
-        if not isinstance(prompt, str) or not prompt.strip():
+        if not isinstance(prompt, str):
+            raise ValueError(
+                f"prompts must be text (str), got {type(prompt).__name__}; "
+                "for token ids use SMCSD.run([SMCSDModel(ids)])"
+            )
+        if not prompt.strip():
             raise ValueError("the prompt is empty: give some text to continue")
         if self.chat and getattr(self.tokenizer, "chat_template", None):
             ids = self.tokenizer.apply_chat_template(
@@ -174,7 +179,7 @@ class SMCSD:
         single = isinstance(prompts, str)
         texts = [prompts] if single else list(prompts)
         ids = [self.encode(p) for p in texts]
-        self._check_fits(ids, config, rows_per_prompt=config.n_particles if method == "smcsd" else 1)
+        self._check_fits(ids, config, method)
         if method == "smcsd":
             outs = self._smcsd([SMCSDModel(i) for i in ids], config, on_progress)
         else:
@@ -224,17 +229,22 @@ class SMCSD:
         stats = self._stats(method, start, sum(len(t) for t in run.token_ids))
         return [Generation(self.decode(t), t, method, stats, acceptance=acceptance) for t in run.token_ids]
 
-    def _check_fits(self, ids: list[list[int]], config: SMCConfig, rows_per_prompt: int) -> None:
+    def _check_fits(self, ids: list[list[int]], config: SMCConfig, method: str) -> None:
         """Refuse up front what would fail mid-generation (context length, KV budget)."""
-        longest = max(len(i) for i in ids) + config.max_new_tokens + config.block_size + 1
-        limit = min(self.target_lm.max_length, self.draft_lm.max_length)
+        prompt = max(len(i) for i in ids)
+        if method == "ar":  # the last sampled token is never fed
+            longest, extra, lms = prompt + config.max_new_tokens - 1, "", [self.target_lm]
+        else:  # a block may be drafted past the budget, then the bonus
+            longest = prompt + config.max_new_tokens + config.block_size + 1
+            extra, lms = f" + block ({config.block_size}) + 1", [self.target_lm, self.draft_lm]
+        limit = min(lm.max_length for lm in lms)
         if longest > limit:
             raise ValueError(
-                f"prompt ({max(len(i) for i in ids)} tokens) + max_new_tokens ({config.max_new_tokens}) + "
-                f"block ({config.block_size}) exceeds the model context of {limit} tokens"
+                f"prompt ({prompt} tokens) + max_new_tokens ({config.max_new_tokens}){extra} "
+                f"exceeds the model context of {limit} tokens"
             )
-        rows = len(ids) * rows_per_prompt
-        for lm in (self.target_lm, self.draft_lm):
+        rows = len(ids) * (config.n_particles if method == "smcsd" else 1)
+        for lm in lms:
             need = lm.bytes_per_token * rows * longest
             if need > lm.max_cache_bytes:
                 raise ValueError(

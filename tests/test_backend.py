@@ -87,7 +87,12 @@ def test_holes_inside_a_block_are_invisible(model):
     lm.prefill(PROMPTS)
     tokens = block(len(PROMPTS), 4, seed=3)
     valid = torch.tensor(
-        [[True, False, True, True], [False, True, False, True], [True, True, True, True], [False, False, True, True]]
+        [
+            [True, False, True, True],
+            [False, True, False, True],
+            [True, True, True, True],
+            [False, False, True, True],
+        ]
     )
     out = lm.extend(tokens, valid)
     more = block(len(PROMPTS), 2, seed=4)
@@ -97,7 +102,9 @@ def test_holes_inside_a_block_are_invisible(model):
         # logits at each real position see only the real tokens before it
         ref = scratch(model, p + real, len(real))
         torch.testing.assert_close(out[i][valid[i]], ref, atol=ATOL, rtol=RTOL)
-        torch.testing.assert_close(nxt[i], scratch(model, p + real + more[i].tolist(), 2), atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(
+            nxt[i], scratch(model, p + real + more[i].tolist(), 2), atol=ATOL, rtol=RTOL
+        )
     assert lm.rows.n_real.tolist() == [len(p) + int(v.sum()) + 2 for p, v in zip(PROMPTS, valid)]
 
 
@@ -136,6 +143,32 @@ def test_trailing_holes_are_cropped_from_the_cache(model):
     lm.drop_tail(torch.zeros(len(PROMPTS), dtype=torch.long))
     assert lm.rows.length == width + 2
     assert all(layer.keys.shape[2] == width + 2 for layer in lm.cache.layers)
+
+
+def test_compaction_on_fork_keeps_logits_exact(model):
+    # Mostly-hole blocks make the cache wasteful; the next fork squeezes each row's holes out.
+    lm = HFBatchedLM(model)
+    lm.prefill(PROMPTS)
+    t = 40
+    tokens = block(len(PROMPTS), t, seed=10)
+    valid = torch.zeros(len(PROMPTS), t, dtype=torch.bool)
+    keep = {0: [3, 39], 1: [0, 1, 2, 20], 2: [38], 3: [10, 11, 30, 39]}
+    for r, cols in keep.items():
+        valid[r, cols] = True
+    lm.extend(tokens, valid)
+    assert lm.rows.wasteful()
+    rows = torch.tensor([3, 1, 1, 0, 2])
+    lm.fork(rows)
+    real = [PROMPTS[r] + tokens[r][valid[r]].tolist() for r in range(len(PROMPTS))]
+    longest = max(len(real[r]) for r in rows.tolist())
+    assert lm.rows.length == longest  # holes only at row ends, then cropped
+    assert all(layer.keys.shape[2] == longest for layer in lm.cache.layers)
+    more = block(len(rows), 3, seed=11)
+    holes = torch.tensor([[True, False, True]] * len(rows))
+    out = lm.extend(more, holes)
+    for i, r in enumerate(rows.tolist()):
+        seq = real[r] + more[i][holes[i]].tolist()
+        torch.testing.assert_close(out[i][holes[i]], scratch(model, seq, 2), atol=ATOL, rtol=RTOL)
 
 
 def test_drop_more_than_held_raises(model):

@@ -52,7 +52,11 @@ def smc_runs(runs, alpha=1.0, draft=None, **cfg):
     target, default_draft = models()
     cfg.setdefault("draft_temperature", 1.0)
     eng = engine(target, draft or default_draft, max_new_tokens=H, alpha=alpha, **cfg)
-    return target, run_smc_sd([SMCSDModel(PROMPT) for _ in range(runs)], eng)
+    results = run_smc_sd([SMCSDModel(PROMPT) for _ in range(runs)], eng)
+    support, _ = exact_target(target, PROMPT, H)
+    outside = [p.token_ids for r in results for p in r.particles if tuple(p.token_ids) not in support]
+    assert outside == [], f"outputs the target cannot produce (EOS inside, or over budget): {outside[:5]}"
+    return target, results
 
 
 @pytest.mark.parametrize("alpha", [1.0, 2.0])

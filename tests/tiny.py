@@ -41,7 +41,7 @@ SELECT name, count(*) FROM users WHERE age > 30 GROUP BY name ORDER BY 2 DESC;
 """
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tokenizer(text: str = TEXT, vocab_size: int = 300) -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer trained on ``text`` (every byte encodable)."""
     tok = Tokenizer(models.BPE())
@@ -106,15 +106,27 @@ def llama(
     return model.to(dtype).eval().requires_grad_(False)
 
 
-def pair(*, dtype: torch.dtype = torch.float32, eos_bias: float = 0.0) -> tuple[LoadedModel, LoadedModel]:
-    """A target (3 layers) and a draft (a different random 2-layer model), one tokenizer."""
+def pair(
+    *, dtype: torch.dtype = torch.float32, eos_bias: float = 0.0, draft_eos_bias: float | None = None
+) -> tuple[LoadedModel, LoadedModel]:
+    """A target (3 layers) and a draft (a different random 2-layer model), one tokenizer.
+
+    ``draft_eos_bias`` defaults to ``eos_bias``.
+    """
     tok = tokenizer()
-    target = LoadedModel(llama(seed=0, layers=3, dtype=dtype, eos_bias=eos_bias), tok, "tiny-target", "random init")
-    draft = LoadedModel(llama(seed=1, layers=2, dtype=dtype, eos_bias=eos_bias), tok, "tiny-draft", "random init")
+    draft_eos_bias = eos_bias if draft_eos_bias is None else draft_eos_bias
+    target = LoadedModel(
+        llama(seed=0, layers=3, dtype=dtype, eos_bias=eos_bias), tok, "tiny-target", "random init"
+    )
+    draft = LoadedModel(
+        llama(seed=1, layers=2, dtype=dtype, eos_bias=draft_eos_bias), tok, "tiny-draft", "random init"
+    )
     return target, draft
 
 
 def mismatched_draft() -> LoadedModel:
     """A draft with a tokenizer trained on other text (a different vocabulary)."""
     tok = other_tokenizer()
-    return LoadedModel(llama(len(tok), seed=2, eos_token_id=tok.eos_token_id), tok, "tiny-other", "random init")
+    return LoadedModel(
+        llama(len(tok), seed=2, eos_token_id=tok.eos_token_id), tok, "tiny-other", "random init"
+    )

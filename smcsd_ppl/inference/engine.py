@@ -25,7 +25,8 @@ class DraftedBlock:
     tokens: list[int]  # all K drafted tokens
     draft_logq: torch.Tensor  # [K] log q(d_j | .) at T_d
     kept: int  # tokens that count: an EOS (included) or the budget cuts the rest
-    stops: bool  # the particle finishes with this block (EOS or budget)
+    stops: bool  # the block itself ends the particle (drafted EOS or budget): no bonus
+    budget: int  # tokens the particle could still emit before this block
     draft_probs: torch.Tensor | None = None  # [K, V] q at each drafted position, on request
 
     @property
@@ -46,6 +47,7 @@ class ScoredBlock:
     drafted: DraftedBlock
     target_logp: torch.Tensor  # [K] alpha-free log p_T(d_j | .)
     bonus: int | None  # token drawn from the target after the kept prefix
+    stops: bool  # the particle ends here: the block stopped, the bonus is EOS, or the budget is spent
     bonus_log_z: float  # log sum_v p_T(v)^alpha at the bonus position (0 if alpha = 1)
     log_weight: float  # the SMC-SD increment: sum over kept of (alpha log p - log q) + bonus_log_z
 
@@ -140,7 +142,7 @@ class BlockEngine:
         eos_at = next((j for j, t in enumerate(tokens) if t in self.eos), None)
         kept = min(k if eos_at is None else eos_at + 1, budget)
         stops = (eos_at is not None and eos_at < kept) or kept >= budget
-        return DraftedBlock(row, tokens, logq, kept, stops, probs)
+        return DraftedBlock(row, tokens, logq, kept, stops, budget, probs)
 
     def target_logits(self, blocks: Sequence[DraftedBlock]) -> torch.Tensor:
         """ONE target forward over [pending, d_1..d_K] for all rows -> ``[n, K+1, V]`` / T_t.
@@ -170,11 +172,12 @@ class BlockEngine:
         log_w = block_log_weights(
             token_logp, draft_logq, kept.cpu(), bonus_log_z, has_bonus, c.alpha
         ).tolist()
-        nexts = [bonus[i] if has_bonus[i] else None for i in range(len(blocks))]
-        out = [
-            ScoredBlock(b, token_logp[i], nexts[i], float(bonus_log_z[i]), log_w[i])
-            for i, b in enumerate(blocks)
-        ]
+        out, nexts = [], []
+        for i, b in enumerate(blocks):
+            nxt = bonus[i] if has_bonus[i] else None
+            ends = nxt is None or nxt in self.eos or b.kept + 1 >= b.budget
+            out.append(ScoredBlock(b, token_logp[i], nxt, ends, float(bonus_log_z[i]), log_w[i]))
+            nexts.append(None if ends else nxt)  # an ending row queues nothing and leaves
         self.commit(blocks, [b.kept for b in blocks], nexts)
         return out
 

@@ -119,10 +119,11 @@ class SMCSDModel(Model):
     async def extend(self) -> ScoredBlock:
         """Draft K tokens, score them with the target, weight, and commit them with the bonus.
 
-        Finishes the particle at an EOS token or when ``max_new_tokens`` is reached.
+        Finishes the particle at an EOS token (drafted or bonus) or when
+        ``max_new_tokens`` is reached.
         """
         await self.sample(self.target_block(), proposal=self.draft_block())
-        if self.last_block.drafted.stops or self.budget <= 0:
+        if self.last_block.stops:
             self.finish()
         return self.last_block
 

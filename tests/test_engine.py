@@ -1,0 +1,448 @@
+"""The block engine, the SMC loop and the high-level API on tiny random models.
+
+Random weights say nothing about quality: these tests check forward counts,
+determinism, error messages, output invariants and program semantics.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+
+import pytest
+import tiny
+import torch
+from helpers import EOS, engine
+
+from smcsd_ppl.backends.mock import MockLM
+from smcsd_ppl.config import SMCConfig
+from smcsd_ppl.generate import SMCSD
+from smcsd_ppl.inference.engine import BlockEngine
+from smcsd_ppl.inference.program import SMCSDModel
+from smcsd_ppl.inference.smc import run_smc_sd
+
+PROMPTS = ["The cat sat on", "Once upon a time there was a little girl who", "A"]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny.pair()
+
+
+@pytest.fixture(scope="module")
+def smcsd(pair):
+    return SMCSD(*pair)
+
+
+@pytest.fixture(scope="module")
+def eos_smcsd():
+    """A pair whose EOS is frequent, so particles stop at EOS inside blocks and as bonus tokens."""
+    return SMCSD(*tiny.pair(eos_bias=8.0))
+
+
+def cfg(**kw):
+    base = dict(n_particles=4, block_size=3, max_new_tokens=10, seed=0)
+    return SMCConfig(**(base | kw))
+
+
+# --- forward counting ---
+
+
+def test_one_target_and_k_draft_forwards_per_cycle(smcsd):
+    cycles = []
+    out = smcsd.run([SMCSDModel(p) for p in PROMPTS], cfg(ignore_eos=True), on_cycle=cycles.append)
+    n = len(cycles)
+    assert n == 3  # x0, then 4 tokens per cycle (K=3 + bonus): 1 -> 5 -> 9 -> 10 (budget cut)
+    stats = out[0].stats
+    assert stats.target_calls == 1 + n
+    assert stats.draft_calls == 1 + 3 * n
+    assert smcsd.target_lm.stats.calls == 1 + n and smcsd.draft_lm.stats.calls == 1 + 3 * n
+    for g in out:
+        assert len(g.token_ids) == 10
+        assert all(len(p.token_ids) == 10 for p in g.particles)
+    assert [c.cycle for c in cycles] == [1, 2, 3]
+    assert cycles[-1].live == 0 and cycles[0].live == 12
+
+
+def test_forward_counts_of_the_baselines(smcsd):
+    steps = []
+    sd = smcsd.generate(PROMPTS, method="sd", config=cfg(ignore_eos=True), on_progress=steps.append)
+    assert sd[0].stats.target_calls == 1 + len(steps)
+    assert sd[0].stats.draft_calls == 1 + 3 * len(steps)
+    assert all(len(g.token_ids) == 10 for g in sd)
+    ar = smcsd.generate(PROMPTS, method="ar", config=cfg(ignore_eos=True))
+    assert ar[0].stats.target_calls == 10 and ar[0].stats.draft_calls == 0
+    assert all(len(g.token_ids) == 10 for g in ar)
+
+
+def test_forward_counts_with_the_mock_backend():
+    target, draft = MockLM(5, seed=0), MockLM(5, seed=1)
+    cycles = []
+    config = SMCConfig(n_particles=4, block_size=3, max_new_tokens=10, seed=0)
+    eng = BlockEngine(target, draft, [], config)  # no EOS: every particle runs to the budget
+    res = run_smc_sd(
+        [SMCSDModel([1, 2]), SMCSDModel([3]), SMCSDModel([0, 4, 1])], eng, on_cycle=cycles.append
+    )
+    assert len(cycles) == 3
+    assert target.stats.calls == 1 + len(cycles)
+    assert draft.stats.calls == 1 + 3 * len(cycles)
+    assert all(len(p.token_ids) == 10 for r in res for p in r.particles)
+
+
+# --- seeded determinism ---
+
+
+@pytest.mark.parametrize("method", ["smcsd", "sd", "ar"])
+def test_same_seed_same_output_different_seed_different(pair, smcsd, method):
+    def run(seed, smc=smcsd):
+        out = smc.generate(PROMPTS, method=method, config=cfg(seed=seed, max_new_tokens=12))
+        return [(g.token_ids, g.log_z, [p.token_ids for p in g.particles]) for g in out]
+
+    first = run(3)
+    assert run(3) == first
+    assert run(3, SMCSD(*pair)) == first  # no state leaks from one call into the next
+    assert run(4) != first
+
+
+def test_mock_engine_is_deterministic():
+    def run(seed):
+        eng = engine(
+            MockLM(4, seed=0), MockLM(4, seed=1), n_particles=3, block_size=2, max_new_tokens=6, seed=seed
+        )
+        return [(r.token_ids, r.log_z) for r in run_smc_sd([SMCSDModel([1, 2]) for _ in range(5)], eng)]
+
+    assert run(0) == run(0)
+    assert run(0) != run(1)
+
+
+# --- bad inputs ---
+
+
+@pytest.mark.parametrize(
+    "kw, culprit",
+    [
+        (dict(n_particles=0), "n_particles"),
+        (dict(n_particles=2.0), "n_particles"),
+        (dict(block_size=0), "block_size"),
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(draft_temperature=0), "draft_temperature"),
+        (dict(target_temperature=-1), "target_temperature"),
+        (dict(target_temperature=float("nan")), "target_temperature"),
+        (dict(alpha=0), "alpha"),
+        (dict(resampling="bogus"), "resampling"),
+        (dict(ess_threshold=1.5), "ess_threshold"),
+        (dict(selection="best"), "selection"),
+        (dict(seed=-1), "seed"),
+    ],
+)
+def test_bad_config_raises(kw, culprit):
+    with pytest.raises(ValueError, match=culprit):
+        SMCConfig(**kw)
+
+
+@pytest.mark.parametrize("prompt", ["", "   \n\t"])
+@pytest.mark.parametrize("method", ["smcsd", "sd", "ar"])
+def test_empty_prompt_raises(smcsd, prompt, method):
+    with pytest.raises(ValueError, match="prompt is empty"):
+        smcsd.generate(prompt, method=method, config=cfg())
+    with pytest.raises(ValueError, match="prompt is empty"):
+        smcsd.generate(["fine", prompt], method=method, config=cfg())
+
+
+def text_of(smc, n_tokens):
+    """A text prompt of exactly ``n_tokens`` tokens."""
+    ids = smc.encode(" ".join(["the moon and the river"] * 40))[:n_tokens]
+    text = smc.decode(ids)
+    assert smc.encode(text) == ids
+    return text
+
+
+@pytest.mark.parametrize("method", ["smcsd", "sd", "ar"])
+def test_prompt_longer_than_the_context_raises(smcsd, method):
+    long = " ".join(["the moon and the river"] * 60)
+    assert len(smcsd.encode(long)) > tiny.MAX_POSITIONS
+    with pytest.raises(ValueError, match=r"context (is|of) 128"):
+        smcsd.generate(["A", long], method=method, config=cfg())
+
+
+@pytest.mark.parametrize("method", ["smcsd", "sd", "ar"])
+def test_generation_that_cannot_fit_the_context_is_refused_up_front(pair, method):
+    smc = SMCSD(*pair)
+    with pytest.raises(ValueError, match=r"max_new_tokens \(60\).*context of 128") as err:
+        smc.generate(["A", text_of(smc, 90)], method=method, config=cfg(max_new_tokens=60))
+    assert "90 tokens" in str(err.value)
+    assert smc.target_lm.stats.calls == 0 and smc.draft_lm.stats.calls == 0  # nothing ran
+
+
+def test_program_running_past_the_context_raises_mid_run(smcsd):
+    # SMCSD.run has no up-front check (a program may stop early): the backend refuses the forward.
+    config = cfg(max_new_tokens=60, ignore_eos=True)
+    with pytest.raises(ValueError, match="context is 128"):
+        smcsd.run([SMCSDModel(text_of(smcsd, 90))], config)
+
+
+def test_ar_accepts_any_request_that_fits_the_context(smcsd):
+    prompt = text_of(smcsd, 100)
+    out = smcsd.generate(prompt, method="ar", config=cfg(max_new_tokens=28, ignore_eos=True))
+    assert len(out.token_ids) == 28  # 100 + 28 = 128 positions, the whole context
+
+
+@pytest.mark.parametrize("method", ["smcsd", "sd", "ar"])
+def test_kv_budget_is_checked_up_front(pair, method):
+    target, draft = pair
+    smc = SMCSD(target, draft, max_cache_bytes=2**16)
+    smc.generate("The cat", method=method, config=cfg(n_particles=2))  # fits
+    calls = smc.target_lm.stats.calls
+    rows = 3 * 256 if method == "smcsd" else 3
+    with pytest.raises(ValueError, match="max_cache_bytes") as err:
+        smc.generate(PROMPTS, method=method, config=cfg(n_particles=256, max_new_tokens=80))
+    assert f"{rows} rows" in str(err.value)
+    assert smc.target_lm.stats.calls == calls  # refused before any forward
+
+
+def test_different_tokenizers_raise(pair):
+    target, _ = pair
+    other = tiny.mismatched_draft()
+    with pytest.raises(ValueError, match="different tokenizers") as err:
+        SMCSD(target, other)
+    assert "tiny-other" in str(err.value) and "tiny-target" in str(err.value)
+
+
+def test_different_vocab_sizes_raise_in_the_engine():
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine(MockLM(5), MockLM(4))
+
+
+def test_non_text_prompt_is_named_as_such(smcsd):
+    with pytest.raises(ValueError) as err:
+        smcsd.generate([[289, 282, 265]])
+    assert "empty" not in str(err.value) and "str" in str(err.value)
+
+
+def test_chat_template_is_applied_when_present(pair):
+    target, draft = pair
+    tok = copy.deepcopy(target.tokenizer)
+    tok.chat_template = (
+        "{% for m in messages %}<|endoftext|>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    chat = SMCSD(dataclasses.replace(target, tokenizer=tok), dataclasses.replace(draft, tokenizer=tok))
+    ids = chat.encode("The cat")
+    assert all(isinstance(i, int) for i in ids)
+    assert tok.decode(ids) == "<|endoftext|>user: The cat\nassistant:"
+    plain = SMCSD(dataclasses.replace(target, tokenizer=tok), draft, chat=False)  # same vocabulary
+    assert plain.encode("The cat") == target.tokenizer("The cat")["input_ids"]
+    assert chat.generate("The cat", config=cfg()).token_ids
+
+
+def test_unknown_method_raises(smcsd):
+    with pytest.raises(ValueError, match="bogus"):
+        smcsd.generate("The cat", method="bogus")
+
+
+def test_exact_sd_needs_alpha_one(smcsd):
+    with pytest.raises(ValueError, match="alpha must be 1"):
+        smcsd.generate("The cat", method="sd", config=cfg(alpha=2.0))
+
+
+def test_text_prompt_without_tokenizer_raises():
+    eng = engine(MockLM(5), MockLM(5, seed=1), max_new_tokens=4)
+    with pytest.raises(ValueError, match="tokenizer"):
+        run_smc_sd([SMCSDModel("text")], eng)
+
+
+def nan_after_prefill(model):
+    """Make the model's logits NaN from its second forward on (prefill stays clean)."""
+    calls = []
+
+    def hook(module, args, output):
+        calls.append(1)
+        return output * float("nan") if len(calls) > 1 else output
+
+    return model.lm_head.register_forward_hook(hook)
+
+
+@pytest.mark.parametrize("which", ["target", "draft"])
+@pytest.mark.parametrize("method", ["smcsd", "sd"])
+def test_nan_logits_during_generation_raise(which, method):
+    target, draft = tiny.pair()  # fresh models: the hook must not leak into other tests
+    smc = SMCSD(target, draft)
+    handle = nan_after_prefill((target if which == "target" else draft).model)
+    with pytest.raises(ValueError, match="NaN") as err:
+        smc.generate(PROMPTS, method=method, config=cfg())
+    assert which in str(err.value)
+    handle.remove()
+
+
+def test_nan_logits_mid_run_with_the_mock_backend():
+    table = MockLM(4, seed=0).table.clone()
+    table[2, 1] = float("nan")  # the context (..., 2, 1) breaks the target
+    target = MockLM(table=table)
+    eng = engine(target, MockLM(4, seed=1), n_particles=4, block_size=2, max_new_tokens=20, seed=0)
+    with pytest.raises(ValueError, match="NaN"):
+        run_smc_sd([SMCSDModel([2, 0]) for _ in range(8)], eng)
+
+
+# --- no printing ---
+
+
+@pytest.mark.parametrize("method", ["smcsd", "sd", "ar"])
+def test_the_library_never_prints(smcsd, capsys, method):
+    smcsd.generate(PROMPTS, method=method, config=cfg())
+    smcsd.run([SMCSDModel("The cat")], cfg())
+    assert capsys.readouterr().out == ""
+
+
+# --- output invariants ---
+
+
+def assert_well_formed(smc, gen, max_new_tokens, eos):
+    assert gen.text == smc.decode(gen.token_ids)
+    seqs = [gen.token_ids] + [p.token_ids for p in gen.particles]
+    for seq in seqs:
+        assert 1 <= len(seq) <= max_new_tokens, seq
+        assert not any(t in eos for t in seq[:-1]), f"EOS before the end: {seq}"
+        assert seq[-1] in eos or len(seq) == max_new_tokens, f"stopped early without EOS: {seq}"
+    for p in gen.particles:
+        assert p.text == smc.decode(p.token_ids)
+
+
+@pytest.mark.parametrize("method", ["sd", "ar"])
+def test_baseline_outputs_stop_at_eos_and_budget(eos_smcsd, method):
+    eos = set(eos_smcsd.eos_token_ids)
+    outs = eos_smcsd.generate(PROMPTS * 4, method=method, config=cfg(max_new_tokens=12, seed=1))
+    for g in outs:
+        assert_well_formed(eos_smcsd, g, 12, eos)
+    assert any(g.token_ids[-1] in eos for g in outs) and any(len(g.token_ids) == 12 for g in outs)
+
+
+def test_smcsd_outputs_within_budget_and_end_at_eos_when_drafted(eos_smcsd):
+    # Drafted EOS, bonus EOS and budget cuts all end particles.
+    eos = set(eos_smcsd.eos_token_ids)
+    outs = eos_smcsd.generate(PROMPTS, config=cfg(max_new_tokens=12, n_particles=6, seed=1))
+    assert len(outs) == len(PROMPTS)
+    for g in outs:
+        assert g.text == eos_smcsd.decode(g.token_ids)
+        assert len(g.particles) == 6
+        for p in g.particles:
+            assert 1 <= len(p.token_ids) <= 12
+            assert p.text == eos_smcsd.decode(p.token_ids)
+            assert p.token_ids[-1] in eos or len(p.token_ids) == 12
+        assert g.token_ids in [p.token_ids for p in g.particles]
+        assert math.isfinite(g.log_z)
+
+
+def test_smcsd_particles_end_at_their_first_eos():
+    # The draft rarely proposes EOS, the target often draws it: EOS comes as a bonus token.
+    smc = SMCSD(*tiny.pair(eos_bias=8.0, draft_eos_bias=0.0))
+    eos = set(smc.eos_token_ids)
+    for seed in range(4):  # no resampling: particles stay distinct
+        config = cfg(max_new_tokens=12, n_particles=6, ess_threshold=0.0, seed=seed)
+        for g in smc.generate(PROMPTS * 2, config=config):
+            assert_well_formed(smc, g, 12, eos)
+
+
+def test_mock_smcsd_particles_end_at_their_first_eos():
+    eng = engine(MockLM(4, seed=0), MockLM(4, seed=3), block_size=2, max_new_tokens=8, n_particles=4, seed=1)
+    res = run_smc_sd([SMCSDModel([1, 2]) for _ in range(50)], eng)
+    bad = [p.token_ids for r in res for p in r.particles if EOS in p.token_ids[:-1]]
+    assert bad == []
+
+
+# --- SMCSDModel programs ---
+
+
+class Reject(SMCSDModel):
+    """Every particle fails its condition after its first block."""
+
+    async def step(self):
+        await self.extend()
+        self.condition(False)
+
+
+class RejectAtOnce(SMCSDModel):
+    """Every particle fails before drafting anything."""
+
+    async def step(self):
+        self.condition(False)
+
+
+@pytest.mark.parametrize("program", [Reject, RejectAtOnce])
+def test_all_particles_rejected_gives_an_empty_result_with_a_message(smcsd, program):
+    cycles = []
+    out = smcsd.run([program("The cat"), SMCSDModel("A")], cfg(), on_cycle=cycles.append)
+    dead, alive = out
+    assert dead.text == "" and dead.token_ids == []
+    assert "zero weight" in dead.message
+    assert dead.log_z == -math.inf
+    assert all(p.log_weight == -math.inf for p in dead.particles)
+    assert alive.message == "" and alive.text == smcsd.decode(alive.token_ids) and alive.token_ids
+    assert len(cycles) <= 4
+
+
+def test_forward_counts_do_not_depend_on_finished_particles(eos_smcsd):
+    cycles = []
+    out = eos_smcsd.run(
+        [SMCSDModel(p) for p in PROMPTS], cfg(max_new_tokens=16, n_particles=6), on_cycle=cycles.append
+    )
+    assert any(len(p.token_ids) < 16 for g in out for p in g.particles)  # some stopped early at EOS
+    assert out[0].stats.target_calls == 1 + len(cycles)
+    assert out[0].stats.draft_calls == 1 + 3 * len(cycles)
+    assert [c.live for c in cycles] == sorted((c.live for c in cycles), reverse=True)
+
+
+class Twisted(SMCSDModel):
+    """Plain generation plus a heuristic twist after every unfinished block."""
+
+    def __init__(self, prompt, amount):
+        super().__init__(prompt)
+        self.amount = amount
+
+    async def step(self):
+        await self.extend()
+        if not self.finished:
+            self.twist(self.amount(self))
+
+
+TWISTS = {
+    "constant": lambda p: 1.5,
+    "token-dependent": lambda p: -0.25 * (p.token_ids[-1] % 7),
+}
+
+
+@pytest.mark.parametrize("twist", TWISTS)
+def test_twists_leave_final_weights_unchanged(smcsd, twist):
+    # Without resampling a twist cannot change the random path: the final log-weights
+    # are the untwisted ones (twists are removed before each step and at finish).
+    config = cfg(ess_threshold=0.0, ignore_eos=True, max_new_tokens=14, seed=2)
+    plain = smcsd.run([SMCSDModel(p) for p in PROMPTS], config)
+    twisted = smcsd.run([Twisted(p, TWISTS[twist]) for p in PROMPTS], config)
+    for a, b in zip(plain, twisted):
+        assert b.n_resamples == 0
+        assert a.token_ids == b.token_ids
+        assert [p.token_ids for p in a.particles] == [p.token_ids for p in b.particles]
+        assert [p.log_weight for p in b.particles] == pytest.approx(
+            [p.log_weight for p in a.particles], abs=1e-9
+        )
+        assert b.log_z == pytest.approx(a.log_z, abs=1e-9)
+
+
+def test_constant_twist_with_resampling_changes_nothing_normalized(smcsd):
+    # A constant twist leaves the normalized weights, hence resampling, unchanged.
+    # The raw log-weights are relative to the last resampling (log Z holds the rest),
+    # so they shift by the ancestor's twist; log Z and normalized weights must agree.
+    config = cfg(ess_threshold=0.5, ignore_eos=True, max_new_tokens=14, seed=1)
+    cycles = []
+    plain = smcsd.run([SMCSDModel(p) for p in PROMPTS], config, on_cycle=cycles.append)
+    twisted = smcsd.run([Twisted(p, TWISTS["constant"]) for p in PROMPTS], config)
+    # non-trivial: every request resampled mid-run but not on the last cycle
+    for i in range(len(PROMPTS)):
+        assert any(c.resampled[i] for c in cycles[:-1]) and not cycles[-1].resampled[i]
+    for a, b in zip(plain, twisted):
+        assert a.n_resamples == b.n_resamples > 0
+        assert [p.token_ids for p in a.particles] == [p.token_ids for p in b.particles]
+        assert b.log_z == pytest.approx(a.log_z, abs=1e-9)
+        wa = torch.softmax(torch.tensor([p.log_weight for p in a.particles], dtype=torch.float64), 0)
+        wb = torch.softmax(torch.tensor([p.log_weight for p in b.particles], dtype=torch.float64), 0)
+        torch.testing.assert_close(wa, wb)
