@@ -1,7 +1,8 @@
 """SMC speculative decoding as a probabilistic-programming extension of LLaMPPL."""
 
 from .config import SMCConfig
-from .generate import SMCSD, Generation, RunStats
+from .generate import SMCSD
+from .results import Generation, RunStats
 from .inference.engine import BlockEngine
 from .inference.program import SMCSDModel
 from .inference.smc import SMCResult, run_smc_sd, smc_sd

@@ -10,7 +10,7 @@ import sys
 from contextlib import contextmanager
 
 from .config import RESAMPLING_SCHEMES, SELECTIONS, SMCConfig
-from .generate import METHODS
+from .methods import METHODS
 
 SPEED_PROMPTS = (
     "Write a short story about a lighthouse keeper.",
@@ -28,7 +28,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate a continuation of a prompt")
     gen.add_argument("prompt", help="the prompt (wrapped in the chat template of instruct models)")
-    gen.add_argument("--method", choices=METHODS, default="smcsd", help="smcsd, sd (exact speculative) or ar")
+    gen.add_argument(
+        "--method",
+        choices=list(METHODS),
+        default="smcsd",
+        help="; ".join(f"{m.name}: {m.summary}" for m in METHODS.values()),
+    )
     _model_args(gen)
     _smc_args(gen)
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")

@@ -2,82 +2,19 @@
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
+from . import methods
 from .backends.hf import DEFAULT_CACHE_BUDGET, HFBatchedLM
-from .baselines.ar import autoregressive
-from .baselines.sd import speculative_sampling
 from .config import SMCConfig
 from .inference.engine import BlockEngine
 from .inference.program import SMCSDModel
-from .inference.smc import CycleInfo, ParticleOut, SMCResult, run_smc_sd
+from .inference.smc import CycleInfo
 from .models import LoadedModel, load_model, resolve_draft
-
-METHODS = ("smcsd", "sd", "ar")
-
-
-@dataclass
-class RunStats:
-    """Cost of one call (all its requests together).
-
-    ``overhead_fraction`` is the share of wall time spent outside model forwards:
-    sampling, weighting, resampling and Python bookkeeping.
-    """
-
-    method: str
-    new_tokens: int
-    seconds: float
-    target_calls: int
-    draft_calls: int
-    target_seconds: float
-    draft_seconds: float
-
-    @property
-    def tokens_per_second(self) -> float:
-        """New tokens per wall-clock second."""
-        return self.new_tokens / self.seconds if self.seconds else 0.0
-
-    @property
-    def tokens_per_target_call(self) -> float:
-        """New tokens per target forward (prefill included)."""
-        return self.new_tokens / max(1, self.target_calls)
-
-    @property
-    def overhead_fraction(self) -> float:
-        """Share of wall time outside model forwards."""
-        return (
-            max(0.0, 1.0 - (self.target_seconds + self.draft_seconds) / self.seconds) if self.seconds else 0.0
-        )
-
-
-@dataclass
-class Generation:
-    """One request's output.
-
-    Attributes:
-        text, token_ids: the generated continuation (the prompt excluded).
-        method: ``"smcsd"``, ``"sd"`` or ``"ar"``.
-        stats: the cost of the whole call this request was part of.
-        log_z, n_resamples, mean_ess, particles: SMC-SD only.
-        acceptance: exact SD only (accepted / drafted tokens).
-        message: why an output is empty, if it is.
-    """
-
-    text: str
-    token_ids: list[int]
-    method: str
-    stats: RunStats
-    log_z: float | None = None
-    n_resamples: int | None = None
-    mean_ess: float | None = None
-    acceptance: float | None = None
-    particles: list[ParticleOut] = field(default_factory=list)
-    message: str = ""
+from .results import Generation, RunStats
 
 
 class SMCSD:
@@ -152,9 +89,10 @@ class SMCSD:
 
     def engine(self, config: SMCConfig) -> BlockEngine:
         """A block engine over this pair's backends, for custom loops."""
-        return BlockEngine(self.target_lm, self.draft_lm, self._eos(config), config)
+        return BlockEngine(self.target_lm, self.draft_lm, self.eos_for(config), config)
 
-    def _eos(self, config: SMCConfig) -> list[int]:
+    def eos_for(self, config: SMCConfig) -> list[int]:
+        """EOS ids in force under ``config`` (none with ``ignore_eos``)."""
         return [] if config.ignore_eos else self.eos_token_ids
 
     def generate(
@@ -169,21 +107,22 @@ class SMCSD:
 
         Args:
             prompts: one text or a list of texts.
-            method: ``"smcsd"`` (default), ``"sd"`` (exact speculative sampling) or ``"ar"``.
+            method: a name in ``methods.METHODS``: ``"smcsd"`` (default), ``"sd"`` (exact
+                speculative sampling), ``"ar"`` (autoregressive), and the other baselines.
             config: settings (``SMCConfig``); SD uses K, T_d, T_t; AR uses T_t.
             on_progress: called with the length of the longest output so far.
         """
-        if method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        spec = methods.get(method)
         config = config or SMCConfig()
         single = isinstance(prompts, str)
         texts = [prompts] if single else list(prompts)
         ids = [self.encode(p) for p in texts]
-        self._check_fits(ids, config, method)
-        if method == "smcsd":
-            outs = self._smcsd([SMCSDModel(i) for i in ids], config, on_progress)
-        else:
-            outs = self._baseline(method, ids, config, on_progress)
+        self._check_fits(ids, config, spec)
+        start = self.start_clock()
+        outs = spec.run(self, ids, config, on_progress)
+        stats = self.stats(method, start, sum(len(o.token_ids) for o in outs))
+        for o in outs:
+            o.stats = stats
         return outs[0] if single else outs
 
     def run(
@@ -193,46 +132,17 @@ class SMCSD:
         on_cycle: Callable[[CycleInfo], None] | None = None,
     ) -> list[Generation]:
         """Run user programs (``SMCSDModel`` subclasses), one request each, in one batch."""
-        return self._smcsd(list(programs), config or SMCConfig(), None, on_cycle)
+        start = self.start_clock()
+        outs = methods.run_programs(self, list(programs), config or SMCConfig(), None, on_cycle)
+        stats = self.stats("smcsd", start, sum(len(o.token_ids) for o in outs))
+        for o in outs:
+            o.stats = stats
+        return outs
 
-    def _smcsd(self, programs, config, on_progress, on_cycle=None) -> list[Generation]:
-        def report(info: CycleInfo) -> None:
-            if on_progress is not None:
-                on_progress(info.tokens)
-            if on_cycle is not None:
-                on_cycle(info)
-
-        start = self._start_clock()
-        results = run_smc_sd(
-            programs, self.engine(config), encode=self.encode, decode=self.decode, on_cycle=report
-        )
-        stats = self._stats("smcsd", start, sum(len(r.token_ids) for r in results))
-        return [_from_smc(r, stats) for r in results]
-
-    def _baseline(self, method, ids, config, on_progress) -> list[Generation]:
-        start = self._start_clock()
-        if method == "ar":
-            g = torch.Generator(device=self.target_lm.device).manual_seed(config.seed)
-            run = autoregressive(
-                self.target_lm,
-                ids,
-                eos_token_ids=self._eos(config),
-                max_new_tokens=config.max_new_tokens,
-                temperature=config.target_temperature,
-                g=g,
-                on_step=on_progress,
-            )
-            acceptance = None
-        else:
-            run = speculative_sampling(self.engine(config), ids, on_step=on_progress)
-            acceptance = run.acceptance
-        stats = self._stats(method, start, sum(len(t) for t in run.token_ids))
-        return [Generation(self.decode(t), t, method, stats, acceptance=acceptance) for t in run.token_ids]
-
-    def _check_fits(self, ids: list[list[int]], config: SMCConfig, method: str) -> None:
+    def _check_fits(self, ids: list[list[int]], config: SMCConfig, spec: methods.Method) -> None:
         """Refuse up front what would fail mid-generation (context length, KV budget)."""
         prompt = max(len(i) for i in ids)
-        if method == "ar":  # the last sampled token is never fed
+        if not spec.uses_draft:  # the last sampled token is never fed
             longest, extra, lms = prompt + config.max_new_tokens - 1, "", [self.target_lm]
         else:  # a block may be drafted past the budget, then the bonus
             longest = prompt + config.max_new_tokens + config.block_size + 1
@@ -243,7 +153,7 @@ class SMCSD:
                 f"prompt ({prompt} tokens) + max_new_tokens ({config.max_new_tokens}){extra} "
                 f"exceeds the model context of {limit} tokens"
             )
-        rows = len(ids) * (config.n_particles if method == "smcsd" else 1)
+        rows = len(ids) * (config.n_particles if spec.particles else 1)
         for lm in lms:
             need = lm.bytes_per_token * rows * longest
             if need > lm.max_cache_bytes:
@@ -252,33 +162,20 @@ class SMCSD:
                     f"over the budget of {lm.max_cache_bytes / 2**30:.2f} GiB (max_cache_bytes)"
                 )
 
-    def _start_clock(self) -> float:
+    def start_clock(self) -> float:
+        """Reset the forward counters; returns the start time for ``stats``."""
         self.target_lm.stats.reset()
         self.draft_lm.stats.reset()
         return time.perf_counter()
 
-    def _stats(self, method: str, start: float, new_tokens: int) -> RunStats:
+    def stats(self, method: str, start: float, new_tokens: int) -> RunStats:
+        """Cost of the call begun at ``start``: wall time, forward counts and times."""
         if self.target_lm.device.type == "cuda":
             torch.cuda.synchronize(self.target_lm.device)
         t, d = self.target_lm.stats, self.draft_lm.stats
         return RunStats(
             method, new_tokens, time.perf_counter() - start, t.calls, d.calls, t.seconds, d.seconds
         )
-
-
-def _from_smc(r: SMCResult, stats: RunStats) -> Generation:
-    mean_ess = statistics.fmean(r.ess_trace) if r.ess_trace else None
-    return Generation(
-        r.text,
-        r.token_ids,
-        "smcsd",
-        stats,
-        log_z=r.log_z,
-        n_resamples=r.n_resamples,
-        mean_ess=mean_ess,
-        particles=r.particles,
-        message=r.message,
-    )
 
 
 def _eos_ids(model: LoadedModel) -> list[int]:

@@ -74,6 +74,21 @@ def test_fork_equals_recomputation(model):
         torch.testing.assert_close(out[i], scratch(model, seq, 2), atol=ATOL, rtol=RTOL)
 
 
+def test_fork_that_moves_few_rows_copies_in_place(model):
+    # Resampling that replaces 1 of 4 rows takes the in-place path; logits must not change.
+    lm = HFBatchedLM(model)
+    lm.prefill(PROMPTS)
+    first = block(len(PROMPTS), 3, seed=3)
+    lm.extend(first)
+    rows = torch.tensor([0, 1, 0, 3])
+    lm.fork(rows)
+    more = block(4, 2, seed=4)
+    out = lm.extend(more)
+    for i, r in enumerate(rows.tolist()):
+        seq = PROMPTS[r] + first[r].tolist() + more[i].tolist()
+        torch.testing.assert_close(out[i], scratch(model, seq, 2), atol=ATOL, rtol=RTOL)
+
+
 def test_fork_to_fewer_rows_crops_padding_columns(model):
     lm = HFBatchedLM(model)
     lm.prefill([[1, 2, 3, 4, 5, 6], [7, 8]])

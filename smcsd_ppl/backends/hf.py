@@ -76,8 +76,16 @@ class HFBatchedLM:
         rows = rows.to(self.device)
         if rows.numel() == 0:
             raise ValueError(f"{self.name}: fork() needs at least one row")
+        same_shape = rows.numel() == self.n_rows
+        moved = rows != torch.arange(self.n_rows, device=self.device) if same_shape else None
         self.rows.gather(rows)
-        self._map_cache(lambda t: t.index_select(0, rows))
+        if moved is not None and int(moved.sum()) * 2 < self.n_rows:
+            # Resampling usually replaces a few rows: copy only those, in place.
+            dest, src = torch.nonzero(moved)[:, 0], rows[moved]
+            with torch.inference_mode():
+                self._map_cache(lambda t: t.index_copy_(0, dest, t.index_select(0, src)))
+        else:
+            self._map_cache(lambda t: t.index_select(0, rows))
         self._crop_holes()
 
     def drop_tail(self, n: torch.Tensor) -> None:
@@ -88,7 +96,9 @@ class HFBatchedLM:
     def _crop_holes(self) -> None:
         if self.rows.wasteful():  # gather real positions to the front, per row
             index = self.rows.compaction()
-            self._map_cache(lambda t: t.gather(2, index[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])))
+            self._map_cache(
+                lambda t: t.gather(2, index[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3]))
+            )
         n = self.rows.trailing_holes()
         if n:
             self.rows.crop(n)

@@ -86,6 +86,7 @@ class BlockEngine:
         """Rows held by the backends."""
         return len(self.target_pending)
 
+    @torch.inference_mode()
     def start(self, prompts: Sequence[Sequence[int]], copies: int) -> tuple[list[int], list[float]]:
         """Prefill both models, draw each request's first token x0 from the target.
 
@@ -104,6 +105,7 @@ class BlockEngine:
         self.draft_pending = [[int(x0[i])] for i in rows.tolist()]
         return x0.tolist(), log_z0.tolist()
 
+    @torch.inference_mode()
     def draft_blocks(
         self, rows: Sequence[int], budgets: Sequence[int], *, keep_probs: bool = False
     ) -> list[DraftedBlock]:
@@ -120,20 +122,20 @@ class BlockEngine:
         asked = asked.to(self.device)
         drafts, logqs, probs = [], [], []
         for _ in range(k):
-            logq = torch.log_softmax(self.draft.extend(ids, valid)[:, -1] / t_d, -1)  # [R, V]
-            d = sample_probs(logq.exp(), self.g)
-            logqs.append(logq.gather(-1, d[:, None])[:, 0])
+            q = torch.softmax(self.draft.extend(ids, valid)[:, -1].div_(t_d), -1)  # [R, V]
+            d = sample_probs(q, self.g)
+            logqs.append(q.gather(-1, d[:, None])[:, 0].log())
             drafts.append(d)
             if keep_probs:
-                probs.append(logq.exp())
+                probs.append(q)
             ids, valid = d[:, None], asked[:, None]
         tokens = torch.stack(drafts, 1).cpu()  # [R, K]
         logq = torch.stack(logqs, 1).cpu()
-        q = torch.stack(probs, 1) if keep_probs else None  # [R, K, V]
+        q_all = torch.stack(probs, 1) if keep_probs else None  # [R, K, V]
         for r in rows:
             self.draft_pending[r] = []  # fed, except d_K which commit() queues
         return [
-            self._cut(r, tokens[r].tolist(), logq[r], b, None if q is None else q[r])
+            self._cut(r, tokens[r].tolist(), logq[r], b, None if q_all is None else q_all[r])
             for r, b in zip(rows, budgets)
         ]
 
@@ -144,6 +146,7 @@ class BlockEngine:
         stops = (eos_at is not None and eos_at < kept) or kept >= budget
         return DraftedBlock(row, tokens, logq, kept, stops, budget, probs)
 
+    @torch.inference_mode()
     def target_logits(self, blocks: Sequence[DraftedBlock]) -> torch.Tensor:
         """ONE target forward over [pending, d_1..d_K] for all rows -> ``[n, K+1, V]`` / T_t.
 
@@ -154,9 +157,12 @@ class BlockEngine:
         feed = [self.target_pending[r] + by_row[r].tokens if r in by_row else [] for r in range(self.n_rows)]
         ids, valid = pad_left(feed, self.device)
         logits = self.target.extend(ids, valid)[:, -(k + 1) :]
-        rows = torch.tensor([b.row for b in blocks], device=self.device)
-        return logits.index_select(0, rows) / self.config.target_temperature
+        rows = [b.row for b in blocks]
+        if rows != list(range(self.n_rows)):  # usually every row asks: skip the copy
+            logits = logits.index_select(0, torch.tensor(rows, device=self.device))
+        return logits.div_(self.config.target_temperature)
 
+    @torch.inference_mode()
     def verify_blocks(self, blocks: Sequence[DraftedBlock]) -> list[ScoredBlock]:
         """SMC-SD verification: score every block in one forward, draw bonus tokens, commit."""
         c, k = self.config, self.config.block_size

@@ -1,0 +1,66 @@
+"""What a generation call returns: outputs and their cost."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .inference.smc import ParticleOut
+
+
+@dataclass
+class RunStats:
+    """Cost of one call (all its requests together).
+
+    ``overhead_fraction`` is the share of wall time spent outside model forwards:
+    sampling, weighting, resampling and Python bookkeeping.
+    """
+
+    method: str
+    new_tokens: int
+    seconds: float
+    target_calls: int
+    draft_calls: int
+    target_seconds: float
+    draft_seconds: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        """New tokens per wall-clock second."""
+        return self.new_tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def tokens_per_target_call(self) -> float:
+        """New tokens per target forward (prefill included)."""
+        return self.new_tokens / max(1, self.target_calls)
+
+    @property
+    def overhead_fraction(self) -> float:
+        """Share of wall time outside model forwards."""
+        return (
+            max(0.0, 1.0 - (self.target_seconds + self.draft_seconds) / self.seconds) if self.seconds else 0.0
+        )
+
+
+@dataclass
+class Generation:
+    """One request's output.
+
+    Attributes:
+        text, token_ids: the generated continuation (the prompt excluded).
+        method: the method's name (see ``smcsd_ppl.methods``).
+        stats: the cost of the whole call this request was part of.
+        log_z, n_resamples, mean_ess, particles: SMC-SD only.
+        acceptance: exact SD only (accepted / drafted tokens).
+        message: why an output is empty, if it is.
+    """
+
+    text: str
+    token_ids: list[int]
+    method: str
+    stats: RunStats | None
+    log_z: float | None = None
+    n_resamples: int | None = None
+    mean_ess: float | None = None
+    acceptance: float | None = None
+    particles: list[ParticleOut] = field(default_factory=list)
+    message: str = ""
