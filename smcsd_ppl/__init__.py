@@ -2,11 +2,11 @@
 
 from .config import SMCConfig
 from .generate import SMCSD
-from .results import Generation, RunStats
 from .inference.engine import BlockEngine
 from .inference.program import SMCSDModel
 from .inference.smc import SMCResult, run_smc_sd, smc_sd
 from .models import LoadedModel, load_model
+from .results import Generation, RunStats
 
 __all__ = [
     "SMCConfig",
