@@ -7,6 +7,7 @@ and the run's random generator. Particles only hold their row index.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -14,7 +15,32 @@ import torch
 
 from ..backends.base import BatchedLM
 from ..config import SMCConfig
+from ..potentials.constraints import Constraint
 from ..spec import block_log_weights, pick, power_log_normalizer, sample_probs, sample_tokens
+from . import constrained
+
+CONSTRAINT_MODES = ("proposal", "critic")
+
+
+@dataclass(frozen=True)
+class RowConstraint:
+    """A hard constraint on one particle's next block.
+
+    Attributes:
+        constraint: answers ``next_mask(contexts)`` (see ``smcsd_ppl.potentials``).
+        mode: ``"proposal"``: the draft samples only allowed tokens (q masked and
+            renormalized); ``"critic"``: the draft samples freely and a block with an
+            impossible token is cut before it and gets zero weight.
+        context: the tokens the particle has generated so far.
+    """
+
+    constraint: Constraint
+    mode: str
+    context: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.mode not in CONSTRAINT_MODES:
+            raise ValueError(f"constraint mode must be one of {CONSTRAINT_MODES}, got {self.mode!r}")
 
 
 @dataclass
@@ -28,6 +54,8 @@ class DraftedBlock:
     stops: bool  # the block itself ends the particle (drafted EOS or budget): no bonus
     budget: int  # tokens the particle could still emit before this block
     draft_probs: torch.Tensor | None = None  # [K, V] q at each drafted position, on request
+    constraint: RowConstraint | None = None
+    cut_log_q: float = 0.0  # +inf: the constraint allowed nothing here, the particle dies
 
     @property
     def kept_tokens(self) -> list[int]:
@@ -36,8 +64,13 @@ class DraftedBlock:
 
     @property
     def log_q(self) -> float:
-        """Log q of the kept tokens (the proposal's density of this block)."""
-        return float(self.draft_logq[: self.kept].sum())
+        """Log-density of this block under the proposal (kept tokens and where it was cut)."""
+        return float(self.draft_logq[: self.kept].sum()) + self.cut_log_q
+
+    @property
+    def dead(self) -> bool:
+        """No token satisfies the constraint here: the particle's weight is zero."""
+        return self.cut_log_q == math.inf
 
 
 @dataclass
@@ -87,7 +120,12 @@ class BlockEngine:
         return len(self.target_pending)
 
     @torch.inference_mode()
-    def start(self, prompts: Sequence[Sequence[int]], copies: int) -> tuple[list[int], list[float]]:
+    def start(
+        self,
+        prompts: Sequence[Sequence[int]],
+        copies: int,
+        constraints: Sequence[Constraint | None] | None = None,
+    ) -> tuple[list[int], list[float]]:
         """Prefill both models, draw each request's first token x0 from the target.
 
         Returns x0 per prompt and its log-normalizer (nonzero only when alpha != 1).
@@ -96,8 +134,15 @@ class BlockEngine:
         logits = self.target.prefill(prompts)  # [B, V]
         self.draft.prefill(prompts)
         c = self.config
-        x0 = sample_tokens(c.alpha * logits / c.target_temperature, 1.0, self.g)
         log_z0 = power_log_normalizer(logits, c.target_temperature, c.alpha)
+        power = c.alpha * logits / c.target_temperature
+        if constraints is not None and any(x is not None for x in constraints):
+            first = [RowConstraint(x, "proposal", ()) if x is not None else None for x in constraints]
+            blocks = [_FirstToken(x) for x in first]
+            power = constrained.restrict_bonus(power, log_z0, blocks)
+            if not torch.isfinite(log_z0).all():
+                raise ValueError("the constraint allows no first token: no output can satisfy it")
+        x0 = sample_tokens(power, 1.0, self.g)
         rows = torch.arange(len(prompts), device=self.device).repeat_interleave(copies)
         self.target.fork(rows)
         self.draft.fork(rows)
@@ -107,22 +152,33 @@ class BlockEngine:
 
     @torch.inference_mode()
     def draft_blocks(
-        self, rows: Sequence[int], budgets: Sequence[int], *, keep_probs: bool = False
+        self,
+        rows: Sequence[int],
+        budgets: Sequence[int],
+        *,
+        keep_probs: bool = False,
+        constraints: Sequence[RowConstraint | None] | None = None,
     ) -> list[DraftedBlock]:
         """K batched draft forwards over all rows; rows not asked for are fed holes.
 
         ``budgets[i]`` is how many more tokens row ``rows[i]`` may emit; ``keep_probs``
-        also returns q over the whole vocabulary (exact speculative sampling needs it).
+        also returns q over the whole vocabulary (exact speculative sampling needs it);
+        ``constraints[i]`` optionally constrains row ``rows[i]``'s block.
         """
         k, t_d = self.config.block_size, self.config.draft_temperature
+        rows = list(rows)
+        constraints = list(constraints) if constraints is not None else [None] * len(rows)
         asked = torch.zeros(self.n_rows, dtype=torch.bool)
-        asked[list(rows)] = True
+        asked[rows] = True
         feed = [p if a else [] for p, a in zip(self.draft_pending, asked.tolist())]
         ids, valid = pad_left(feed, self.device)
         asked = asked.to(self.device)
+        masking = constrained.Masking(rows, constraints, "proposal")
+        critic = constrained.Masking(rows, constraints, "critic")
         drafts, logqs, probs = [], [], []
         for _ in range(k):
             q = torch.softmax(self.draft.extend(ids, valid)[:, -1].div_(t_d), -1)  # [R, V]
+            masking.restrict(q, drafts)  # proposal-mode rows sample allowed tokens only
             d = sample_probs(q, self.g)
             logqs.append(q.gather(-1, d[:, None])[:, 0].log())
             drafts.append(d)
@@ -131,17 +187,24 @@ class BlockEngine:
             ids, valid = d[:, None], asked[:, None]
         tokens = torch.stack(drafts, 1).cpu()  # [R, K]
         logq = torch.stack(logqs, 1).cpu()
-        q_all = torch.stack(probs, 1) if keep_probs else None  # [R, K, V]
+        q_all = torch.stack(probs, 1) if probs else None  # [R, K, V]
+        dead_at = masking.dead_at | critic.first_impossible(tokens)  # request -> position
         for r in rows:
             self.draft_pending[r] = []  # fed, except d_K which commit() queues
-        return [
-            self._cut(r, tokens[r].tolist(), logq[r], b, None if q_all is None else q_all[r])
-            for r, b in zip(rows, budgets)
-        ]
+        blocks = []
+        for i, (r, b) in enumerate(zip(rows, budgets)):
+            limit = dead_at.get(i, k)
+            block = self._cut(r, tokens[r].tolist(), logq[r], b, q_all[r] if keep_probs else None, limit)
+            block.constraint = constraints[i]
+            if not block.stops and block.kept == limit < k:  # the constraint, not EOS/budget, ended it
+                block.cut_log_q = math.inf  # zero weight: the particle dies here
+            blocks.append(block)
+        return blocks
 
-    def _cut(self, row, tokens, logq, budget, probs) -> DraftedBlock:
-        k = len(tokens)
-        eos_at = next((j for j, t in enumerate(tokens) if t in self.eos), None)
+    def _cut(self, row, tokens, logq, budget, probs, limit=None) -> DraftedBlock:
+        """Kept length: up to ``limit`` (a constraint's cut), the first EOS, the budget."""
+        k = len(tokens) if limit is None else limit
+        eos_at = next((j for j, t in enumerate(tokens[:k]) if t in self.eos), None)
         kept = min(k if eos_at is None else eos_at + 1, budget)
         stops = (eos_at is not None and eos_at < kept) or kept >= budget
         return DraftedBlock(row, tokens, logq, kept, stops, budget, probs)
@@ -171,17 +234,25 @@ class BlockEngine:
         token_logp = pick(torch.log_softmax(logits[:, :k], -1), drafted).cpu()  # [n, K]
         kept = torch.tensor([b.kept for b in blocks], device=self.device)
         at_bonus = logits[torch.arange(len(blocks), device=self.device), kept]  # [n, V]
-        bonus = sample_tokens(c.alpha * at_bonus, 1.0, self.g).tolist()
-        bonus_log_z = power_log_normalizer(at_bonus, 1.0, c.alpha).cpu()
-        has_bonus = torch.tensor([not b.stops for b in blocks])
+        bonus_log_z = power_log_normalizer(at_bonus, 1.0, c.alpha)
+        # Constrained rows draw the bonus from the target restricted to allowed tokens;
+        # its weight is then the allowed mass of p^alpha (-inf when nothing is allowed).
+        power = constrained.restrict_bonus(c.alpha * at_bonus, bonus_log_z, blocks)
+        bonus = sample_tokens(power, 1.0, self.g).tolist()
+        bonus_log_z = bonus_log_z.cpu()
+        going = torch.tensor([not b.stops for b in blocks])
+        has_bonus = going & torch.isfinite(bonus_log_z) & ~torch.tensor([b.dead for b in blocks])
         draft_logq = torch.stack([b.draft_logq for b in blocks])
+        cut_log_q = torch.tensor([b.cut_log_q for b in blocks], dtype=draft_logq.dtype)
         log_w = block_log_weights(
-            token_logp, draft_logq, kept.cpu(), bonus_log_z, has_bonus, c.alpha
-        ).tolist()
+            token_logp, draft_logq, kept.cpu(), bonus_log_z, has_bonus, c.alpha, cut_log_q
+        )
+        # A row that must go on but has no allowed bonus token dies: zero weight.
+        log_w = log_w.masked_fill(going & ~has_bonus, -math.inf).tolist()
         out, nexts = [], []
         for i, b in enumerate(blocks):
             nxt = bonus[i] if has_bonus[i] else None
-            ends = nxt is None or nxt in self.eos or b.kept + 1 >= b.budget
+            ends = nxt is None or nxt in self.eos or b.kept + 1 >= b.budget or b.dead
             out.append(ScoredBlock(b, token_logp[i], nxt, ends, float(bonus_log_z[i]), log_w[i]))
             nexts.append(None if ends else nxt)  # an ending row queues nothing and leaves
         self.commit(blocks, [b.kept for b in blocks], nexts)
@@ -226,3 +297,12 @@ class BlockEngine:
             self.draft.fork(index)
         self.target_pending = [list(self.target_pending[r]) for r in rows]
         self.draft_pending = [list(self.draft_pending[r]) for r in rows]
+
+
+@dataclass
+class _FirstToken:
+    """The empty block before x0, so the first token is drawn like a constrained bonus."""
+
+    constraint: RowConstraint | None
+    stops: bool = False
+    kept_tokens: tuple = ()

@@ -14,6 +14,7 @@ Particles are light: their KV state lives in row ``self.row`` of the batched bac
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +22,8 @@ from typing import Any
 from llamppl import Model
 from llamppl.distributions import Distribution
 
-from .engine import BlockEngine, DraftedBlock, ScoredBlock
+from ..potentials.constraints import Constraint
+from .engine import BlockEngine, DraftedBlock, RowConstraint, ScoredBlock
 
 
 class CycleBarrier:
@@ -85,6 +87,9 @@ class SMCSDModel(Model):
     Args:
         prompt: text (tokenized with the target's tokenizer, chat template applied
             for instruct models) or a list of token ids.
+        constraint: a hard constraint every output must satisfy (also applied to the
+            first token, drawn before any block), used by ``extend()`` by default.
+        mode: how ``extend()`` applies it: ``"proposal"`` or ``"critic"``.
 
     Attributes:
         token_ids: tokens generated so far (the first is x0, drawn from the target).
@@ -92,9 +97,12 @@ class SMCSDModel(Model):
         last_block: the ``ScoredBlock`` of the latest ``extend()``.
     """
 
-    def __init__(self, prompt: str | Sequence[int]) -> None:
+    def __init__(
+        self, prompt: str | Sequence[int], constraint: Constraint | None = None, mode: str = "proposal"
+    ) -> None:
         super().__init__()
         self.prompt = prompt
+        self.constraint, self.mode = constraint, mode
         self.token_ids: list[int] = []
         self.row = -1
         self.last_block: ScoredBlock | None = None
@@ -110,26 +118,39 @@ class SMCSDModel(Model):
         # Blocks are read-only records: share them too.
         for shared in (self.runtime, self.last_block):
             memo[id(shared)] = shared
+        for value in self.__dict__.values():  # constraints hold large tables; never copy them
+            if isinstance(value, Constraint):
+                memo[id(value)] = value
         return super().__deepcopy__(memo)
 
     async def step(self) -> None:
         """The default program: plain SMC-SD generation."""
         await self.extend()
 
-    async def extend(self) -> ScoredBlock:
+    async def extend(self, constraint: Constraint | None = None, mode: str | None = None) -> ScoredBlock:
         """Draft K tokens, score them with the target, weight, and commit them with the bonus.
 
-        Finishes the particle at an EOS token (drafted or bonus) or when
-        ``max_new_tokens`` is reached.
+        Args:
+            constraint: a hard constraint on the output (``smcsd_ppl.potentials``); the
+                target becomes p^alpha x constraint. Defaults to ``self.constraint``.
+            mode: ``"proposal"`` (the draft samples only allowed tokens) or ``"critic"``
+                (the block is cut before its first impossible token). Defaults to ``self.mode``.
+
+        Finishes the particle at an EOS token (drafted or bonus), when
+        ``max_new_tokens`` is reached, or when the constraint allows nothing more.
         """
-        await self.sample(self.target_block(), proposal=self.draft_block())
+        constraint = self.constraint if constraint is None else constraint
+        await self.sample(self.target_block(), proposal=self.draft_block(constraint, mode or self.mode))
         if self.last_block.stops:
             self.finish()
         return self.last_block
 
-    def draft_block(self) -> DraftBlock:
-        """The proposal: K tokens from the draft model."""
-        return DraftBlock(self)
+    def draft_block(self, constraint: Constraint | None = None, mode: str = "proposal") -> DraftBlock:
+        """The proposal: K tokens from the draft model (optionally constrained)."""
+        row_constraint = (
+            None if constraint is None else RowConstraint(constraint, mode, tuple(self.token_ids))
+        )
+        return DraftBlock(self, row_constraint)
 
     def target_block(self) -> TargetBlock:
         """The potential: the target's (power) probability of a drafted block."""
@@ -152,15 +173,15 @@ class SMCSDModel(Model):
 class DraftBlock(Distribution):
     """K tokens drafted for one particle, batched with every other particle of the cycle."""
 
-    def __init__(self, particle: SMCSDModel) -> None:
-        self.particle = particle
+    def __init__(self, particle: SMCSDModel, constraint: RowConstraint | None = None) -> None:
+        self.particle, self.constraint = particle, constraint
 
     async def sample(self) -> tuple[DraftedBlock, float]:
         """Draft a block; returns it with its log q."""
         if self.particle.finished:
             raise ValueError("a finished particle cannot draft")
         p = self.particle
-        block = await p.runtime.barrier.submit("draft", (p.row, p.budget))
+        block = await p.runtime.barrier.submit("draft", (p.row, p.budget, self.constraint))
         return block, block.log_q
 
     async def log_prob(self, block: DraftedBlock) -> float:
@@ -187,5 +208,7 @@ class TargetBlock(Distribution):
         if scored.bonus is not None:
             p.token_ids.append(scored.bonus)
         p.last_block = scored
+        if block.dead:  # log q is +inf there: return the zero weight directly, not inf - inf
+            return -math.inf
         # LLaMPPL's sample() subtracts log q itself; hand back the potential's part.
         return scored.log_weight + block.log_q

@@ -93,12 +93,14 @@ async def smc_sd(
     prompts = [_prompt_ids(p.prompt, encode) for p in programs]
     barrier = CycleBarrier(
         {
-            "draft": lambda items: engine.draft_blocks([r for r, _ in items], [b for _, b in items]),
+            "draft": lambda items: engine.draft_blocks(
+                [r for r, _, _ in items], [b for _, b, _ in items], constraints=[c for _, _, c in items]
+            ),
             "target": engine.verify_blocks,
         }
     )
     runtime = Runtime(engine, barrier, cfg.max_new_tokens, decode)
-    x0, log_z0 = engine.start(prompts, cfg.n_particles)
+    x0, log_z0 = engine.start(prompts, cfg.n_particles, [p.constraint for p in programs])
     pops = []
     for i, program in enumerate(programs):
         program.runtime = runtime

@@ -1,0 +1,119 @@
+"""How hard constraints enter a cycle: masked proposals, critic cuts, masked bonus draws.
+
+Both roles keep SMC-SD properly weighted for the target p^alpha x constraint:
+
+* proposal: q is restricted to allowed tokens and renormalized, so the drafted
+  tokens' log q already is the proposal's density (the weight p/q_masked carries
+  the allowed mass of q);
+* critic: the draft samples freely and the constraint weighs the block: a block
+  with an impossible token has weight zero. The row keeps only the valid prefix
+  (nothing invalid is fed to later forwards) and the particle is resampled away.
+  It does not continue from the cut: a particle that could resume after a cut of
+  variable length would reach the same output through several block
+  segmentations, and its weights would then overcount outputs (the tests show this
+  bias). Use ``proposal`` mode for particles that always stay alive.
+
+The bonus token of a constrained row is drawn from the target restricted to allowed
+tokens; its weight is the allowed mass of p^alpha instead of the full normalizer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+
+def _masks(pairs: Sequence[tuple[object, tuple[int, ...]]]) -> list[torch.Tensor]:
+    """``next_mask`` for (constraint, context) pairs, one batched call per constraint."""
+    out: list[torch.Tensor | None] = [None] * len(pairs)
+    groups: dict[int, list[int]] = {}
+    for i, (c, _) in enumerate(pairs):
+        groups.setdefault(id(c), []).append(i)
+    for idx in groups.values():
+        masks = pairs[idx[0]][0].next_mask([pairs[i][1] for i in idx])
+        for i, m in zip(idx, masks):
+            out[i] = m
+    return out
+
+
+class Masking:
+    """The constrained rows of one drafting round that use ``mode``.
+
+    Args:
+        rows: backend row of each request.
+        constraints: ``RowConstraint`` or None per request.
+        mode: ``"proposal"`` or ``"critic"``.
+    """
+
+    def __init__(self, rows: Sequence[int], constraints: Sequence, mode: str) -> None:
+        self.items = [
+            (i, r, c) for i, (r, c) in enumerate(zip(rows, constraints)) if c is not None and c.mode == mode
+        ]
+        self.dead_at: dict[int, int] = {}  # request index -> position where nothing was allowed
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+    def restrict(self, q: torch.Tensor, drafted: list[torch.Tensor]) -> None:
+        """Zero disallowed tokens of q ``[R, V]`` in place and renormalize, per row."""
+        live = [(i, r, c) for i, r, c in self.items if i not in self.dead_at]
+        if not live:
+            return
+        contexts = [(c.constraint, c.context + tuple(int(d[r]) for d in drafted)) for _, r, c in live]
+        for (i, r, _), mask in zip(live, _masks(contexts)):
+            row = q[r] * mask.to(q.device)
+            total = row.sum()
+            if total > 0:
+                q[r] = row / total
+            else:  # the constraint allows nothing here: the particle dies at this position
+                self.dead_at[i] = len(drafted)
+
+    def first_impossible(self, tokens: torch.Tensor) -> dict[int, int]:
+        """Critic rows: position of the first drafted token the constraint forbids.
+
+        ``tokens [R, K]`` are the drafted tokens; one batched ``next_mask`` call per
+        constraint covers every row and position.
+        """
+        if not self.items:
+            return {}
+        k = tokens.shape[1]
+        pairs = [
+            (c.constraint, c.context + tuple(tokens[r, :j].tolist()))
+            for _, r, c in self.items
+            for j in range(k)
+        ]
+        masks = _masks(pairs)
+        out = {}
+        for n, (i, r, _) in enumerate(self.items):
+            bad = [j for j in range(k) if not masks[n * k + j][tokens[r, j]]]
+            if bad:
+                out[i] = bad[0]
+        return out
+
+
+def restrict_bonus(power_logits: torch.Tensor, log_z: torch.Tensor, blocks: Sequence) -> torch.Tensor:
+    """Mask the bonus distribution of constrained rows; update their ``log_z`` in place.
+
+    ``power_logits [n, V]`` are alpha * l / T_t at the bonus position and ``log_z [n]``
+    their log normalizer relative to p^alpha (``logsumexp(alpha l) - alpha logsumexp(l)``);
+    for a constrained row it becomes the log of the allowed mass of p^alpha.
+    """
+    rows = [i for i, b in enumerate(blocks) if b.constraint is not None and not b.stops]
+    if not rows:
+        return power_logits
+    pairs = [
+        (blocks[i].constraint.constraint, blocks[i].constraint.context + tuple(blocks[i].kept_tokens))
+        for i in rows
+    ]
+    out = power_logits.clone()
+    for i, mask in zip(rows, _masks(pairs)):
+        mask = mask.to(out.device)
+        full = torch.logsumexp(out[i], -1)
+        out[i] = out[i].masked_fill(~mask, -math.inf)
+        allowed = torch.logsumexp(out[i], -1)
+        log_z[i] = log_z[i] + allowed - full  # allowed share of the power's mass
+        if not torch.isfinite(allowed):
+            out[i] = power_logits[i]  # keeps sampling well defined; the row dies by weight
+    return out
