@@ -24,6 +24,8 @@ from collections.abc import Sequence
 
 import torch
 
+from ..potentials.constraints import allows
+
 
 def _masks(pairs: Sequence[tuple[object, tuple[int, ...]]]) -> list[torch.Tensor]:
     """``next_mask`` for (constraint, context) pairs, one batched call per constraint."""
@@ -73,24 +75,39 @@ class Masking:
     def first_impossible(self, tokens: torch.Tensor) -> dict[int, int]:
         """Critic rows: position of the first drafted token the constraint forbids.
 
-        ``tokens [R, K]`` are the drafted tokens; one batched ``next_mask`` call per
-        constraint covers every row and position.
+        ``tokens [R, K]`` are the drafted tokens; the constraint checks every
+        prefix of every block in one batched ``allows`` call per constraint.
         """
         if not self.items:
             return {}
         k = tokens.shape[1]
-        pairs = [
-            (c.constraint, c.context + tuple(tokens[r, :j].tolist()))
-            for _, r, c in self.items
-            for j in range(k)
-        ]
-        masks = _masks(pairs)
         out = {}
-        for n, (i, r, _) in enumerate(self.items):
-            bad = [j for j in range(k) if not masks[n * k + j][tokens[r, j]]]
-            if bad:
-                out[i] = bad[0]
+        groups: dict[int, list] = {}
+        for i, r, c in self.items:
+            groups.setdefault(id(c.constraint), []).append((i, r, c))
+        for items in groups.values():
+            seqs = [c.context + tuple(tokens[r, : j + 1].tolist()) for _, r, c in items for j in range(k)]
+            ok = allows(items[0][2].constraint, seqs)
+            for n, (i, _, _) in enumerate(items):
+                bad = [j for j in range(k) if not ok[n * k + j]]
+                if bad:
+                    out[i] = bad[0]
         return out
+
+
+def check_bonus(blocks: Sequence, bonus: Sequence[int]) -> list[bool]:
+    """Critic rows: whether the bonus token drawn from the unrestricted target is allowed."""
+    ok = [True] * len(blocks)
+    rows = [i for i, b in enumerate(blocks) if b.constraint is not None and b.constraint.mode == "critic"]
+    groups: dict[int, list[int]] = {}  # one batched call per constraint
+    for i in rows:
+        groups.setdefault(id(blocks[i].constraint.constraint), []).append(i)
+    for idx in groups.values():
+        c = blocks[idx[0]].constraint.constraint
+        seqs = [blocks[i].constraint.context + tuple(blocks[i].kept_tokens) + (int(bonus[i]),) for i in idx]
+        for i, good in zip(idx, allows(c, seqs)):
+            ok[i] = good
+    return ok
 
 
 def restrict_bonus(power_logits: torch.Tensor, log_z: torch.Tensor, blocks: Sequence) -> torch.Tensor:
@@ -100,7 +117,11 @@ def restrict_bonus(power_logits: torch.Tensor, log_z: torch.Tensor, blocks: Sequ
     their log normalizer relative to p^alpha (``logsumexp(alpha l) - alpha logsumexp(l)``);
     for a constrained row it becomes the log of the allowed mass of p^alpha.
     """
-    rows = [i for i, b in enumerate(blocks) if b.constraint is not None and not b.stops]
+    rows = [
+        i
+        for i, b in enumerate(blocks)
+        if b.constraint is not None and b.constraint.mode == "proposal" and not b.stops
+    ]
     if not rows:
         return power_logits
     pairs = [

@@ -240,6 +240,9 @@ class BlockEngine:
         power = constrained.restrict_bonus(c.alpha * at_bonus, bonus_log_z, blocks)
         bonus = sample_tokens(power, 1.0, self.g).tolist()
         bonus_log_z = bonus_log_z.cpu()
+        for i, ok in enumerate(constrained.check_bonus(blocks, bonus)):
+            if not ok and not blocks[i].stops:  # a critic's bonus broke the constraint
+                bonus_log_z[i] = -math.inf
         going = torch.tensor([not b.stops for b in blocks])
         has_bonus = going & torch.isfinite(bonus_log_z) & ~torch.tensor([b.dead for b in blocks])
         draft_logq = torch.stack([b.draft_logq for b in blocks])

@@ -27,10 +27,23 @@ DEAD = -1
 
 @runtime_checkable
 class Constraint(Protocol):
-    """What the engine needs from a hard constraint."""
+    """What the engine needs from a hard constraint.
+
+    ``next_mask`` is required. A constraint may also define ``allows(sequences) ->
+    list[bool]`` (each sequence is a viable prefix, or complete when it ends with
+    EOS), which critic mode uses instead of full masks when it is cheaper.
+    """
 
     def next_mask(self, contexts: Sequence[Sequence[int]]) -> torch.Tensor:
         """Allowed next tokens ``[n, V]`` (bool) after each context of token ids."""
+
+
+def allows(constraint: Constraint, sequences: Sequence[Sequence[int]]) -> list[bool]:
+    """Whether each token sequence can still satisfy the constraint (see ``Constraint``)."""
+    if hasattr(constraint, "allows"):
+        return list(constraint.allows(sequences))
+    masks = constraint.next_mask([s[:-1] for s in sequences])
+    return [bool(m[s[-1]]) if s else True for m, s in zip(masks, sequences)]
 
 
 def token_bytes(tokenizer) -> tuple[list[bytes | None], list[int]]:
@@ -70,17 +83,24 @@ class RegexConstraint:
         self._order, self._bytes, self._active = _sorted_bytes(vocab)
         self._special = np.array(special, dtype=np.int64)
         self._eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long)
+        self._eos_set = set(self._eos.tolist())
         self._tables: dict[int, np.ndarray] = {}  # DFA state -> next state of every token
         self._masks: dict[int, torch.Tensor] = {}
         self._states: dict[tuple[int, ...], int] = {(): self._start}
 
     def state(self, context: Sequence[int]) -> int:
         """DFA state after a token sequence (``DEAD`` once it cannot match)."""
-        key = tuple(context)
-        if key not in self._states:
-            prev = self.state(key[:-1])
-            self._states[key] = DEAD if prev == DEAD else int(self._table(prev)[key[-1]])
-        return self._states[key]
+        key = tuple(int(t) for t in context)
+        n = len(key)
+        while key[:n] not in self._states:  # the longest prefix already walked
+            n -= 1
+        s = self._states[key[:n]]
+        if len(self._states) > 500_000:  # bound memory on very long runs
+            self._states = {(): self._start}
+        for i in range(n, len(key)):
+            s = DEAD if s == DEAD else int(self._table(s)[key[i]])
+            self._states[key[: i + 1]] = s
+        return s
 
     def next_mask(self, contexts: Sequence[Sequence[int]]) -> torch.Tensor:
         """Allowed next tokens ``[n, V]``; EOS only where the match is complete."""
@@ -89,6 +109,16 @@ class RegexConstraint:
     def is_complete(self, context: Sequence[int]) -> bool:
         """The context's bytes match the whole pattern."""
         return self.state(context) in self._finals
+
+    def allows(self, sequences: Sequence[Sequence[int]]) -> list[bool]:
+        """Each sequence is a viable prefix (or a full match followed by EOS)."""
+        out = []
+        for seq in sequences:
+            if seq and int(seq[-1]) in self._eos_set:
+                out.append(self.is_complete(seq[:-1]))
+            else:
+                out.append(self.state(seq) != DEAD)
+        return out
 
     def _mask(self, state: int) -> torch.Tensor:
         mask = self._masks.get(state)
@@ -191,6 +221,25 @@ class PotentialConstraint:
                     mask[self._eos] = True
                 self._cache[ctx] = mask
         return torch.stack([self._cache[tuple(c)] for c in contexts])
+
+
+def _potential_allows(self, sequences: Sequence[Sequence[int]]) -> list[bool]:
+    """Viable prefix (``batch_prefix``), or complete before a final EOS (``batch_complete``)."""
+    eos = set(self._eos.tolist())
+    ends = [bool(s) and int(s[-1]) in eos for s in sequences]
+    bodies = [[self.vocab_tokens[t] for t in (s[:-1] if e else s)] for s, e in zip(sequences, ends)]
+    out = [True] * len(sequences)
+    for want_complete in (False, True):
+        idx = [i for i, e in enumerate(ends) if e == want_complete]
+        if idx:
+            call = self.coerced.batch_complete if want_complete else self.coerced.batch_prefix
+            weights = _run(call([bodies[i] for i in idx]))
+            for i, w in zip(idx, weights):
+                out[i] = bool(np.isfinite(float(w)))
+    return out
+
+
+PotentialConstraint.allows = _potential_allows
 
 
 def _run(coro):
