@@ -87,6 +87,7 @@ def run_programs(pair: SMCSD, programs, config, on_progress=None, on_cycle=None)
             n_resamples=r.n_resamples,
             mean_ess=statistics.fmean(r.ess_trace) if r.ess_trace else None,
             particles=r.particles,
+            ess_trace=r.ess_trace,
             message=r.message,
         )
         for r in results
@@ -117,3 +118,7 @@ def _ar(pair, ids, config, on_progress):
         on_step=on_progress,
     )
     return [Generation(pair.decode(t), t, "ar", None) for t in run.token_ids]
+
+
+# Baselines in their own modules register themselves on import.
+from .baselines import easd, hf_assisted, minedraft, racer  # noqa: E402, F401

@@ -49,7 +49,8 @@ class Generation:
         text, token_ids: the generated continuation (the prompt excluded).
         method: the method's name (see ``smcsd_ppl.methods``).
         stats: the cost of the whole call this request was part of.
-        log_z, n_resamples, mean_ess, particles: SMC-SD only.
+        log_z, n_resamples, mean_ess, particles, ess_trace: SMC-SD only (the ESS
+            before each cycle's resampling decision).
         acceptance: exact SD only (accepted / drafted tokens).
         message: why an output is empty, if it is.
     """
@@ -63,4 +64,5 @@ class Generation:
     mean_ess: float | None = None
     acceptance: float | None = None
     particles: list[ParticleOut] = field(default_factory=list)
+    ess_trace: list[float] = field(default_factory=list)
     message: str = ""

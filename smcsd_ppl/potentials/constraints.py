@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -202,25 +203,36 @@ class PotentialConstraint:
 
         self.vocab_tokens = list(decode_vocab(tokenizer)[0])
         self.vocab_size = len(self.vocab_tokens)
-        self.coerced = Coerced(potential, self.vocab_tokens, f=b"".join, prune=False)
+        # Pruning keeps only tokens whose bytes the potential can ever accept (for a
+        # grammar over digits and operators, a few hundred of 49k): masks get that cheap.
+        self.coerced = Coerced(potential, self.vocab_tokens, f=b"".join, prune=True)
         special = set(getattr(tokenizer, "all_special_ids", []) or [])
-        self._text_ids = torch.tensor([i for i in range(self.vocab_size) if i not in special])
+        ids = [t.token_id for t in self.coerced.vocab]
+        keep = [n for n, i in enumerate(ids) if i not in special]
+        self._columns = torch.tensor(keep, dtype=torch.long)  # text tokens among the coerced vocab
+        self._ids = torch.tensor([ids[n] for n in keep], dtype=torch.long)  # and their token ids
         self._eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long)
         self._cache: dict[tuple[int, ...], torch.Tensor] = {}
 
     def next_mask(self, contexts: Sequence[Sequence[int]]) -> torch.Tensor:
         """Allowed next tokens ``[n, V]`` from the coerced potential's ``logw_next``."""
-        todo = [tuple(c) for c in dict.fromkeys(tuple(c) for c in contexts) if tuple(c) not in self._cache]
-        if todo:
-            rows = _run(self.coerced.batch_logw_next([[self.vocab_tokens[t] for t in c] for c in todo]))
-            for ctx, lw in zip(todo, rows):
-                w = torch.as_tensor(np.asarray(lw.weights), dtype=torch.float64)
+        todo = [c for c in dict.fromkeys(tuple(int(t) for t in c) for c in contexts) if c not in self._cache]
+        eos = set(self._eos.tolist())
+        # Dead contexts (past an EOS or off the language) allow nothing; genlm-control
+        # refuses to compute next-token weights for them.
+        live = [c for c, ok in zip(todo, self.allows(todo)) if ok and not (set(c) & eos)]
+        for c in todo:
+            self._cache[c] = torch.zeros(self.vocab_size, dtype=torch.bool)
+        if live:
+            batch = _run(self.coerced.batch_logw_next([[self.vocab_tokens[t] for t in c] for c in live]))
+            weights = torch.as_tensor(np.asarray(batch.weights), dtype=torch.float64)  # [n, V+1]
+            for c, w in zip(live, weights):
                 mask = torch.zeros(self.vocab_size, dtype=torch.bool)
-                mask[self._text_ids] = torch.isfinite(w[: self.vocab_size])[self._text_ids]
+                mask[self._ids] = torch.isfinite(w[self._columns])
                 if torch.isfinite(w[-1]):  # the coerced vocabulary ends with EOS
                     mask[self._eos] = True
-                self._cache[ctx] = mask
-        return torch.stack([self._cache[tuple(c)] for c in contexts])
+                self._cache[c] = mask
+        return torch.stack([self._cache[tuple(int(t) for t in c)] for c in contexts])
 
 
 def _potential_allows(self, sequences: Sequence[Sequence[int]]) -> list[bool]:
@@ -243,14 +255,16 @@ PotentialConstraint.allows = _potential_allows
 
 
 def _run(coro):
-    """Run a genlm-control coroutine from synchronous engine code (in a worker loop if needed)."""
+    """Run a genlm-control coroutine from synchronous engine code.
+
+    The engine's batched calls run inside the SMC loop's event loop, where a nested
+    ``asyncio.run`` is not allowed: then the coroutine runs on a worker thread's loop.
+    """
     try:
         asyncio.get_running_loop()
     except RuntimeError:
         return asyncio.run(coro)
-    # Called from inside the SMC loop's event loop: run on a private loop in this thread.
-    loop = asyncio.new_event_loop()
-    try:
-        return loop.run_until_complete(coro)
-    finally:
-        loop.close()
+    return _WORKER.submit(asyncio.run, coro).result()
+
+
+_WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="smcsd-potential")

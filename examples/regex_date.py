@@ -1,0 +1,30 @@
+"""A regex format: the answer must be an ISO date (YYYY-MM-DD), nothing else."""
+
+from smcsd_ppl import SMCSD, SMCConfig, SMCSDModel
+from smcsd_ppl.potentials import RegexConstraint
+
+DATE = r"(19|20)[0-9]{2}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"
+
+
+class DateAnswer(SMCSDModel):
+    """Each block is drafted under the date pattern; EOS only after a full date."""
+
+    async def step(self):
+        await self.extend()
+
+
+def main(pair=None, config=None):
+    pair = pair or SMCSD.load()
+    config = config or SMCConfig(
+        n_particles=8, block_size=8, draft_temperature=0.7, target_temperature=0.7, max_new_tokens=24
+    )
+    date = RegexConstraint(DATE, pair.tokenizer, pair.eos_token_ids)
+    question = "On what date did Apollo 11 land on the Moon? Answer with the date only, as YYYY-MM-DD."
+    [out] = pair.run([DateAnswer(question, date)], config)
+    print(out.text)
+    print(f"{out.stats.tokens_per_second:.1f} tok/s, mean ESS {out.mean_ess:.2f}, log Z {out.log_z:.2f}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
