@@ -51,7 +51,8 @@ class Generation:
         stats: the cost of the whole call this request was part of.
         log_z, n_resamples, mean_ess, particles, ess_trace: SMC-SD only (the ESS
             before each cycle's resampling decision).
-        acceptance: exact SD only (accepted / drafted tokens).
+        acceptance: speculative methods (accepted / drafted tokens).
+        entropy_rejections: EASD only (drafted tokens SD accepted but its rule rejected).
         message: why an output is empty, if it is.
     """
 
@@ -63,6 +64,7 @@ class Generation:
     n_resamples: int | None = None
     mean_ess: float | None = None
     acceptance: float | None = None
+    entropy_rejections: int | None = None
     particles: list[ParticleOut] = field(default_factory=list)
     ess_trace: list[float] = field(default_factory=list)
     message: str = ""

@@ -39,7 +39,7 @@ class HFBatchedLM:
         self.stats = ForwardStats()
         # transformers 5.24 renamed `past_key_values` to `cache`; accept either release.
         params = inspect.signature(model.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"
         self.cache: DynamicCache | None = None
         self.rows = RowMask(torch.zeros(0, 0, dtype=torch.bool, device=self.device))
 
@@ -83,9 +83,9 @@ class HFBatchedLM:
             # Resampling usually replaces a few rows: copy only those, in place.
             dest, src = torch.nonzero(moved)[:, 0], rows[moved]
             with torch.inference_mode():
-                self._map_cache(lambda t: t.index_copy_(0, dest, t.index_select(0, src)))
+                self.map_cache(lambda t: t.index_copy_(0, dest, t.index_select(0, src)))
         else:
-            self._map_cache(lambda t: t.index_select(0, rows))
+            self.map_cache(lambda t: t.index_select(0, rows))
         self._crop_holes()
 
     def drop_tail(self, n: torch.Tensor) -> None:
@@ -96,15 +96,16 @@ class HFBatchedLM:
     def _crop_holes(self) -> None:
         if self.rows.wasteful():  # gather real positions to the front, per row
             index = self.rows.compaction()
-            self._map_cache(
+            self.map_cache(
                 lambda t: t.gather(2, index[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3]))
             )
         n = self.rows.trailing_holes()
         if n:
             self.rows.crop(n)
-            self._map_cache(lambda t: t[:, :, : t.shape[2] - n])
+            self.map_cache(lambda t: t[:, :, : t.shape[2] - n])
 
-    def _map_cache(self, fn) -> None:
+    def map_cache(self, fn) -> None:
+        """Apply ``fn`` to every layer's key and value tensors ``[R, heads, L, head_dim]``."""
         for layer in self.cache.layers:
             if getattr(layer, "keys", None) is not None and layer.keys.numel():
                 layer.keys, layer.values = fn(layer.keys), fn(layer.values)
@@ -132,7 +133,7 @@ class HFBatchedLM:
                 attention_mask=self.rows.valid.long(),
                 position_ids=positions,
                 use_cache=True,
-                **{self._cache_kw: self.cache},
+                **{self.cache_kw: self.cache},
                 logits_to_keep=1 if last_only else 0,
             )
         return check_logits(out.logits.float(), self.name)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..inference.engine import BlockEngine
+from ..inference.engine import BlockEngine, DraftedBlock
 from ..spec import speculative_accept
 
 
@@ -53,28 +53,44 @@ def speculative_sampling(
         tokens = torch.tensor([b.tokens for b in blocks], device=draft_probs.device)
         n_acc, nxt = speculative_accept(target_probs, draft_probs, tokens, engine.g)
         calls += 1
-        kept, nexts, going = [], [], []
-        for i, (b, n, t) in enumerate(zip(blocks, n_acc.tolist(), nxt.tolist())):
-            out = outs[rows[i]]
-            drafted += b.kept
-            accepted += min(n, b.kept)
-            if n >= b.kept:  # everything up to the EOS / budget cut was accepted
-                out.extend(b.kept_tokens)
-                t = None if b.stops else t
-                kept.append(b.kept)
-            else:  # rejected at n: the residual draw replaces d_{n+1}
-                out.extend(b.tokens[:n])
-                kept.append(n)
-            if t is not None:
-                out.append(t)
-                if t in engine.eos or len(out) >= cfg.max_new_tokens:
-                    t = None
-            nexts.append(t)
-            if t is not None:
-                going.append(i)
-        engine.commit(blocks, kept, nexts)
-        engine.reorder(going)
+        drafted += sum(b.kept for b in blocks)
+        accepted += sum(min(n, b.kept) for b, n in zip(blocks, n_acc.tolist()))
+        going = settle(engine, blocks, n_acc.tolist(), nxt.tolist(), [outs[r] for r in rows])
         rows = [rows[i] for i in going]
         if on_step is not None:
             on_step(max(len(o) for o in outs))
     return SpeculativeRun(outs, calls, drafted, accepted)
+
+
+def settle(
+    engine: BlockEngine, blocks: Sequence[DraftedBlock], n_acc: Sequence[int], nxt: Sequence[int], outs
+) -> list[int]:
+    """Apply speculative verdicts: extend outputs, commit both caches, keep the live rows.
+
+    ``outs[i]`` is the output list of ``blocks[i]``'s row (extended in place): its
+    accepted prefix, then ``nxt[i]`` (the residual, veto or bonus draw) unless the
+    block itself ended the row. Shared by exact SD, EASD and the MineDraft schedule.
+    Returns the indices of the blocks whose rows go on; the engine keeps exactly
+    those rows, in that order.
+    """
+    cfg = engine.config
+    kept, nexts, going = [], [], []
+    for i, (b, m, t) in enumerate(zip(blocks, n_acc, nxt)):
+        out = outs[i]
+        if m >= b.kept:  # everything up to the EOS / budget cut was accepted
+            out.extend(b.kept_tokens)
+            t = None if b.stops else t
+            kept.append(b.kept)
+        else:  # rejected at m (by SD or by a veto): t replaces d_{m+1}
+            out.extend(b.tokens[:m])
+            kept.append(m)
+        if t is not None:
+            out.append(t)
+            if t in engine.eos or len(out) >= cfg.max_new_tokens:
+                t = None
+        nexts.append(t)
+        if t is not None:
+            going.append(i)
+    engine.commit(blocks, kept, nexts)
+    engine.reorder(going)
+    return going

@@ -1,0 +1,268 @@
+"""The benchmark grid runner: one JSONL record per (setting, prompt, repeat), resumable."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import resource
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from .. import methods as registry
+from ..config import SMCConfig
+from .datasets import Prompt
+from .quality import check_answer, target_loglik_per_token
+
+if TYPE_CHECKING:
+    from ..generate import SMCSD
+
+KEY_FIELDS = ("method", "n_particles", "block_size", "temperature", "prompt_id", "repeat")
+# Fields that differ between two runs of the same record (machine noise), everything else must not.
+TIMING_FIELDS = (
+    "seconds",
+    "tokens_per_second",
+    "ttft_seconds",
+    "target_seconds",
+    "draft_seconds",
+    "peak_rss_mb",
+    "cuda_peak_mb",
+)
+TEXT_CHARS = 300
+
+OnRecord = Callable[[dict, int, int], None]
+
+
+@dataclass(frozen=True)
+class Grid:
+    """The settings to benchmark: methods x N x K x temperatures.
+
+    A method without particles is run once per K (not per N), one without a draft once
+    per N (not per K); one with neither once per temperature. ``base`` holds every other
+    setting (max_new_tokens, ESS threshold, resampling, alpha, seed, ignore_eos); both
+    temperatures (T_d and T_t) are set to each grid temperature, as in the reference's runs.
+    """
+
+    methods: Sequence[str]
+    n_particles: Sequence[int] = (4,)
+    block_sizes: Sequence[int] = (4,)
+    temperatures: Sequence[float] = (0.7,)
+    base: SMCConfig = field(default_factory=SMCConfig)
+
+    def __post_init__(self) -> None:
+        if not self.methods:
+            raise ValueError("give at least one method")
+        for _, n, k, t in self.settings():  # bad names or values fail here, before any model loads
+            self.config(n, k, t, 0)
+
+    def settings(self) -> list[tuple[str, int | None, int | None, float]]:
+        """Every (method, N or None, K or None, temperature), in grid order, without repeats."""
+        out: list[tuple[str, int | None, int | None, float]] = []
+        for name in self.methods:
+            m = registry.get(name)
+            for t in self.temperatures:
+                for n in self.n_particles if m.particles else [None]:
+                    for k in self.block_sizes if m.uses_draft else [None]:
+                        if (name, n, k, float(t)) not in out:
+                            out.append((name, n, k, float(t)))
+        return out
+
+    def config(self, n: int | None, k: int | None, t: float, seed: int) -> SMCConfig:
+        """The ``SMCConfig`` of one setting (unused N or K left at the base value)."""
+        return dataclasses.replace(
+            self.base,
+            n_particles=self.base.n_particles if n is None else n,
+            block_size=self.base.block_size if k is None else k,
+            draft_temperature=t,
+            target_temperature=t,
+            seed=seed,
+        )
+
+
+def record_seed(key: Sequence, base_seed: int = 0) -> int:
+    """A seed that depends on the record's key only, never on the order records are run in."""
+    digest = hashlib.sha256(json.dumps([base_seed, *key]).encode()).digest()
+    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
+
+
+def record_key(record: dict) -> tuple:
+    """The identity of a record: method, N, K, temperature, prompt id, repeat."""
+    return tuple(record[f] for f in KEY_FIELDS)
+
+
+def read_records(path: str | Path) -> tuple[list[dict], int]:
+    """Records of a JSONL file and the byte length of its complete part.
+
+    A last line cut short (a run killed mid-write) is ignored; a bad line elsewhere is an error.
+    """
+    data = Path(path).read_bytes() if Path(path).exists() else b""
+    records, good, pos = [], 0, 0
+    lines = data.split(b"\n")
+    for i, line in enumerate(lines):
+        pos += len(line) + (i < len(lines) - 1)
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if any(rest.strip() for rest in lines[i + 1 :]):
+                raise ValueError(f"{path}: line {i + 1} is not valid JSON ({err.msg})") from err
+            break  # the truncated tail
+        good = pos
+    return records, good
+
+
+def run_bench(
+    pair: SMCSD,
+    prompts: Sequence[Prompt],
+    grid: Grid,
+    out_path: str | Path,
+    repeats: int = 1,
+    on_record: OnRecord | None = None,
+    *,
+    warmup: bool = True,
+) -> list[dict]:
+    """Run every (repeat, prompt, setting), appending one JSON line per record as it finishes.
+
+    Records already in ``out_path`` (same key) are skipped, so a killed run resumes where it
+    stopped; seeds come from the keys, so the resumed file holds the same records an
+    uninterrupted run writes (timings aside).
+
+    Args:
+        pair: the models.
+        prompts: from ``load_prompts``.
+        grid: methods and settings.
+        out_path: the JSONL file (created, or appended to).
+        repeats: runs of each (setting, prompt), with different seeds.
+        on_record: called with (record, records done, records in all) after each is saved.
+        warmup: run each method once, unrecorded, before its first timed record.
+
+    Returns:
+        The records of this grid, old and new, in run order.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if not prompts:
+        raise ValueError("no prompts to benchmark")
+    settings = grid.settings()
+    plan = [(s, p, r) for r in range(repeats) for p in prompts for s in settings]
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    existing, good = read_records(out_path)
+    _check_compatible(existing, pair, grid.base)
+    done = {record_key(r): r for r in existing}
+    out_path.touch()
+    with out_path.open("r+b") as f:
+        f.truncate(good)  # drop a line cut short by a kill
+        if good:
+            f.seek(good - 1)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
+        f.seek(0, os.SEEK_END)
+        results, warmed = [], set()
+        for i, ((method, n, k, t), prompt, rep) in enumerate(plan):
+            key = (method, n, k, t, prompt.id, rep)
+            if key not in done:
+                if warmup and method not in warmed:
+                    _warm(pair, method, prompt, grid.config(n, k, t, 0))
+                warmed.add(method)
+                done[key] = _measure(pair, grid, key, prompt)
+                f.write((json.dumps(done[key], ensure_ascii=False) + "\n").encode())
+                f.flush()
+                os.fsync(f.fileno())  # a record on disk survives a kill right after it
+            results.append(done[key])
+            if on_record is not None:
+                on_record(done[key], i + 1, len(plan))
+    return results
+
+
+def _warm(pair: SMCSD, method: str, prompt: Prompt, config: SMCConfig) -> None:
+    """One short unrecorded generation: first calls pay for lazy initialization."""
+    try:
+        pair.generate(
+            prompt.text,
+            method=method,
+            config=dataclasses.replace(config, max_new_tokens=min(8, config.max_new_tokens)),
+        )
+    except ValueError:
+        pass  # the measured call records the error
+
+
+def _peak_rss_mb() -> float:
+    """The process's peak resident memory so far (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return round(peak / (2**20 if sys.platform == "darwin" else 2**10), 1)
+
+
+def _check_compatible(existing: list[dict], pair: SMCSD, base: SMCConfig) -> None:
+    """Refuse to mix records of other models or budgets into one file."""
+    now = {"target": pair.target.name, "draft": pair.draft.name, "max_new_tokens": base.max_new_tokens}
+    for r in existing:
+        for name, value in now.items():
+            if r.get(name) != value:
+                raise ValueError(
+                    f"the output file holds records with {name}={r.get(name)!r}, this run has {value!r}; "
+                    "use another --out file"
+                )
+
+
+def _measure(pair: SMCSD, grid: Grid, key: tuple, prompt: Prompt) -> dict:
+    method, n, k, t, pid, rep = key
+    seed = record_seed(key, grid.base.seed)
+    config = grid.config(n, k, t, seed)
+    record = dict(zip(KEY_FIELDS, key)) | {
+        "category": prompt.category,
+        "seed": seed,
+        "target": pair.target.name,
+        "draft": pair.draft.name,
+        "max_new_tokens": config.max_new_tokens,
+        "device": str(pair.target_lm.device),
+        "dtype": str(next(pair.target_lm.model.parameters()).dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+    }
+    cuda = pair.target_lm.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(pair.target_lm.device)
+    first: list[float] = []
+
+    def progress(tokens: int) -> None:
+        if tokens >= 1 and not first:
+            first.append(time.perf_counter())
+
+    start = time.perf_counter()
+    try:
+        gen = pair.generate(prompt.text, method=method, config=config, on_progress=progress)
+    except ValueError as err:  # e.g. a prompt over the context: recorded, the grid goes on
+        return record | {"error": str(err)}
+    s = gen.stats
+    trace = getattr(gen, "ess_trace", None)  # not carried by Generation yet
+    return record | {
+        "new_tokens": s.new_tokens,
+        "seconds": round(s.seconds, 5),
+        "tokens_per_second": round(s.tokens_per_second, 3),
+        "ttft_seconds": round(first[0] - start, 5) if first else None,
+        "tokens_per_target_call": round(s.tokens_per_target_call, 4),
+        "target_calls": s.target_calls,
+        "draft_calls": s.draft_calls,
+        "target_seconds": round(s.target_seconds, 5),
+        "draft_seconds": round(s.draft_seconds, 5),
+        "acceptance": gen.acceptance,
+        "mean_ess": gen.mean_ess,
+        "n_resamples": gen.n_resamples,
+        "log_z": gen.log_z,
+        "ess_trace": [round(float(e), 4) for e in trace] if trace else None,
+        "target_loglik_per_token": target_loglik_per_token(pair, pair.encode(prompt.text), gen.token_ids),
+        "correct": check_answer(gen.text, prompt.answer),
+        "peak_rss_mb": _peak_rss_mb(),
+        "cuda_peak_mb": round(torch.cuda.max_memory_allocated(pair.target_lm.device) / 2**20, 1)
+        if cuda
+        else None,
+        "text": gen.text[:TEXT_CHARS],
+    }

@@ -1,0 +1,1 @@
+"""Proposal sources other than a draft model: retrieval (RACER-style)."""
