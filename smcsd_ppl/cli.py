@@ -45,6 +45,61 @@ def build_parser() -> argparse.ArgumentParser:
     speed.add_argument("--repeats", type=int, default=3, help="runs per prompt and method (medians reported)")
     speed.add_argument("--prompt", action="append", help="prompt to time (repeatable; default: 3 built-in)")
     speed.set_defaults(run=_speed)
+
+    bench = sub.add_parser(
+        "bench", help="benchmark methods x N x K x temperatures on a dataset (resumable JSONL records)"
+    )
+    bench.add_argument(
+        "--dataset",
+        required=True,
+        help="JSONL file (Spec-Bench, GSM8K, or records with a 'prompt' field) or humaneval|spec_bench|gsm8k",
+    )
+    bench.add_argument("--limit", type=int, default=None, help="at most this many prompts")
+    bench.add_argument(
+        "--per-category", type=int, default=None, help="at most this many prompts per category"
+    )
+    bench.add_argument(
+        "--methods", default="ar,sd,smcsd", help=f"comma-separated, from: {', '.join(METHODS)}"
+    )
+    bench.add_argument("--particles", default="4,8", help="comma-separated N values (default 4,8)")
+    bench.add_argument("--block-sizes", default="4,8", help="comma-separated K values (default 4,8)")
+    bench.add_argument("--temperatures", default="0.7", help="comma-separated T_d = T_t values (default 0.7)")
+    bench.add_argument("--repeats", type=int, default=1, help="runs per setting and prompt (default 1)")
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--ess-threshold", type=float, default=0.5)
+    bench.add_argument("--resampling", choices=RESAMPLING_SCHEMES, default="systematic")
+    bench.add_argument("--alpha", type=float, default=1.0)
+    bench.add_argument("--seed", type=int, default=0, help="base seed (each record's seed derives from it)")
+    bench.add_argument("--ignore-eos", action="store_true", help="always emit --max-new-tokens tokens")
+    bench.add_argument("--out", required=True, help="JSONL file of records; an existing one is resumed")
+    _model_args(bench)
+    bench.set_defaults(run=_bench)
+
+    report = sub.add_parser("report", help="markdown table and plots of a bench run")
+    report.add_argument("records", help="the JSONL file written by smcsd bench")
+    report.add_argument(
+        "--out-dir", default=None, help="where to write report.md and PNGs (default: RECORDS without .jsonl)"
+    )
+    report.set_defaults(run=_report)
+
+    cc = sub.add_parser(
+        "compare-constrained",
+        help="constrained generation: SMC-SD programs vs LLaMPPL, genlm-control and rejection, one table",
+    )
+    _model_args(cc)
+    cc.add_argument("--tasks", default="date,phone,json,short_words", help="comma-separated built-in tasks")
+    from .compare import METHODS as CC_METHODS
+
+    cc.add_argument(
+        "--methods", default=None, help=f"comma-separated (default: all): {', '.join(CC_METHODS)}"
+    )
+    cc.add_argument("-n", "--particles", type=int, default=8, help="N particles, every method (default 8)")
+    cc.add_argument("-k", "--block-size", type=int, default=8, help="K for SMC-SD (default 8)")
+    cc.add_argument("--temperature", type=float, default=0.7, help="T of every model (default 0.7)")
+    cc.add_argument("--max-new-tokens", type=int, default=32)
+    cc.add_argument("--repeats", type=int, default=1, help="runs per task and method (medians reported)")
+    cc.add_argument("--seed", type=int, default=0)
+    cc.set_defaults(run=_compare_constrained)
     return parser
 
 
@@ -57,6 +112,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
         "--draft", default=None, help="hub id, local path, or layers:N (default: target's first 2 layers)"
     )
     g.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float32 or float16")
+    g.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads (default: torch's; 1 on a busy machine)"
+    )
     g.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
 
@@ -98,6 +156,13 @@ def _config(args: argparse.Namespace) -> SMCConfig:
 
 def _load(args: argparse.Namespace):
     from .generate import SMCSD
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
 
     with _status(f"loading models on {args.device} ({args.dtype})"):
         pair = SMCSD.load(
@@ -180,6 +245,127 @@ def _speed(args: argparse.Namespace) -> int:
             f"{r.tokens_per_target_call:.2f} | {ovh} |"
         )
     return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .bench import Grid, load_prompts, run_bench
+
+    base = SMCConfig(
+        ess_threshold=args.ess_threshold,
+        resampling=args.resampling,
+        alpha=args.alpha,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+    )
+    grid = Grid(
+        _csv(args.methods, str, "--methods"),
+        _csv(args.particles, int, "--particles"),
+        _csv(args.block_sizes, int, "--block-sizes"),
+        _csv(args.temperatures, float, "--temperatures"),
+        base,
+    )
+    prompts = load_prompts(args.dataset, limit=args.limit, per_category=args.per_category)
+    total = len(grid.settings()) * len(prompts) * args.repeats
+    pair = _load(args)
+    _err(
+        f"{len(prompts)} prompts x {len(grid.settings())} settings x {args.repeats} repeats "
+        f"= {total} records -> {args.out}"
+    )
+    saved = [0]
+    try:
+        with _progress(total, "records") as bar:
+
+            def tick(_record: dict, done: int, _total: int) -> None:
+                saved[0] = done
+                bar(done)
+
+            run_bench(pair, prompts, grid, args.out, args.repeats, on_record=tick)
+    except KeyboardInterrupt:
+        _err(f"interrupted after {saved[0]}/{total} records; run the same command again to resume")
+        return 130
+    _err(f"{total} records in {args.out}; summarize them with: smcsd report {args.out}")
+    return 0
+
+
+def _csv(text: str, kind: type, flag: str) -> list:
+    try:
+        values = [kind(v.strip()) for v in text.split(",") if v.strip()]
+    except ValueError as err:
+        raise ValueError(f"{flag}: expected comma-separated {kind.__name__} values, got {text!r}") from err
+    if not values:
+        raise ValueError(f"{flag}: give at least one value")
+    return values
+
+
+def _report(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .bench.report import write_report
+
+    out_dir = args.out_dir or str(Path(args.records).with_suffix(""))
+    rep = write_report(args.records, out_dir)
+    for path in [rep.markdown, *rep.plots]:
+        print(f"wrote {path}")
+    print()
+    print(rep.table)
+    return 0
+
+
+def _compare_constrained(args: argparse.Namespace) -> int:
+    from .compare import METHODS as CC_METHODS
+    from .compare import TASKS, compare_constrained, speed_ratios
+
+    tasks = [TASKS[t] if t in TASKS else _unknown("task", t, TASKS) for t in _csv(args.tasks, str, "--tasks")]
+    methods = _csv(args.methods, str, "--methods") if args.methods else list(CC_METHODS)
+    for m in methods:
+        if m not in CC_METHODS:
+            _unknown("method", m, CC_METHODS)
+    pair = _load(args)
+    total = args.repeats * len(tasks) * len(methods)
+    with _progress(total, "runs") as bar:
+        done = [0]
+
+        def tick(task: str, method: str, _rec) -> None:
+            done[0] += 1
+            bar(done[0])
+
+        rows = compare_constrained(
+            pair,
+            tasks,
+            methods,
+            n_particles=args.particles,
+            block_size=args.block_size,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            seed=args.seed,
+            repeats=args.repeats,
+            on_run=tick,
+        )
+    print(
+        f"N={args.particles}, K={args.block_size} (SMC-SD), T={args.temperature} for every model, "
+        f"max {args.max_new_tokens} new tokens, {args.dtype} on {args.device}; medians of {args.repeats} "
+        "repeat(s). valid = share of final particles (positive weight, constraint met); output = share "
+        "of returned texts; tokens = mean per particle, EOS included (smcsd_plain: length-matched to "
+        "smcsd_proposal); log p/tok = untempered target on the returned tokens; ESS at the end."
+    )
+    cols = ("task", "method", "valid", "output valid", "tokens/s", "tokens", "s", "log p/tok", "log Z", "ESS")
+    print("| " + " | ".join(cols) + " | output |")
+    print("|---" * (len(cols) + 1) + "|")
+    for r in rows:
+        text = r.example.replace("|", "\\|").replace("\n", " ")[:40]
+        print(
+            f"| {r.task} | {r.method} | {r.validity:.2f} | {r.output_validity:.2f} | "
+            f"{r.tokens_per_second:.2f} | {r.tokens:.1f} | {r.seconds:.1f} | {r.loglik_per_token:.2f} | "
+            f"{r.log_z:.2f} | {r.ess:.2f} | {text} |"
+        )
+    for task, ratios in speed_ratios(rows).items():
+        print(f"{task}: smcsd_proposal tokens/s = " + ", ".join(f"{v:.2f}x {m}" for m, v in ratios.items()))
+    return 0
+
+
+def _unknown(kind: str, name: str, known) -> None:
+    raise ValueError(f"unknown {kind} {name!r}; choose from {', '.join(known)}")
 
 
 def _err(msg: str) -> None:

@@ -1,0 +1,332 @@
+"""Constrained-generation baselines: LLaMPPL and genlm-control SMC next to SMC-SD (REFERENCE.md §6).
+
+Every runner takes the same inputs (a pair, a text prompt, a constraint, N, a token
+budget, one temperature T for every model, a seed) and returns a ``SteeringRecord``:
+
+* ``llamppl_smc``: a ``llamppl.Model`` sampling token by token from the target
+  (``CachedCausalLM`` over genlm-backend's ``AsyncTransformer`` built from the in-memory
+  model), the constraint as ``self.condition`` on each prefix; ``masked=True`` instead
+  observes the allowed-token mask first (LLaMPPL's ``mask_dist`` idiom), a token-level
+  proposal restricted to allowed tokens. Run with ``smc_standard``.
+* ``genlm_smc``: genlm-control's ``SMC`` with ``AWRS(llm, constraint)``,
+  ``direct_token_sampler(llm * constraint)``, or the critic variant
+  ``SMC(direct_token_sampler(llm), critic=constraint)``.
+* ``smcsd_filtered``: SMC-SD without the constraint, then rejection of invalid particles.
+* ``smcsd_constrained`` (mode ``proposal`` / ``critic``) and ``smcsd_plain``: SMC-SD programs.
+
+The token-level libraries share one ``AsyncTransformer`` per pair; its caches are
+cleared before every run, its auto-batch size is set to N (a batch leaves as soon as
+every particle has asked) and only the prompt's KV is cached, as those libraries do.
+``seconds`` covers the SMC call, prompt prefill included; building vocabularies,
+coercions and DFA tables once per pair or constraint is not timed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import re
+import time
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .. import smc
+from ..config import SMCConfig
+from ..inference.program import SMCSDModel
+from ..potentials.constraints import PotentialConstraint, RegexConstraint, _run
+
+
+@dataclass
+class SteeringRecord:
+    """One run of one method on one prompt.
+
+    Attributes:
+        text, token_ids: the selected particle (EOS dropped); sampled by final weight.
+        texts, particle_ids: every final particle (EOS dropped).
+        lengths: tokens each particle generated, a final EOS included (it costs a step too).
+        log_weights: final log-weight of each particle.
+        valid: whether each final particle has positive weight and satisfies the
+            constraint (``TaskConstraint.check``).
+        chosen: index of the selected particle (-1 when every weight is zero).
+        seconds: wall time of the SMC call.
+        log_z: the method's log normalizer estimate (log marginal likelihood).
+        ess: effective sample size of the final weights.
+    """
+
+    method: str
+    text: str
+    token_ids: list[int]
+    texts: list[str]
+    particle_ids: list[list[int]]
+    lengths: list[int]
+    log_weights: list[float]
+    valid: list[bool]
+    chosen: int
+    seconds: float
+    log_z: float | None = None
+    ess: float | None = None
+    message: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def validity(self) -> float:
+        """Share of final particles that satisfy the constraint."""
+        return sum(self.valid) / len(self.valid) if self.valid else 0.0
+
+    @property
+    def tokens(self) -> float:
+        """Mean generated tokens per particle (a final EOS included)."""
+        return float(np.mean(self.lengths)) if self.lengths else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Tokens of one sequence per wall second (``tokens / seconds``)."""
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def selected_valid(self) -> bool:
+        """The returned text satisfies the constraint."""
+        return self.chosen >= 0 and self.valid[self.chosen]
+
+
+class TaskConstraint:
+    """A regex or a genlm-control byte potential, in every form the runners need.
+
+    Args:
+        pair: the ``SMCSD`` pair (its tokenizer and EOS ids).
+        spec: a regex (Python ``re`` syntax, matched against the whole stripped text)
+            or a genlm-control ``Potential`` over bytes.
+    """
+
+    def __init__(self, pair, spec) -> None:
+        self.spec = spec
+        self.pattern = spec if isinstance(spec, str) else None
+        if self.pattern is not None:
+            from genlm.control import BoolFSA
+
+            self.tokens = RegexConstraint(spec, pair.tokenizer, pair.eos_token_ids)
+            self.potential = BoolFSA.from_regex(spec)
+        else:
+            self.tokens = PotentialConstraint(spec, pair.tokenizer, pair.eos_token_ids)
+            self.potential = spec
+
+    def check(self, text: str) -> bool:
+        """The whole (stripped) text satisfies the constraint."""
+        text = text.strip()
+        if self.pattern is not None:
+            return re.fullmatch(self.pattern, text) is not None
+        return _run(self.potential.complete(list(text.encode()))) > -math.inf
+
+    def allows(self, ids: Sequence[int]) -> bool:
+        """The last token of ``ids`` is allowed after the ones before it."""
+        return bool(self.tokens.next_mask([list(ids[:-1])])[0, ids[-1]])
+
+    def mask(self, ids: Sequence[int]) -> set[int]:
+        """Token ids allowed after ``ids``."""
+        return set(torch.nonzero(self.tokens.next_mask([list(ids)])[0]).flatten().tolist())
+
+
+def as_constraint(pair, constraint) -> TaskConstraint:
+    """``constraint`` itself if it is a ``TaskConstraint``, else one built from it."""
+    return constraint if isinstance(constraint, TaskConstraint) else TaskConstraint(pair, constraint)
+
+
+_ASYNC_LMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def async_lm(pair):
+    """The pair's target as a genlm-backend ``AsyncTransformer`` (built once, no hub)."""
+    if pair not in _ASYNC_LMS:
+        from genlm.backend.llm import AsyncTransformer
+        from llamppl import CachedCausalLM
+
+        backend = AsyncTransformer(pair.target.model, pair.tokenizer)
+        _ASYNC_LMS[pair] = (backend, CachedCausalLM(backend))
+    return _ASYNC_LMS[pair]
+
+
+def _fresh(pair, n_particles: int, seed: int):
+    """Reset the shared backend, seed every RNG; returns (backend, cached LM)."""
+    backend, lm = async_lm(pair)
+    backend.clear_cache()
+    backend.reset_async_queries()
+    backend.batch_size = n_particles
+    np.random.seed(seed)
+    random.seed(seed)
+    torch.manual_seed(seed)
+    return backend, lm
+
+
+def _finish(method, pair, task, ids_per_particle, log_w, seconds, seed, lengths=None) -> SteeringRecord:
+    """Drop EOS, decode, check, pick the output by final weight; log Z and ESS from ``log_w``."""
+    eos = set(pair.eos_token_ids)
+    lengths = [len(p) for p in ids_per_particle] if lengths is None else lengths
+    ids = [[int(t) for t in p if int(t) not in eos] for p in ids_per_particle]
+    texts = [pair.decode(p) for p in ids]
+    w = smc.clean_log_weights(torch.tensor(log_w, dtype=torch.float64))
+    # A zero-weight particle is not an output, even if its (cut) text happens to match.
+    valid = [bool(torch.isfinite(x)) and task.check(t) for x, t in zip(w, texts)]
+    rec = SteeringRecord(method, "", [], texts, ids, lengths, w.tolist(), valid, -1, seconds)
+    _select(rec, w, seed)
+    return rec
+
+
+def _select(rec: SteeringRecord, log_w: torch.Tensor, seed: int) -> None:
+    """Sample the output particle by weight; set log Z (log-mean-exp) and ESS of ``log_w``."""
+    if not torch.isfinite(log_w).any():
+        rec.text, rec.token_ids, rec.chosen, rec.ess, rec.log_z = "", [], -1, 0.0, -math.inf
+        rec.message = rec.message or "every particle has zero weight"
+        return
+    rec.ess, rec.log_z = float(smc.ess(log_w)), float(smc.log_mean_exp(log_w))
+    g = torch.Generator().manual_seed(seed)
+    rec.chosen = int(torch.multinomial(smc.normalize(log_w), 1, generator=g))
+    rec.text, rec.token_ids = rec.texts[rec.chosen], rec.particle_ids[rec.chosen]
+
+
+def llamppl_smc(
+    pair, prompt, constraint, *, n_particles, max_new_tokens, temperature=1.0, seed=0, masked=False
+) -> SteeringRecord:
+    """LLaMPPL ``smc_standard`` over a token-by-token target program (see the module doc)."""
+    from llamppl import LMContext, Model, smc_standard
+    from llamppl.util import log_softmax
+
+    task = as_constraint(pair, constraint)
+    prompt_ids = pair.encode(prompt)
+    eos = set(pair.eos_token_ids)
+
+    class TokenProgram(Model):
+        def __init__(self, ctx):
+            super().__init__()
+            self.ctx, self.ids = ctx, []
+
+        async def step(self):
+            if masked:  # weight by the allowed mass, then sample among allowed tokens
+                await self.observe(self.ctx.mask_dist(task.mask(self.ids)), True)
+            token = await self.sample(self.ctx.next_token())
+            self.ids.append(int(token.token_id))
+            self.condition(task.allows(self.ids))
+            if self.ids[-1] in eos or len(self.ids) >= max_new_tokens:
+                self.finish()
+
+    backend, lm = _fresh(pair, n_particles, seed)
+
+    async def go():
+        lm.cache_kv(prompt_ids)
+        ctx = LMContext.__new__(LMContext)  # LMContext takes text; we have chat-template ids
+        ctx._init_common(lm, "", temperature, False, True)
+        ctx.tokens, ctx.prompt_token_count = list(prompt_ids), len(prompt_ids)
+        ctx.prompt_string_length = len(lm.tokenizer.decode(prompt_ids))
+        ctx.next_token_logprobs = log_softmax(await lm.next_token_logprobs(ctx.tokens) / temperature)
+        return await smc_standard(TokenProgram(ctx), n_particles, 0.5, resampling_method="systematic")
+
+    start = time.perf_counter()
+    ps = asyncio.run(go())
+    name = "llamppl_masked" if masked else "llamppl_smc"
+    return _finish(
+        name, pair, task, [p.ids for p in ps], [p.weight for p in ps], time.perf_counter() - start, seed
+    )
+
+
+GENLM_SAMPLERS = ("awrs", "direct", "critic")
+
+
+def genlm_smc(
+    pair, prompt, constraint, *, n_particles, max_new_tokens, temperature=1.0, seed=0, sampler="awrs"
+) -> SteeringRecord:
+    """genlm-control ``SMC``: ``sampler`` is ``awrs``, ``direct`` (llm x constraint) or ``critic``."""
+    from genlm.control import AWRS, SMC, PromptedLLM, direct_token_sampler
+
+    if sampler not in GENLM_SAMPLERS:
+        raise ValueError(f"sampler must be one of {GENLM_SAMPLERS}, got {sampler!r}")
+    task = as_constraint(pair, constraint)
+    prompt_ids = pair.encode(prompt)
+    backend, _ = _fresh(pair, n_particles, seed)
+    eos_bytes = [backend.byte_vocab[i].byte_string for i in pair.eos_token_ids]
+    llm = PromptedLLM(backend, prompt_ids=prompt_ids, eos_byte_strings=eos_bytes, temperature=temperature)
+    condition = task.potential.coerce(llm, f=b"".join)
+    if sampler == "awrs":
+        smc_run = SMC(AWRS(llm, condition, seed=seed))
+    elif sampler == "direct":
+        smc_run = SMC(direct_token_sampler(llm * condition))
+    else:
+        smc_run = SMC(direct_token_sampler(llm), critic=condition)
+
+    async def go():
+        backend.cache_kv(prompt_ids)
+        try:  # max_tokens counts the closing EOS, as max_new_tokens does for the other runners
+            return await smc_run(n_particles, 0.5, max_new_tokens, resampling_method="systematic")
+        finally:
+            await smc_run.cleanup()
+
+    start = time.perf_counter()
+    seqs = asyncio.run(go())
+    ids = [[t.token_id for t in ctx if hasattr(t, "token_id")] for ctx in seqs.contexts]  # EOS has none
+    seconds, lengths = time.perf_counter() - start, [len(ctx) for ctx in seqs.contexts]
+    rec = _finish(f"genlm_{sampler}", pair, task, ids, list(seqs.log_weights), seconds, seed, lengths)
+    rec.log_z, rec.ess = float(seqs.log_ml), float(seqs.ess)  # the library's own estimates
+    return rec
+
+
+def _smcsd(pair, program, task, name, *, n_particles, max_new_tokens, temperature, seed, block_size, **cfg):
+    config = SMCConfig(
+        n_particles=n_particles,
+        block_size=block_size,
+        draft_temperature=temperature,
+        target_temperature=temperature,
+        max_new_tokens=max_new_tokens,
+        seed=seed,
+        **cfg,
+    )
+    (out,) = pair.run([program], config)
+    ids, log_w = [p.token_ids for p in out.particles], [p.log_weight for p in out.particles]
+    rec = _finish(name, pair, task, ids, log_w, out.stats.seconds, seed)
+    rec.extra = {"n_resamples": out.n_resamples, "mean_ess": out.mean_ess}
+    rec.log_z = out.log_z  # includes the log Z increments of earlier resampling rounds
+    return rec
+
+
+def smcsd_constrained(pair, prompt, constraint, *, mode="proposal", block_size=8, **kw) -> SteeringRecord:
+    """SMC-SD program ``SMCSDModel(prompt, constraint, mode)``; ``kw`` as for ``llamppl_smc``."""
+    task = as_constraint(pair, constraint)
+    program = SMCSDModel(prompt, task.tokens, mode)
+    return _smcsd(pair, program, task, f"smcsd_{mode}", block_size=block_size, **_defaults(kw))
+
+
+def smcsd_plain(pair, prompt, constraint, *, block_size=8, ignore_eos=False, **kw) -> SteeringRecord:
+    """SMC-SD without the constraint (validity still checked), the same loop: the speed reference.
+
+    ``ignore_eos`` emits exactly ``max_new_tokens`` tokens (for length-matched timing).
+    """
+    task = as_constraint(pair, constraint)
+    program = SMCSDModel(prompt)
+    return _smcsd(
+        pair, program, task, "smcsd_plain", block_size=block_size, ignore_eos=ignore_eos, **_defaults(kw)
+    )
+
+
+def smcsd_filtered(pair, prompt, constraint, *, seed=0, **kw) -> SteeringRecord:
+    """SMC-SD without the constraint, then rejection: only valid particles may be returned.
+
+    ``validity`` is the share of the N returned particles that satisfy the constraint;
+    ``log_z`` becomes the unconstrained log Z plus the log of the valid weight share,
+    an estimate of the constrained normalizer (-inf when no particle is valid).
+    """
+    rec = smcsd_plain(pair, prompt, constraint, seed=seed, **kw)
+    rec.method = "smcsd_filtered"
+    log_w = torch.tensor(rec.log_weights, dtype=torch.float64)
+    kept = log_w.masked_fill(~torch.tensor(rec.valid, dtype=torch.bool), -math.inf)
+    log_z = rec.log_z
+    rec.message = "" if torch.isfinite(kept).any() else "no particle satisfies the constraint"
+    _select(rec, kept, seed)
+    if torch.isfinite(kept).any():
+        rec.log_z = log_z + float(torch.logsumexp(kept, 0) - torch.logsumexp(log_w, 0))
+    return rec
+
+
+def _defaults(kw: dict) -> dict:
+    return {"temperature": 1.0, "seed": 0, **kw}
