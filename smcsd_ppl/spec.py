@@ -82,11 +82,23 @@ def speculative_accept(
     u = torch.rand(r, k, generator=g, device=drafts.device)
     accept = u * q_d < p_d  # u < p/q without dividing by a zero q
     n_acc = torch.cumprod(accept.long(), dim=1).sum(1)  # [R] length of the accepted prefix
-    rows = torch.arange(r, device=drafts.device)
-    p_next = target_probs[rows, n_acc]  # [R, V]
+    _, residual = residual_after(target_probs, draft_probs, n_acc)
+    return n_acc, sample_probs(residual, g)
+
+
+def residual_after(
+    target_probs: torch.Tensor,  # [R, K+1, V]
+    draft_probs: torch.Tensor,  # [R, K, V]
+    n_acc: torch.Tensor,  # [R] accepted prefix lengths
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target p and the normalized residual max(0, p - q) after each accepted prefix.
+
+    When all K were accepted q there is 0, so the residual is p itself (the bonus draw).
+    Returns ``p_next [R, V]`` and ``residual [R, V]``.
+    """
+    rows = torch.arange(n_acc.shape[0], device=n_acc.device)
+    p_next = target_probs[rows, n_acc]
     q_next = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], 1)[rows, n_acc]
     residual = torch.clamp(p_next - q_next, min=0.0)
-    # All accepted: q_next is 0 and the residual is p itself (the bonus draw).
     mass = residual.sum(-1, keepdim=True)
-    residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_next)
-    return n_acc, sample_probs(residual, g)
+    return p_next, torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_next)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .spec import pick, sample_probs
+from .spec import pick, residual_after, sample_probs
 
 
 def entropy(probs: torch.Tensor) -> torch.Tensor:
@@ -73,11 +73,7 @@ def easd_accept(
     sd_ok = u * q_d < p_d  # u < p/q without dividing by a zero q
     n_acc = torch.cumprod((sd_ok & ~veto).long(), dim=1).sum(1)  # [R]
     rows = torch.arange(r, device=drafts.device)
-    p_next = target_probs[rows, n_acc]  # [R, V]
-    q_next = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], 1)[rows, n_acc]
-    residual = torch.clamp(p_next - q_next, min=0.0)
-    mass = residual.sum(-1, keepdim=True)
-    residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_next)
+    p_next, residual = residual_after(target_probs, draft_probs, n_acc)
     # Cut by the veto: SD accepted the token at n_acc, so the residual does not apply.
     pad = torch.zeros_like(sd_ok[:, :1])
     vetoed = torch.cat([sd_ok & veto, pad], 1)[rows, n_acc]  # [R]

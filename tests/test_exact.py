@@ -41,7 +41,11 @@ def test_speculative_sampling_check_can_fail():
     # Sampling from the draft alone must be rejected by the same statistical check.
     target, draft = models()
     out = autoregressive(
-        draft, [PROMPT] * 3000, eos_token_ids=[EOS], max_new_tokens=H, temperature=1.0,
+        draft,
+        [PROMPT] * 3000,
+        eos_token_ids=[EOS],
+        max_new_tokens=H,
+        temperature=1.0,
         g=torch.Generator().manual_seed(0),
     )
     exact, _ = exact_target(target, PROMPT, H)
