@@ -48,18 +48,12 @@ def block_log_weights(
     bonus_log_z: torch.Tensor,  # [R] log Z of the bonus position
     has_bonus: torch.Tensor,  # [R] bool: a bonus token is drawn after the block
     alpha: float,
-    cut_log_q: torch.Tensor | None = None,  # [R] log P(the proposal cut the block there)
 ) -> torch.Tensor:
-    """SMC-SD incremental log-weight (``[R]``).
-
-    sum_{j<kept} [alpha log p - log q] + log Z_bonus - log P(cut), where the last term
-    is the probability a constraint critic cut the block at ``kept`` (0 otherwise).
-    """
+    """SMC-SD incremental log-weight sum_{j<kept} [alpha log p - log q] + log Z_bonus (``[R]``)."""
     k = target_logp.shape[1]
     live = torch.arange(k, device=kept.device)[None, :] < kept[:, None]
     terms = torch.where(live, alpha * target_logp - draft_logq, torch.zeros_like(target_logp))
-    out = terms.sum(1) + torch.where(has_bonus, bonus_log_z, torch.zeros_like(bonus_log_z))
-    return out if cut_log_q is None else out - cut_log_q
+    return terms.sum(1) + torch.where(has_bonus, bonus_log_z, torch.zeros_like(bonus_log_z))
 
 
 def speculative_accept(

@@ -121,7 +121,7 @@ def test_the_check_fails_if_critic_cuts_resume(monkeypatch):
     def resume(self, *args, **kwargs):
         blocks = real(self, *args, **kwargs)
         for b in blocks:
-            b.cut_log_q = 0.0 if b.cut_log_q == math.inf else b.cut_log_q
+            b.dead = False
         return blocks
 
     monkeypatch.setattr(engine_module.BlockEngine, "draft_blocks", resume)

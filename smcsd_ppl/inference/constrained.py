@@ -13,8 +13,9 @@ Both roles keep SMC-SD properly weighted for the target p^alpha x constraint:
   segmentations, and its weights would then overcount outputs (the tests show this
   bias). Use ``proposal`` mode for particles that always stay alive.
 
-The bonus token of a constrained row is drawn from the target restricted to allowed
-tokens; its weight is the allowed mass of p^alpha instead of the full normalizer.
+In proposal mode the bonus token is drawn from the target restricted to allowed
+tokens, and its weight is the allowed mass of p^alpha instead of the full
+normalizer; in critic mode it is drawn from the unrestricted target and checked.
 """
 
 from __future__ import annotations
@@ -54,9 +55,6 @@ class Masking:
             (i, r, c) for i, (r, c) in enumerate(zip(rows, constraints)) if c is not None and c.mode == mode
         ]
         self.dead_at: dict[int, int] = {}  # request index -> position where nothing was allowed
-
-    def __bool__(self) -> bool:
-        return bool(self.items)
 
     def restrict(self, q: torch.Tensor, drafted: list[torch.Tensor]) -> None:
         """Zero disallowed tokens of q ``[R, V]`` in place and renormalize, per row."""

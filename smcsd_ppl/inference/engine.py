@@ -55,7 +55,7 @@ class DraftedBlock:
     budget: int  # tokens the particle could still emit before this block
     draft_probs: torch.Tensor | None = None  # [K, V] q at each drafted position, on request
     constraint: RowConstraint | None = None
-    cut_log_q: float = 0.0  # +inf: the constraint allowed nothing here, the particle dies
+    dead: bool = False  # the constraint allowed nothing where the block ends: zero weight
 
     @property
     def kept_tokens(self) -> list[int]:
@@ -64,13 +64,8 @@ class DraftedBlock:
 
     @property
     def log_q(self) -> float:
-        """Log-density of this block under the proposal (kept tokens and where it was cut)."""
-        return float(self.draft_logq[: self.kept].sum()) + self.cut_log_q
-
-    @property
-    def dead(self) -> bool:
-        """No token satisfies the constraint here: the particle's weight is zero."""
-        return self.cut_log_q == math.inf
+        """Log-density of the kept tokens under the proposal."""
+        return float(self.draft_logq[: self.kept].sum())
 
 
 @dataclass
@@ -196,8 +191,8 @@ class BlockEngine:
             limit = dead_at.get(i, k)
             block = self._cut(r, tokens[r].tolist(), logq[r], b, q_all[r] if keep_probs else None, limit)
             block.constraint = constraints[i]
-            if not block.stops and block.kept == limit < k:  # the constraint, not EOS/budget, ended it
-                block.cut_log_q = math.inf  # zero weight: the particle dies here
+            # The constraint, not an EOS or the budget, ended the block: the particle dies.
+            block.dead = not block.stops and block.kept == limit < k
             blocks.append(block)
         return blocks
 
@@ -244,14 +239,12 @@ class BlockEngine:
             if not ok and not blocks[i].stops:  # a critic's bonus broke the constraint
                 bonus_log_z[i] = -math.inf
         going = torch.tensor([not b.stops for b in blocks])
-        has_bonus = going & torch.isfinite(bonus_log_z) & ~torch.tensor([b.dead for b in blocks])
+        dead = torch.tensor([b.dead for b in blocks])
+        has_bonus = going & torch.isfinite(bonus_log_z) & ~dead
         draft_logq = torch.stack([b.draft_logq for b in blocks])
-        cut_log_q = torch.tensor([b.cut_log_q for b in blocks], dtype=draft_logq.dtype)
-        log_w = block_log_weights(
-            token_logp, draft_logq, kept.cpu(), bonus_log_z, has_bonus, c.alpha, cut_log_q
-        )
-        # A row that must go on but has no allowed bonus token dies: zero weight.
-        log_w = log_w.masked_fill(going & ~has_bonus, -math.inf).tolist()
+        log_w = block_log_weights(token_logp, draft_logq, kept.cpu(), bonus_log_z, has_bonus, c.alpha)
+        # A dead block, or a row that must go on but has no allowed bonus token: zero weight.
+        log_w = log_w.masked_fill(dead | (going & ~has_bonus), -math.inf).tolist()
         out, nexts = [], []
         for i, b in enumerate(blocks):
             nxt = bonus[i] if has_bonus[i] else None

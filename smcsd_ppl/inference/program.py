@@ -208,7 +208,7 @@ class TargetBlock(Distribution):
         if scored.bonus is not None:
             p.token_ids.append(scored.bonus)
         p.last_block = scored
-        if block.dead:  # log q is +inf there: return the zero weight directly, not inf - inf
+        if block.dead:  # the constraint allowed nothing: zero weight
             return -math.inf
         # LLaMPPL's sample() subtracts log q itself; hand back the potential's part.
         return scored.log_weight + block.log_q
