@@ -31,14 +31,18 @@ def hf_generate(
     out = model.generate(
         ids,
         attention_mask=torch.ones_like(ids),
-        do_sample=True,
-        temperature=temperature,
-        top_k=0,
-        top_p=1.0,
-        max_new_tokens=max_new_tokens,
+        **plain_sampling(temperature, max_new_tokens),
         min_new_tokens=max_new_tokens if exact_length else 0,
         pad_token_id=model.generation_config.eos_token_id,
     )
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return out[0, ids.shape[1] :].tolist(), time.perf_counter() - start
+
+
+def plain_sampling(temperature: float, max_new_tokens: int) -> dict:
+    """``generate()`` settings for sampling the tempered distribution itself.
+
+    The default ``top_k=50`` would truncate it; ``top_p=1`` keeps every token.
+    """
+    return dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens)

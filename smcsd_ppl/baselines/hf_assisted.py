@@ -31,6 +31,7 @@ from transformers import PreTrainedModel
 from ..backends.base import ForwardStats
 from ..methods import register
 from ..results import Generation
+from .hf import plain_sampling
 
 
 @contextmanager
@@ -151,11 +152,7 @@ def hf_speculative(
             out = target.generate(
                 ids,
                 attention_mask=torch.ones_like(ids),
-                do_sample=True,
-                temperature=temperature,
-                top_k=0,
-                top_p=1.0,
-                max_new_tokens=max_new_tokens,
+                **plain_sampling(temperature, max_new_tokens),
                 eos_token_id=eos or None,
                 pad_token_id=pad,
                 **mode,
