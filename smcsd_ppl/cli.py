@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--dataset",
         required=True,
-        help="JSONL file (Spec-Bench, GSM8K, or records with a 'prompt' field) or humaneval|spec_bench|gsm8k",
+        help="JSONL file (Spec-Bench, GSM8K, or records with a 'prompt' field), "
+        "or short_answer|humaneval|spec_bench|gsm8k",
     )
     bench.add_argument("--limit", type=int, default=None, help="at most this many prompts")
     bench.add_argument(
@@ -100,17 +101,24 @@ def build_parser() -> argparse.ArgumentParser:
     cc.add_argument("--repeats", type=int, default=1, help="runs per task and method (medians reported)")
     cc.add_argument("--seed", type=int, default=0)
     cc.set_defaults(run=_compare_constrained)
+    from .cli_distill import add_parsers
+
+    add_parsers(sub, _model_args)
     return parser
 
 
-def _model_args(p: argparse.ArgumentParser) -> None:
+def _model_args(p: argparse.ArgumentParser, *, draft: bool = True) -> None:
     g = p.add_argument_group("models")
     g.add_argument(
         "--target", default=None, help="hub id or local path (default: embedded SmolLM2-135M-Instruct)"
     )
-    g.add_argument(
-        "--draft", default=None, help="hub id, local path, or layers:N (default: target's first 2 layers)"
-    )
+    if draft:
+        g.add_argument(
+            "--draft",
+            default=None,
+            help="a directory made by `smcsd distill`, hub id, local path, or layers:N (default: the shipped "
+            "distilled draft for the default target, else the target's first 2 layers)",
+        )
     g.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float32 or float16")
     g.add_argument(
         "--threads", type=int, default=None, help="torch CPU threads (default: torch's; 1 on a busy machine)"
@@ -154,15 +162,29 @@ def _config(args: argparse.Namespace) -> SMCConfig:
     )
 
 
-def _load(args: argparse.Namespace):
-    from .generate import SMCSD
-
+def _set_threads(args: argparse.Namespace) -> None:
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
         import torch
 
         torch.set_num_threads(args.threads)
+
+
+def _load_target(args: argparse.Namespace):
+    from .models import load_model
+
+    _set_threads(args)
+    with _status(f"loading the target on {args.device} ({args.dtype})"):
+        target = load_model(args.target, device=args.device, dtype=args.dtype)
+    _err(f"target: {target.name} [{target.source}]")
+    return target
+
+
+def _load(args: argparse.Namespace):
+    from .generate import SMCSD
+
+    _set_threads(args)
 
     with _status(f"loading models on {args.device} ({args.dtype})"):
         pair = SMCSD.load(
@@ -173,7 +195,8 @@ def _load(args: argparse.Namespace):
     if pair.draft.is_slice:
         _err(
             "note: a layer slice of the target is a WEAK draft (it agrees with the target on few tokens); "
-            "expect low ESS and outputs closer to the draft than to the target. Pass --draft for a real one."
+            "expect low ESS and outputs closer to the draft than to the target. Pass --draft, or make one "
+            "with `smcsd distill`."
         )
     return pair
 

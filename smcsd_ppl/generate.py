@@ -10,10 +10,11 @@ import torch
 from . import methods
 from .backends.hf import DEFAULT_CACHE_BUDGET, HFBatchedLM
 from .config import SMCConfig
+from .drafts import resolve_draft
 from .inference.engine import BlockEngine
 from .inference.program import SMCSDModel
 from .inference.smc import CycleInfo
-from .models import LoadedModel, load_model, resolve_draft
+from .models import LoadedModel, load_model
 from .results import Generation, RunStats
 
 
@@ -21,7 +22,8 @@ class SMCSD:
     """A target and a draft model sharing a tokenizer, with batched backends.
 
     Args:
-        target, draft: loaded models (see ``smcsd_ppl.models``).
+        target: the target model, loaded (see ``smcsd_ppl.models``).
+        draft: the draft model, loaded; its tokenizer must have the target's vocabulary.
         chat: wrap text prompts in the tokenizer's chat template when it has one.
         max_cache_bytes: KV-cache budget of each backend.
     """
@@ -67,21 +69,7 @@ class SMCSD:
 
     def encode(self, prompt: str) -> list[int]:
         """Token ids of a text prompt (chat template applied for instruct models)."""
-        if not isinstance(prompt, str):
-            raise ValueError(
-                f"prompts must be text (str), got {type(prompt).__name__}; "
-                "for token ids use SMCSD.run([SMCSDModel(ids)])"
-            )
-        if not prompt.strip():
-            raise ValueError("the prompt is empty: give some text to continue")
-        if self.chat and getattr(self.tokenizer, "chat_template", None):
-            ids = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-            )
-            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-        else:
-            ids = self.tokenizer(prompt)["input_ids"]
-        return [int(t) for t in ids]
+        return encode_prompt(self.tokenizer, prompt, chat=self.chat)
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of token ids (special tokens dropped)."""
@@ -188,3 +176,22 @@ def _eos_ids(model: LoadedModel) -> list[int]:
     if not ids:
         raise ValueError(f"model {model.name!r} defines no EOS token")
     return sorted(int(i) for i in ids)
+
+
+def encode_prompt(tokenizer, prompt: str, *, chat: bool = True) -> list[int]:
+    """Token ids of a text prompt, wrapped in the chat template when ``chat`` and there is one."""
+    if not isinstance(prompt, str):
+        raise ValueError(
+            f"prompts must be text (str), got {type(prompt).__name__}; "
+            "for token ids use SMCSD.run([SMCSDModel(ids)])"
+        )
+    if not prompt.strip():
+        raise ValueError("the prompt is empty: give some text to continue")
+    if chat and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+        )
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    else:
+        ids = tokenizer(prompt)["input_ids"]
+    return [int(t) for t in ids]

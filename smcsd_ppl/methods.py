@@ -46,6 +46,7 @@ class Method:
 
 
 METHODS: dict[str, Method] = {}
+"""Every registered method by name (filled by ``register``; the baselines register on import)."""
 
 
 def register(name: str, *, uses_draft: bool = True, particles: bool = False, summary: str = ""):

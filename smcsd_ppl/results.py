@@ -46,11 +46,15 @@ class Generation:
     """One request's output.
 
     Attributes:
-        text, token_ids: the generated continuation (the prompt excluded).
+        text: the generated continuation (the prompt excluded).
+        token_ids: its token ids.
         method: the method's name (see ``smcsd_ppl.methods``).
         stats: the cost of the whole call this request was part of.
-        log_z, n_resamples, mean_ess, particles, ess_trace: SMC-SD only (the ESS
-            before each cycle's resampling decision).
+        log_z: SMC-SD only: the log normalizer estimate (see ``SMCResult``).
+        n_resamples: SMC-SD only: resampling rounds.
+        mean_ess: SMC-SD only: the mean of ``ess_trace``.
+        particles: SMC-SD only: every final particle with its log-weight.
+        ess_trace: SMC-SD only: the ESS before each cycle's resampling decision.
         acceptance: speculative methods (accepted / drafted tokens).
         entropy_rejections: EASD only (drafted tokens SD accepted but its rule rejected).
         message: why an output is empty, if it is.

@@ -165,6 +165,16 @@ def test_humaneval_by_name(monkeypatch):
     assert load_prompts("humaneval") == [Prompt("HumanEval/0", "def f():\n", "humaneval")]
 
 
+def test_short_answer_task_is_built_in_fixed_and_self_consistent():
+    task = load_prompts("short_answer")
+    assert len(task) >= 120 and len({p.id for p in task}) == len(task) == len({p.text for p in task})
+    assert load_prompts("short-answer") == task  # the same every time
+    for p in task:
+        assert p.answer and check_answer(f"The answer is {p.answer}.", p.answer), p
+        assert not check_answer("I do not know.", p.answer)
+    assert {"capitals", "arithmetic", "facts"} <= {p.category for p in task}
+
+
 @pytest.mark.skipif(not SHARED_DATA.is_dir(), reason="no ../shared/data next to the repository")
 def test_shared_datasets():
     spec = load_prompts(SHARED_DATA / "spec_bench_question.jsonl")

@@ -11,8 +11,9 @@ import torch
 
 from smcsd_ppl import methods
 from smcsd_ppl.config import SMCConfig
+from smcsd_ppl.drafts import slice_draft
 from smcsd_ppl.generate import SMCSD
-from smcsd_ppl.models import LoadedModel, slice_draft
+from smcsd_ppl.models import LoadedModel
 
 PROMPTS = ["the quick brown fox", "once upon a time there was"]
 

@@ -18,15 +18,8 @@ from transformers import (
 )
 
 from smcsd_ppl import models
-from smcsd_ppl.models import (
-    DEFAULT_DRAFT_LAYERS,
-    DEFAULT_TARGET,
-    LoadedModel,
-    embedded_default_dir,
-    load_model,
-    resolve_draft,
-    slice_draft,
-)
+from smcsd_ppl.drafts import DEFAULT_DRAFT_LAYERS, resolve_draft, slice_draft
+from smcsd_ppl.models import DEFAULT_TARGET, LoadedModel, embedded_default_dir, load_model
 
 SIZES = {
     "hidden_size": 32,
@@ -173,7 +166,7 @@ def test_bad_slice_sizes_raise(n):
 
 
 def test_slice_of_unsupported_architecture_raises():
-    with pytest.raises(ValueError, match=r"only for models with `\.model\.layers`"):
+    with pytest.raises(ValueError, match=r"need a model with `\.model\.layers`"):
         slice_draft(tiny("gpt2"), 1)
 
 

@@ -46,8 +46,10 @@ class SteeringRecord:
     """One run of one method on one prompt.
 
     Attributes:
-        text, token_ids: the selected particle (EOS dropped); sampled by final weight.
-        texts, particle_ids: every final particle (EOS dropped).
+        text: the selected particle (EOS dropped); sampled by final weight.
+        token_ids: the selected particle's tokens (EOS dropped).
+        texts: every final particle's text (EOS dropped).
+        particle_ids: every final particle's tokens (EOS dropped).
         lengths: tokens each particle generated, a final EOS included (it costs a step too).
         log_weights: final log-weight of each particle.
         valid: whether each final particle has positive weight and satisfies the

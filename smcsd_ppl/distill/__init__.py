@@ -1,0 +1,20 @@
+"""Distilling a draft model for a target: data, training, evaluation."""
+
+from .data import Example, collect, continue_prompts, corpus_examples, load_examples
+from .evaluate import forward_cost, match_metrics
+from .prompts import builtin_prompts
+from .train import DistillConfig, Progress, distill
+
+__all__ = [
+    "DistillConfig",
+    "Example",
+    "Progress",
+    "builtin_prompts",
+    "collect",
+    "continue_prompts",
+    "corpus_examples",
+    "distill",
+    "forward_cost",
+    "load_examples",
+    "match_metrics",
+]

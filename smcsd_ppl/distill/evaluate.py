@@ -1,0 +1,152 @@
+"""How well a draft matches its target: agreement, acceptance probability, forward cost.
+
+- *agreement*: how often the draft's most likely next token is the target's, on the
+  target's greedy continuations of held-out prompts;
+- *acceptance at T*: the mean of sum_v min(p_T(v), q_T(v)) = E_{x~q}[min(1, p/q)], the
+  probability that exact speculative sampling accepts a drafted token, with both models
+  at temperature T, at the same positions;
+- *cost*: one draft forward over 8 rows against one target forward over 1 row (one new
+  token each after a cached context, through the engine's batched backend), timed
+  interleaved in one process (medians).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import statistics
+import time
+from collections.abc import Sequence
+
+import torch
+import transformers
+
+from ..backends.hf import HFBatchedLM
+from .data import Example
+
+
+def _logits(model: transformers.PreTrainedModel, examples: Sequence[Example]) -> list[torch.Tensor]:
+    """Each example's next-token logits at its continuation positions (float32)."""
+    device = model.device
+    width = max(len(e.ids) for e in examples)
+    ids = torch.zeros((len(examples), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, e in enumerate(examples):
+        ids[row, : len(e.ids)] = e.ids
+        mask[row, : len(e.ids)] = 1
+    # A draft in training keeps fp32 layers next to the target's bf16 head: autocast joins them.
+    head = model.get_output_embeddings().weight.dtype
+    mixed = any(p.dtype != head for p in model.parameters())
+    with torch.autocast(device.type, dtype=head, enabled=mixed):
+        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
+    # positions start-1 .. len-2 predict the continuation tokens
+    return [logits[row, max(e.start, 1) - 1 : len(e.ids) - 1].float() for row, e in enumerate(examples)]
+
+
+@torch.inference_mode()
+def match_metrics(
+    target: transformers.PreTrainedModel,
+    draft: transformers.PreTrainedModel,
+    examples: Sequence[Example],
+    *,
+    temperatures: Sequence[float] = (1.0, 0.7),
+    batch_size: int = 8,
+) -> dict[str, float]:
+    """Agreement and acceptance of ``draft`` with ``target`` over the examples' continuations."""
+    if not examples:
+        raise ValueError("no examples to evaluate on")
+    agree, accept, count = 0.0, {t: 0.0 for t in temperatures}, 0
+    for first in range(0, len(examples), batch_size):
+        group = examples[first : first + batch_size]
+        for p, q in zip(_logits(target, group), _logits(draft, group), strict=True):
+            agree += float((p.argmax(-1) == q.argmax(-1)).sum())
+            for t in temperatures:
+                overlap = torch.minimum(torch.softmax(p / t, -1), torch.softmax(q / t, -1)).sum(-1)
+                accept[t] += float(overlap.sum())
+            count += len(p)
+    if count == 0:
+        raise ValueError("the examples hold no continuation tokens")
+    return {"positions": count, "agreement": agree / count} | {
+        f"acceptance_T{t:g}": a / count for t, a in accept.items()
+    }
+
+
+@torch.inference_mode()
+def forward_cost(
+    target: transformers.PreTrainedModel,
+    draft: transformers.PreTrainedModel,
+    *,
+    draft_rows: int = 8,
+    context: int = 128,
+    repeats: int = 30,
+    seed: int = 0,
+) -> dict[str, float]:
+    """Median ms of one draft forward over ``draft_rows`` rows and one target forward over 1 row.
+
+    Both decode one token after a cached context of ``context`` tokens (fewer if the models
+    are shorter); the two are timed in alternation so that machine load affects both alike.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    vocab = target.config.vocab_size
+    limit = min(getattr(m.config, "max_position_embeddings", context + 1) for m in (target, draft))
+    context = min(context, limit - 1)  # room for the timed token
+
+    def prepare(model, rows):
+        lm = HFBatchedLM(model, name="cost")
+        lm.prefill(torch.randint(0, vocab, (rows, context), generator=gen).tolist())
+        return torch.randint(0, vocab, (rows, 1), generator=gen), lm
+
+    def timed(lm, step) -> float:
+        if lm.device.type == "cuda":
+            torch.cuda.synchronize(lm.device)
+        start = time.perf_counter()
+        lm.extend(step)
+        if lm.device.type == "cuda":
+            torch.cuda.synchronize(lm.device)
+        lm.drop_tail(torch.ones(step.shape[0], dtype=torch.long))  # back to the context
+        return (time.perf_counter() - start) * 1000
+
+    d_step, d_lm = prepare(draft, draft_rows)
+    t_step, t_lm = prepare(target, 1)
+    for _ in range(3):  # warm-up
+        timed(d_lm, d_step), timed(t_lm, t_step)
+    d_ms, t_ms = [], []
+    for _ in range(repeats):
+        d_ms.append(timed(d_lm, d_step))
+        t_ms.append(timed(t_lm, t_step))
+    d, t = statistics.median(d_ms), statistics.median(t_ms)
+    return {"draft_ms": d, "target_ms": t, "ratio": d / t, "draft_rows": draft_rows, "context": context}
+
+
+def plot_curve(log_path: str | os.PathLike, png_path: str | os.PathLike) -> bool:
+    """Plot held-out agreement and acceptance against training tokens from a ``train_log.jsonl``.
+
+    Returns False (and writes nothing) when the log holds no held-out evaluation.
+    """
+    import matplotlib
+    from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
+
+    from ..bench.report import STYLE
+
+    records = [json.loads(line) for line in pathlib.Path(log_path).read_text().splitlines() if line.strip()]
+    records = [r for r in records if "agreement" in r]
+    if not records:
+        return False
+    tokens = [r["tokens"] / 1e6 for r in records]
+    series = {
+        "agreement (top-1)": "agreement",
+        "acceptance, T=1": "acceptance_T1",
+        "acceptance, T=0.7": "acceptance_T0.7",
+    }
+    with matplotlib.rc_context(STYLE):
+        fig = Figure(figsize=(7.5, 4.8), layout="constrained")
+        ax = fig.add_subplot()
+        for label, key in series.items():
+            ax.plot(tokens, [r[key] for r in records], marker="o", label=label)
+        ax.set_xlabel("training tokens (millions)")
+        ax.set_ylabel("held-out, against the target")
+        ax.set_ylim(0, 1)
+        ax.legend(loc="best", frameon=False)
+        fig.savefig(png_path, dpi=130)
+    return True

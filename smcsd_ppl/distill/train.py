@@ -1,0 +1,280 @@
+"""Training a draft by distillation: KL from the target's top-k next-token distribution.
+
+The draft (``drafts.student``) is a few of the target's own decoder layers, copied and
+trained, with the target's embeddings and LM head shared and frozen. The loss at every
+position is the cross-entropy of the draft against the target's stored top-k distribution
+(the KL up to a constant). A checkpoint (weights, optimizer, schedule, data cursor, RNG) is
+written atomically every ``save_every`` steps, so an interrupted run resumes exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..drafts import fingerprint, save_draft, student
+from ..models import LoadedModel
+from .data import Example
+from .evaluate import match_metrics
+
+CHECKPOINT = "checkpoint.pt"
+LOG = "train_log.jsonl"
+DRAFT_SUBDIR = "draft"
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    """Settings of one distillation run.
+
+    Attributes:
+        layers: decoder layers of the draft, initialised from the target's first ``layers``
+            layers (they keep the residual stream the embeddings feed: measured on
+            SmolLM2-135M, agreement starts at 0.06 from layers 0-3 but at 0.00 from layers
+            spread over the depth or ending with the last one).
+        source_layers: explicit target layer indices to start from instead.
+        steps: optimizer steps.
+        batch_tokens: padded tokens per batch (sequences are grouped by length).
+        lr: peak learning rate (linear warm-up, cosine decay to a tenth).
+        warmup: warm-up steps.
+        weight_decay: AdamW weight decay.
+        grad_clip: global gradient-norm clip.
+        save_every: steps between checkpoints (and between saved drafts).
+        eval_every: steps between held-out evaluations (when evaluation data is given).
+        bf16: autocast matrix products to bfloat16 (fp32 master weights).
+        seed: seeds data order and initialisation.
+    """
+
+    layers: int = 4
+    source_layers: tuple[int, ...] | None = None
+    steps: int = 1000
+    batch_tokens: int = 4096
+    lr: float = 5e-4
+    warmup: int = 30
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    save_every: int = 50
+    eval_every: int = 100
+    bf16: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "steps", "batch_tokens", "save_every", "eval_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("lr", "grad_clip"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        if self.warmup < 0 or self.weight_decay < 0:
+            raise ValueError("warmup and weight_decay must be >= 0")
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where a run stands, passed to the progress callback after every step."""
+
+    step: int
+    steps: int
+    tokens: int
+    loss: float
+    metrics: dict | None = None
+
+
+def batches(examples: Sequence[Example], batch_tokens: int, seed: int, epoch: int) -> list[list[int]]:
+    """One epoch's batches of example indices: shuffled, then grouped by similar length.
+
+    A pure function of its arguments, so a resumed run sees the same batches.
+    """
+    order = list(range(len(examples)))
+    random.Random(seed * 100_003 + epoch).shuffle(order)
+    out: list[list[int]] = []
+    for first in range(0, len(order), 256):  # sort within windows: little padding, still random
+        window = sorted(order[first : first + 256], key=lambda i: len(examples[i].ids))
+        batch: list[int] = []
+        for i in window:
+            width = max([len(examples[j].ids) for j in batch] + [len(examples[i].ids)])
+            if batch and width * (len(batch) + 1) > batch_tokens:
+                out.append(batch)
+                batch = []
+            batch.append(i)
+        if batch:
+            out.append(batch)
+    random.Random(seed * 100_003 + epoch + 1).shuffle(out)
+    return out
+
+
+def kd_loss(
+    model: torch.nn.Module, examples: Sequence[Example], *, autocast: bool
+) -> tuple[torch.Tensor, int]:
+    """Mean cross-entropy of the draft against the target's top-k, and the positions scored."""
+    device = model.device
+    width = max(len(e.ids) for e in examples)
+    ids = torch.zeros((len(examples), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, e in enumerate(examples):
+        ids[row, : len(e.ids)] = e.ids
+        mask[row, : len(e.ids)] = 1
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+        hidden = model.model(input_ids=ids.to(device), attention_mask=mask.to(device)).last_hidden_state
+        # position t of a sequence predicts token t+1: the first len-1 positions are scored
+        rows = torch.cat([torch.full((len(e.ids) - 1,), r) for r, e in enumerate(examples)])
+        cols = torch.cat([torch.arange(len(e.ids) - 1) for e in examples])
+        logits = model.lm_head(hidden[rows.to(device), cols.to(device)])
+    logq = torch.log_softmax(logits.float(), dim=-1)
+    top_ids = torch.cat([e.top_ids for e in examples]).to(device)
+    p = torch.cat([e.top_logp for e in examples]).to(device).float().exp()
+    loss = -(p * logq.gather(1, top_ids)).sum(-1).mean()
+    return loss, len(rows)
+
+
+def _schedule(config: DistillConfig) -> Callable[[int], float]:
+    def factor(step: int) -> float:
+        if step < config.warmup:
+            return (step + 1) / (config.warmup + 1)
+        progress = (step - config.warmup) / max(1, config.steps - config.warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def distill(
+    target: LoadedModel,
+    train: Sequence[Example],
+    out_dir: str | os.PathLike,
+    config: DistillConfig = DistillConfig(),
+    *,
+    held_out: Sequence[Example] = (),
+    on_progress: Callable[[Progress], None] | None = None,
+) -> pathlib.Path:
+    """Train a draft for ``target`` on ``train``; resumes from ``out_dir``'s checkpoint.
+
+    Args:
+        target: the target (its embeddings and LM head are shared, never changed).
+        train: examples from ``data.collect`` / ``data.corpus_examples``.
+        out_dir: receives ``checkpoint.pt``, ``train_log.jsonl`` (loss; held-out agreement
+            and acceptance against training tokens) and the draft in ``draft/``.
+        config: settings; a resumed run must use the same ones.
+        held_out: examples evaluated every ``eval_every`` steps (not trained on).
+        on_progress: called after every step.
+
+    Returns:
+        The directory of the trained draft (loadable with ``drafts.load_draft``).
+    """
+    if not train:
+        raise ValueError("no training examples")
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    total = target.model.config.num_hidden_layers
+    if config.source_layers is None and config.layers >= total:
+        raise ValueError(f"a draft of {config.layers} layers is no smaller than the target ({total} layers)")
+    sources = list(config.source_layers or range(config.layers))
+    manifest = {
+        "target": target.name,
+        "fingerprint": fingerprint(target.model),
+        "source_layers": sources,
+        "config": dataclasses.asdict(config) | {"source_layers": sources},
+    }
+    torch.manual_seed(config.seed)
+    model = student(target, sources).train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule(config))
+    state = {"step": 0, "tokens": 0, "epoch": 0, "index": 0, "seconds": 0.0}
+    ckpt = out / CHECKPOINT
+    if ckpt.is_file():
+        saved = torch.load(ckpt, weights_only=False)
+        if (
+            saved["manifest"]["config"] != manifest["config"]
+            or saved["manifest"]["fingerprint"] != manifest["fingerprint"]
+        ):
+            raise ValueError(f"{ckpt} was written with other settings or another target; use a new --out")
+        missing, unexpected = model.load_state_dict(
+            saved["model"], strict=False
+        )  # shared tensors aren't saved
+        if unexpected or any(k.startswith(("model.layers.", "model.norm.")) for k in missing):
+            raise ValueError(f"{ckpt} does not match the draft's layers; use a new --out")
+        opt.load_state_dict(saved["optimizer"])
+        sched.load_state_dict(saved["scheduler"])
+        state = saved["state"]
+        torch.set_rng_state(saved["rng"])
+        _truncate_log(out / LOG, state["step"])
+    else:
+        (out / LOG).unlink(missing_ok=True)  # no checkpoint: the run starts over
+    if held_out and state["step"] == 0:  # the starting point of the curve
+        _append_log(out / LOG, {**state, **match_metrics(target.model, model.eval(), held_out)})
+        model.train()
+    epoch_batches = batches(train, config.batch_tokens, config.seed, state["epoch"])
+    autocast = config.bf16 and model.device.type in ("cpu", "cuda")
+    started = time.perf_counter() - state["seconds"]
+    while state["step"] < config.steps:
+        if state["index"] >= len(epoch_batches):
+            state["epoch"], state["index"] = state["epoch"] + 1, 0
+            epoch_batches = batches(train, config.batch_tokens, config.seed, state["epoch"])
+        group = [train[i] for i in epoch_batches[state["index"]]]
+        state["index"] += 1
+        loss, scored = kd_loss(model, group, autocast=autocast)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
+        opt.step()
+        sched.step()
+        state["step"] += 1
+        state["tokens"] += scored
+        state["seconds"] = time.perf_counter() - started
+        step = state["step"]
+        metrics = None
+        if held_out and (step % config.eval_every == 0 or step == config.steps):
+            model.eval()
+            metrics = match_metrics(target.model, model, held_out)
+            model.train()
+        if metrics is not None or step % config.save_every == 0 or step == config.steps:
+            _append_log(
+                out / LOG, {**state, "loss": loss.item(), "lr": sched.get_last_lr()[0], **(metrics or {})}
+            )
+        if step % config.save_every == 0 or step == config.steps:
+            info = manifest | {
+                "trained": {"steps": step, "tokens": state["tokens"], "seconds": state["seconds"]}
+            }
+            save_draft(model, out / DRAFT_SUBDIR, info)
+            own = {
+                k: v for k, v in model.state_dict().items() if k.startswith(("model.layers.", "model.norm."))
+            }
+            saved = {
+                "manifest": manifest,
+                "model": own,
+                "optimizer": opt.state_dict(),
+                "scheduler": sched.state_dict(),
+                "state": dict(state),
+                "rng": torch.get_rng_state(),
+            }
+            torch.save(saved, f"{ckpt}.tmp")
+            os.replace(f"{ckpt}.tmp", ckpt)
+        if on_progress is not None:
+            on_progress(Progress(step, config.steps, state["tokens"], loss.item(), metrics))
+    return out / DRAFT_SUBDIR
+
+
+def _append_log(path: pathlib.Path, record: dict) -> None:
+    with path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _truncate_log(path: pathlib.Path, step: int) -> None:
+    """Drop log lines written after the checkpoint a run resumes from (they will be redone)."""
+    if not path.is_file():
+        return
+    lines = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+
+    path.write_text("".join(f"{line}\n" for line in lines))

@@ -1,0 +1,233 @@
+"""Distillation on tiny models: data collection, training, resume, saved drafts, metrics, CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tiny import TEXT, llama, tokenizer
+
+from smcsd_ppl import SMCSD, SMCConfig
+from smcsd_ppl.cli import main
+from smcsd_ppl.distill import DistillConfig, collect, distill, forward_cost, load_examples, match_metrics
+from smcsd_ppl.distill.data import greedy_examples
+from smcsd_ppl.drafts import MANIFEST, is_draft_dir, load_draft, resolve_draft, student
+from smcsd_ppl.generate import encode_prompt
+from smcsd_ppl.models import LoadedModel
+
+PROMPTS = [line.strip() for line in TEXT.splitlines() if line.strip()]
+
+
+def target() -> LoadedModel:
+    return LoadedModel(llama(seed=0, layers=4), tokenizer(), "tiny-target", "random init")
+
+
+def prompt_ids(lm: LoadedModel) -> list[list[int]]:
+    return [encode_prompt(lm.tokenizer, p)[:12] for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    lm = target()
+    out = tmp_path_factory.mktemp("data")
+    eos = [lm.tokenizer.eos_token_id]
+    collect(
+        lm.model, prompt_ids(lm), out, eos_ids=eos, max_new_tokens=10, temperature=1.0, top_k=8, batch_size=3
+    )
+    return out
+
+
+# What the shipped draft must keep reaching on a slice of the short-answer task (measured: see
+# docs/draft-model-card.md); below this the shipped weights are broken or stale.
+AGREEMENT_FLOOR, ACCEPTANCE_FLOOR = 0.30, 0.40
+
+CONFIG = DistillConfig(layers=2, steps=6, batch_tokens=64, lr=3e-3, warmup=1, save_every=3, eval_every=3)
+
+
+def own_weights(draft_dir) -> dict[str, torch.Tensor]:
+    return load_draft(draft_dir, target()).model.model.layers.state_dict()
+
+
+def test_collect_writes_shards_with_topk(data):
+    examples = load_examples(data)
+    assert len(examples) == len(PROMPTS)
+    for e in examples:
+        assert 0 < e.start < len(e.ids) <= 12 + 10
+        assert e.top_ids.shape == e.top_logp.shape == (len(e.ids) - 1, 8)
+        assert bool((e.top_logp[:, :-1] >= e.top_logp[:, 1:]).all())  # sorted, most likely first
+        assert bool((e.top_logp <= 0).all())
+
+
+def test_collect_resumes_and_refuses_other_settings(data, tmp_path):
+    lm = target()
+    eos = [lm.tokenizer.eos_token_id]
+    kwargs = dict(eos_ids=eos, max_new_tokens=10, temperature=1.0, top_k=8, batch_size=3)
+    for shard in data.glob("shard-*.pt"):
+        (tmp_path / shard.name).write_bytes(shard.read_bytes())
+    (tmp_path / "meta.json").write_text((data / "meta.json").read_text())
+    (tmp_path / "shard-00001.pt").unlink()  # as if killed before this shard was written
+    collect(lm.model, prompt_ids(lm), tmp_path, **kwargs)
+    redone, original = load_examples(tmp_path), load_examples(data)
+    assert all(
+        torch.equal(a.ids, b.ids) and torch.equal(a.top_ids, b.top_ids) for a, b in zip(redone, original)
+    )
+    with pytest.raises(ValueError, match="other max_new_tokens"):
+        collect(lm.model, prompt_ids(lm), tmp_path, **(kwargs | {"max_new_tokens": 5}))
+
+
+def test_distill_resumes_exactly_after_interruption(data, tmp_path):
+    lm, train = target(), load_examples(data)
+    whole = distill(lm, train, tmp_path / "whole", CONFIG, held_out=train[:2])
+
+    def stop_after_4(p):
+        if p.step == 4:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        distill(lm, train, tmp_path / "cut", CONFIG, held_out=train[:2], on_progress=stop_after_4)
+    # the checkpoint of step 3 is on disk; the resumed run redoes step 4 and goes on to 6
+    resumed = distill(lm, train, tmp_path / "cut", CONFIG, held_out=train[:2])
+    a, b = own_weights(whole), own_weights(resumed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    log = [json.loads(line) for line in (tmp_path / "cut" / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [0, 3, 6]  # the lines after the checkpoint were dropped, then redone
+    assert {"agreement", "acceptance_T1", "tokens"} <= set(log[-1])
+    manifest = json.loads((resumed / MANIFEST).read_text())
+    assert manifest["trained"]["steps"] == 6 and manifest["source_layers"] == [0, 1]
+
+
+def test_resume_with_other_settings_is_refused(data, tmp_path):
+    lm, train = target(), load_examples(data)
+    distill(lm, train, tmp_path, DistillConfig(layers=2, steps=3, batch_tokens=64, save_every=3))
+    with pytest.raises(ValueError, match="other settings"):
+        distill(lm, train, tmp_path, DistillConfig(layers=2, steps=3, batch_tokens=64, save_every=3, lr=1e-3))
+
+
+def test_training_reduces_the_loss_and_raises_agreement(data, tmp_path):
+    lm, train = target(), load_examples(data)
+    before = match_metrics(lm.model, student(lm, [0, 1]).eval(), train)
+    config = DistillConfig(
+        layers=2, steps=60, batch_tokens=128, lr=3e-3, warmup=2, save_every=60, eval_every=60
+    )
+    losses = []
+    distill(lm, train, tmp_path, config, on_progress=lambda p: losses.append(p.loss))
+    after = match_metrics(lm.model, load_draft(tmp_path / "draft", lm).model, train)
+    assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5
+    assert after["agreement"] > before["agreement"] and after["acceptance_T1"] > before["acceptance_T1"]
+
+
+def test_match_metrics_of_the_target_itself_are_one_and_cost_is_timed():
+    lm = target()
+    examples = greedy_examples(
+        lm.model, prompt_ids(lm)[:3], eos_ids=[lm.tokenizer.eos_token_id], max_new_tokens=6
+    )
+    m = match_metrics(lm.model, lm.model, examples)
+    assert m["agreement"] == 1.0 and m["acceptance_T1"] == pytest.approx(1.0) and m["positions"] > 0
+    other = match_metrics(lm.model, llama(seed=5, layers=1), examples)
+    assert other["acceptance_T1"] < 0.99
+    cost = forward_cost(lm.model, student(lm, [0]).eval(), context=16, repeats=3)
+    assert (
+        cost["draft_ms"] > 0
+        and cost["target_ms"] > 0
+        and cost["ratio"] == cost["draft_ms"] / cost["target_ms"]
+    )
+
+
+def test_saved_draft_loads_and_runs_sd_smcsd(data, tmp_path):
+    lm, train = target(), load_examples(data)
+    draft_dir = distill(lm, train, tmp_path, DistillConfig(layers=2, steps=2, batch_tokens=64, save_every=2))
+    assert is_draft_dir(draft_dir)
+    draft = resolve_draft(str(draft_dir), lm, device="cpu", dtype="fp32")
+    assert draft.model.model.embed_tokens is lm.model.model.embed_tokens  # shared, not shipped
+    assert not any(p.requires_grad for p in draft.model.parameters())
+    size = sum(f.stat().st_size for f in draft_dir.iterdir())
+    assert (
+        size < sum(p.numel() for p in draft.model.model.layers.parameters()) * 2 + 10_000
+    )  # bf16 layers only
+    pair = SMCSD(lm, draft)
+    config = SMCConfig(n_particles=3, block_size=3, max_new_tokens=8, seed=1)
+    for method in ("smcsd", "sd"):
+        out = pair.generate(PROMPTS[0], method=method, config=config)
+        assert 0 < len(out.token_ids) <= 8
+
+
+def test_draft_for_another_target_is_refused(data, tmp_path):
+    lm, train = target(), load_examples(data)
+    draft_dir = distill(lm, train, tmp_path, DistillConfig(layers=1, steps=1, batch_tokens=64, save_every=1))
+    wider = LoadedModel(llama(seed=0, layers=2, vocab_size=len(tokenizer()) + 5), tokenizer(), "other", "x")
+    with pytest.raises(ValueError, match="was distilled for"):
+        load_draft(draft_dir, wider)
+    with pytest.raises(ValueError, match="does not hold a readable distilled draft"):
+        load_draft(tmp_path / "nowhere", lm)
+
+
+@pytest.mark.parametrize("bad", [{"layers": 0}, {"steps": 0}, {"lr": float("nan")}, {"warmup": -1}])
+def test_bad_settings_raise(bad):
+    with pytest.raises(ValueError):
+        DistillConfig(**bad)
+
+
+def test_draft_as_deep_as_the_target_is_refused(data, tmp_path):
+    with pytest.raises(ValueError, match="no smaller than the target"):
+        distill(target(), load_examples(data), tmp_path, DistillConfig(layers=4, steps=1))
+
+
+def test_cli_distill_resume_and_eval_draft(tmp_path, capsys):
+    lm = target()
+    model_dir = tmp_path / "target"
+    lm.model.save_pretrained(model_dir)
+    lm.tokenizer.save_pretrained(model_dir)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p, "category": "c"}) + "\n" for p in PROMPTS))
+    out = tmp_path / "run"
+    args = [
+        "distill",
+        "--target",
+        str(model_dir),
+        "--dtype",
+        "fp32",
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(out),
+    ]
+    args += ["--gen-tokens", "6", "--gen-batch", "4", "--top-k", "4", "--layers", "1", "--steps", "4"]
+    args += ["--batch-tokens", "64", "--save-every", "2", "--eval-prompts", str(prompts), "--eval-limit", "2"]
+    assert main(args) == 0
+    assert (out / "curve.png").stat().st_size > 1000
+    first = own_weights_of(out / "draft", model_dir)
+    assert main(args) == 0  # a finished run resumes to the same draft without redoing anything
+    assert torch.equal(first, own_weights_of(out / "draft", model_dir))
+    assert (
+        main(
+            ["eval-draft", "--target", str(model_dir), "--dtype", "fp32", "--draft", str(out / "draft")]
+            + ["--prompts", str(prompts), "--max-new-tokens", "4", "--json"]
+        )
+        == 0
+    )
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert 0 <= result["agreement"] <= 1 and 0 <= result["acceptance_T1"] <= 1 and result["cost_ratio"] > 0
+
+
+def own_weights_of(draft_dir, model_dir) -> torch.Tensor:
+    from smcsd_ppl.models import load_model
+
+    lm = load_model(str(model_dir), dtype="fp32")
+    return torch.cat([p.flatten() for p in load_draft(draft_dir, lm).model.model.layers.parameters()])
+
+
+@pytest.mark.slow
+def test_shipped_default_draft_is_small_loaded_by_default_and_agrees_with_the_target():
+    from smcsd_ppl.bench.datasets import load_prompts
+    from smcsd_ppl.drafts import SHIPPED_DRAFT, WEIGHTS
+
+    assert (SHIPPED_DRAFT / WEIGHTS).stat().st_size <= 40 * 2**20
+    pair = SMCSD.load()
+    assert pair.draft.source.startswith("distilled draft") and not pair.draft.is_slice
+    texts = [p.text for p in load_prompts("short_answer")[::16]]
+    examples = greedy_examples(
+        pair.target.model, [pair.encode(t) for t in texts], eos_ids=pair.eos_token_ids, max_new_tokens=24
+    )
+    metrics = match_metrics(pair.target.model, pair.draft.model, examples)
+    assert metrics["agreement"] >= AGREEMENT_FLOOR and metrics["acceptance_T1"] >= ACCEPTANCE_FLOOR

@@ -1,0 +1,153 @@
+"""Every code snippet of the docs and the README runs.
+
+* The ```python blocks of each page run in order, in one namespace per page, as a reader
+  would paste them. A block is skipped only when the line just before its fence is
+  ``<!-- no-run -->`` (for code that needs what a test cannot have: a hub model, a GPU,
+  your own files). Keep such blocks rare.
+* A ``--8<-- "path"`` line in a block (pymdownx.snippets) runs the file it includes.
+* Every ``smcsd ...`` command of a ```bash block must parse with the real argument parser,
+  and every ``python path.py`` command must name an existing file.
+* Pages that load the real model (``SMCSD.load``) are slow tests. ``SMCSD.load`` is cached
+  per arguments for the whole session, so the model loads once however many pages use it.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from smcsd_ppl import SMCSD
+from smcsd_ppl.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").rglob("*.md")) + ["README.md"]
+NO_RUN = "<!-- no-run -->"
+FENCE = re.compile(r"^(?P<indent> *)(?P<fence>```+|~~~+)(?P<info>.*)$")
+SNIPPET = re.compile(r"""^\s*--8<--\s+["']?(?P<path>[^"']+)["']?\s*$""")
+
+
+def code_blocks(text: str) -> list[tuple[str, int, str, bool]]:
+    """(language, first line number, code, runnable) of every fenced block of a markdown page."""
+    blocks, lines, i = [], text.splitlines(), 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        indent, fence = len(m["indent"]), m["fence"]
+        language = (m["info"].strip().split() or [""])[0].strip("{.").lower()
+        runnable = i == 0 or lines[i - 1].strip() != NO_RUN
+        start, body = i + 1, []
+        i += 1
+        while i < len(lines) and not lines[i].strip().startswith(fence):
+            body.append(lines[i][indent:] if not lines[i][:indent].strip() else lines[i].lstrip())
+            i += 1
+        blocks.append((language, start + 1, "\n".join(body), runnable))
+        i += 1
+    return blocks
+
+
+def blocks_of(page: str, language: str) -> list[tuple[int, str, bool]]:
+    """The page's blocks of one language (``--8<--`` includes resolved)."""
+    text = (ROOT / page).read_text(encoding="utf-8")
+    return [(line, _include(code), run) for lang, line, code, run in code_blocks(text) if lang == language]
+
+
+def _include(code: str) -> str:
+    out = []
+    for line in code.splitlines():
+        m = SNIPPET.match(line)
+        out.append((ROOT / m["path"]).read_text(encoding="utf-8") if m else line)
+    return "\n".join(out)
+
+
+def _uses_model(page: str) -> bool:
+    return any("SMCSD.load(" in code for _, code, run in blocks_of(page, "python") if run)
+
+
+def _python_pages() -> list:
+    pages = [p for p in PAGES if blocks_of(p, "python")]
+    return [pytest.param(p, marks=[pytest.mark.slow] if _uses_model(p) else []) for p in pages]
+
+
+@functools.cache
+def _load(*args, **kwargs) -> SMCSD:
+    return _ORIGINAL_LOAD(*args, **kwargs)
+
+
+_ORIGINAL_LOAD = SMCSD.load
+
+
+@pytest.fixture
+def shared_models(monkeypatch):
+    """``SMCSD.load`` with one cached pair per distinct arguments, for the whole session."""
+    monkeypatch.setattr(SMCSD, "load", staticmethod(_load))
+
+
+@pytest.mark.parametrize("page", _python_pages())
+def test_python_snippets_run(page, shared_models, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # snippets that write files write them here
+    monkeypatch.syspath_prepend(str(ROOT))  # `examples.*` imports, as from the repository root
+    namespace = {"__name__": f"docs_snippet_{Path(page).stem.replace('-', '_')}"}
+    for line, code, runnable in blocks_of(page, "python"):
+        if not runnable:
+            continue
+        try:
+            exec(compile(code, f"{page}:{line}", "exec"), namespace)
+        except Exception as err:
+            raise AssertionError(f"the python block at {page}:{line} failed: {err!r}") from err
+
+
+def _commands(code: str) -> list[list[str]]:
+    """Simple commands of a shell block: continuations joined, split at ``&&``, ``;`` and ``|``."""
+    out = []
+    for line in code.replace("\\\n", " ").splitlines():
+        words = shlex.split(line, comments=True)
+        command: list[str] = []
+        for word in [*words, "&&"]:
+            if word in ("&&", "||", ";", "|"):
+                while command and re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", command[0]):
+                    command.pop(0)  # environment assignments: OMP_NUM_THREADS=1 smcsd ...
+                if command:
+                    out.append(command)
+                command = []
+            else:
+                command.append(word)
+    return out
+
+
+def _shell_pages() -> list[str]:
+    return [p for p in PAGES if blocks_of(p, "bash")]
+
+
+@pytest.mark.parametrize("page", _shell_pages())
+def test_shell_commands_parse(page):
+    parser = build_parser()
+    for line, code, _ in blocks_of(page, "bash"):
+        for command in _commands(code):
+            where = f"{page}:{line}: {shlex.join(command)}"
+            if command[0] == "smcsd":
+                try:
+                    parser.parse_args(command[1:])
+                except SystemExit as err:
+                    assert err.code == 0, f"{where} does not parse"
+            elif command[0] in ("python", "python3") and command[1].endswith(".py"):
+                assert (ROOT / command[1]).is_file(), f"{where}: no such file"
+
+
+def test_no_run_marker_is_rare():
+    skipped = [(p, line) for p in PAGES for line, _, run in blocks_of(p, "python") if not run]
+    assert len(skipped) <= 5, f"too many blocks marked {NO_RUN}: {skipped}"
+
+
+def test_block_parser():
+    text = 'x\n<!-- no-run -->\n```python\na = 1\n```\n\n```python title="t"\nb = 2\n```\n'
+    assert code_blocks(text) == [("python", 4, "a = 1", False), ("python", 8, "b = 2", True)]
+    assert _commands("OMP_NUM_THREADS=1 smcsd a \\\n  --b 1 && pip x # c\n") == [
+        ["smcsd", "a", "--b", "1"],
+        ["pip", "x"],
+    ]
