@@ -38,9 +38,10 @@ def data(tmp_path_factory):
     return out
 
 
-# What the shipped draft must keep reaching on a slice of the short-answer task (measured: see
-# docs/draft-model-card.md); below this the shipped weights are broken or stale.
-AGREEMENT_FLOOR, ACCEPTANCE_FLOOR = 0.30, 0.40
+# What the shipped draft must keep reaching on a slice of the short-answer task: measured 0.27
+# agreement there (0.31 / 0.29 on the whole task, docs/draft-model-card.md), while its untrained
+# start (the target's layers 0-3) gets about 0.05; below these the shipped weights are broken.
+AGREEMENT_FLOOR, ACCEPTANCE_FLOOR = 0.20, 0.20
 
 CONFIG = DistillConfig(layers=2, steps=6, batch_tokens=64, lr=3e-3, warmup=1, save_every=3, eval_every=3)
 
