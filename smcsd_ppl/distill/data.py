@@ -83,18 +83,25 @@ def continue_prompts(
     return results
 
 
+def right_padded(
+    sequences: Sequence[Sequence[int]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids ``[B, T]`` right-padded with 0, and the attention mask of the real tokens."""
+    width = max(len(s) for s in sequences)
+    ids = torch.zeros((len(sequences), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, seq in enumerate(sequences):
+        ids[row, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
+        mask[row, : len(seq)] = 1
+    return ids.to(device), mask.to(device)
+
+
 @torch.inference_mode()
 def teacher_topk(
     model: transformers.PreTrainedModel, sequences: Sequence[Sequence[int]], k: int
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Top-k next-token log-probs of the target after every prefix of each sequence."""
-    device = model.device
-    width = max(len(s) for s in sequences)
-    ids = torch.zeros((len(sequences), width), dtype=torch.long, device=device)
-    mask = torch.zeros_like(ids)
-    for row, seq in enumerate(sequences):
-        ids[row, : len(seq)] = torch.tensor(list(seq), device=device)
-        mask[row, : len(seq)] = 1
+    ids, mask = right_padded(sequences, model.device)
     logits = model(input_ids=ids, attention_mask=mask).logits
     out = []
     for row, seq in enumerate(sequences):
@@ -170,15 +177,7 @@ def collect(
             tails = [p[-max_prompt_tokens:] for p in batch]
             seqs = [t + a for t, a in zip(tails, answers) if a]
             starts = [len(t) for t, a in zip(tails, answers) if a]
-            tops = teacher_topk(model, seqs, top_k) if seqs else []
-            shard = {
-                "ids": [torch.tensor(s, dtype=torch.int32) for s in seqs],
-                "starts": starts,
-                "top_ids": [i for i, _ in tops],
-                "top_logp": [v for _, v in tops],
-            }
-            torch.save(shard, f"{path}.tmp")
-            os.replace(f"{path}.tmp", path)
+            _write_shard(path, model, seqs, starts, top_k)
         if on_progress is not None:
             on_progress(min(first + batch_size, len(prompts)), len(prompts))
     return out
@@ -247,16 +246,23 @@ def corpus_examples(
         if path.is_file():
             continue
         seqs = chunks[first : first + batch_size]
-        tops = teacher_topk(model, seqs, top_k)
-        shard = {
-            "ids": [torch.tensor(s, dtype=torch.int32) for s in seqs],
-            "starts": [0] * len(seqs),
-            "top_ids": [i for i, _ in tops],
-            "top_logp": [v for _, v in tops],
-        }
-        torch.save(shard, f"{path}.tmp")
-        os.replace(f"{path}.tmp", path)
+        _write_shard(path, model, seqs, [0] * len(seqs), top_k)
     return out
+
+
+def _write_shard(
+    path: pathlib.Path, model: transformers.PreTrainedModel, seqs: list[list[int]], starts: list[int], k: int
+) -> None:
+    """Score ``seqs`` with the target and write them as one shard, renamed into place when complete."""
+    tops = teacher_topk(model, seqs, k) if seqs else []
+    shard = {
+        "ids": [torch.tensor(s, dtype=torch.int32) for s in seqs],
+        "starts": starts,
+        "top_ids": [i for i, _ in tops],
+        "top_logp": [v for _, v in tops],
+    }
+    torch.save(shard, f"{path}.tmp")
+    os.replace(f"{path}.tmp", path)
 
 
 def load_examples(*dirs: str | os.PathLike) -> list[Example]:

@@ -23,23 +23,18 @@ import torch
 import transformers
 
 from ..backends.hf import HFBatchedLM
-from .data import Example
+from .data import Example, right_padded
 
 
 def _logits(model: transformers.PreTrainedModel, examples: Sequence[Example]) -> list[torch.Tensor]:
     """Each example's next-token logits at its continuation positions (float32)."""
     device = model.device
-    width = max(len(e.ids) for e in examples)
-    ids = torch.zeros((len(examples), width), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, e in enumerate(examples):
-        ids[row, : len(e.ids)] = e.ids
-        mask[row, : len(e.ids)] = 1
+    ids, mask = right_padded([e.ids for e in examples], device)
     # A draft in training keeps fp32 layers next to the target's bf16 head: autocast joins them.
     head = model.get_output_embeddings().weight.dtype
     mixed = any(p.dtype != head for p in model.parameters())
     with torch.autocast(device.type, dtype=head, enabled=mixed):
-        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
+        logits = model(input_ids=ids, attention_mask=mask).logits
     # positions start-1 .. len-2 predict the continuation tokens
     return [logits[row, max(e.start, 1) - 1 : len(e.ids) - 1].float() for row, e in enumerate(examples)]
 

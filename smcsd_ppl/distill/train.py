@@ -23,7 +23,7 @@ import torch
 
 from ..drafts import fingerprint, save_draft, student
 from ..models import LoadedModel
-from .data import Example
+from .data import Example, right_padded
 from .evaluate import match_metrics
 
 CHECKPOINT = "checkpoint.pt"
@@ -118,14 +118,9 @@ def kd_loss(
 ) -> tuple[torch.Tensor, int]:
     """Mean cross-entropy of the draft against the target's top-k, and the positions scored."""
     device = model.device
-    width = max(len(e.ids) for e in examples)
-    ids = torch.zeros((len(examples), width), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, e in enumerate(examples):
-        ids[row, : len(e.ids)] = e.ids
-        mask[row, : len(e.ids)] = 1
+    ids, mask = right_padded([e.ids for e in examples], device)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-        hidden = model.model(input_ids=ids.to(device), attention_mask=mask.to(device)).last_hidden_state
+        hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
         # position t of a sequence predicts token t+1: the first len-1 positions are scored
         rows = torch.cat([torch.full((len(e.ids) - 1,), r) for r, e in enumerate(examples)])
         cols = torch.cat([torch.arange(len(e.ids) - 1) for e in examples])
