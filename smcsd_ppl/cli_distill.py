@@ -13,7 +13,8 @@ def add_parsers(sub, model_args) -> None:
         "distill",
         help="train a small draft for a target on the target's own outputs (resumable)",
         description="Collect the target's continuations of prompts (with its top-k next-token "
-        "log-probs), then train a few-layer draft sharing the target's embeddings and LM head. "
+        "log-probs), then train a draft sharing the target's embeddings and LM head: a few of its "
+        "layers, which may also read its hidden states (--kind features). "
         "Every stage resumes where an interrupted run stopped. The draft lands in OUT/draft.",
     )
     model_args(dist, draft=False)
@@ -45,6 +46,20 @@ def add_parsers(sub, model_args) -> None:
     g.add_argument("--top-k", type=int, default=64, help="target log-probs kept per position (default 64)")
     g.add_argument("--gen-batch", type=int, default=32, help="prompts per generation batch (default 32)")
     g = dist.add_argument_group("training")
+    g.add_argument(
+        "--kind",
+        choices=("layers", "features"),
+        default="layers",
+        help="'layers': a stack of the target's first layers; "
+        "'features': the same, also reading the target's hidden states (EAGLE-style)",
+    )
+    g.add_argument(
+        "--init-draft",
+        default=None,
+        help="with --kind features: start from this trained layer draft (it first ignores the states)",
+    )
+    g.add_argument("--unroll", type=int, default=2, help="feature drafts: passes fed their own states")
+    g.add_argument("--state-weight", type=float, default=0.5, help="feature drafts: state regression weight")
     g.add_argument("--layers", type=int, default=4, help="draft layers, from the target's first ones")
     g.add_argument("--source-layers", default=None, help="comma-separated target layers to start from")
     g.add_argument("--steps", type=int, default=1000)
@@ -109,6 +124,10 @@ def _distill(args: argparse.Namespace) -> int:
 
         source_layers = tuple(_csv(args.source_layers, int, "--source-layers"))
     config = DistillConfig(
+        kind=args.kind,
+        init_draft=args.init_draft,
+        unroll=args.unroll,
+        state_weight=args.state_weight,
         layers=len(source_layers) if source_layers else args.layers,
         source_layers=source_layers,
         steps=args.steps,
@@ -162,7 +181,10 @@ def _distill(args: argparse.Namespace) -> int:
         held_out = load_examples(out / "data" / "eval")
     train = load_examples(*dirs)
     tokens = sum(len(e.ids) for e in train)
-    _err(f"training a {config.layers}-layer draft on {tokens} tokens for {config.steps} steps")
+    shape = "feature" if config.kind == "features" else f"{config.layers}-layer"
+    _err(f"training a {shape} draft on {tokens} tokens for {config.steps} steps")
+    if config.kind == "features":
+        _err("first, one target forward over the data for its hidden states")
     with _progress(config.steps, "steps") as bar:
 
         def tick(p) -> None:

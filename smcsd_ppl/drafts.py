@@ -1,9 +1,11 @@
 """Draft models for a target: layer slices that share its weights, and distilled drafts.
 
-A distilled draft (made by ``smcsd distill``) is a few decoder layers of the target's own
-architecture, trained to match the target. It shares the target's tokenizer, embeddings,
-rotary embedding and LM head, so a saved draft holds only its layers and final norm
-(``draft.safetensors``) plus a manifest (``smcsd_draft.json``) naming the target it fits.
+A distilled draft (made by ``smcsd distill``) is trained to match the target and is one of
+two kinds: ``layers``, a few decoder layers of the target's own architecture, or
+``features``, one layer that also reads the target's hidden states
+(``feature_draft.FeatureDraft``). Both share the target's tokenizer, embeddings, rotary
+embedding and LM head, so a saved draft holds only its own tensors (``draft.safetensors``)
+plus a manifest (``smcsd_draft.json``) naming the target it fits.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from .feature_draft import FeatureDraft, feature_student, own_modules
 from .models import DEFAULT_TARGET, LoadedModel, load_model
 
 logger = logging.getLogger(__name__)
@@ -107,32 +110,47 @@ def student(target: LoadedModel, source_layers: Sequence[int]) -> transformers.P
     return draft
 
 
+def draft_modules(draft: nn.Module) -> dict[str, nn.Module]:
+    """The modules a distilled draft owns, by name; the rest is the target's."""
+    if isinstance(draft, FeatureDraft):
+        return own_modules(draft)
+    return {"layers": draft.model.layers, "norm": draft.model.norm}
+
+
 def fingerprint(model: transformers.PreTrainedModel) -> dict:
     """The target properties a distilled draft depends on."""
     return {key: getattr(model.config, key, None) for key in _FINGERPRINT_KEYS}
 
 
-def save_draft(draft: transformers.PreTrainedModel, directory: str | os.PathLike, manifest: dict) -> None:
+def save_draft(draft: nn.Module, directory: str | os.PathLike, manifest: dict) -> None:
     """Write a distilled draft's own tensors (bf16) and its manifest, atomically.
 
     Args:
-        draft: a model made by ``student`` (its shared tensors are not written).
+        draft: a model made by ``student`` or ``feature_student`` (its shared tensors are
+            not written).
         directory: created if missing.
         manifest: must hold ``target``, ``fingerprint`` and ``source_layers``; more keys
-            (training facts) are kept as they are.
+            (training facts) are kept as they are. The draft's kind is added.
     """
     missing = {"target", "fingerprint", "source_layers"} - set(manifest)
     if missing:
         raise ValueError(f"draft manifest lacks {sorted(missing)}")
     out = pathlib.Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {f"layers.{k}": v for k, v in draft.model.layers.state_dict().items()}
-    tensors |= {f"norm.{k}": v for k, v in draft.model.norm.state_dict().items()}
+    tensors = {
+        f"{name}.{k}": v for name, m in draft_modules(draft).items() for k, v in m.state_dict().items()
+    }
     tensors = {k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in tensors.items()}
     save_file(tensors, out / f"{WEIGHTS}.tmp")
-    (out / f"{MANIFEST}.tmp").write_text(json.dumps({"format": 1, **manifest}, indent=2) + "\n")
+    (out / f"{MANIFEST}.tmp").write_text(
+        json.dumps({"format": 1, "kind": _kind(draft), **manifest}, indent=2) + "\n"
+    )
     os.replace(out / f"{WEIGHTS}.tmp", out / WEIGHTS)
     os.replace(out / f"{MANIFEST}.tmp", out / MANIFEST)
+
+
+def _kind(draft: nn.Module) -> str:
+    return "features" if isinstance(draft, FeatureDraft) else "layers"
 
 
 def is_draft_dir(path: str | os.PathLike) -> bool:
@@ -159,15 +177,22 @@ def load_draft(directory: str | os.PathLike, target: LoadedModel) -> LoadedModel
             f"draft {str(path)!r} was distilled for {manifest.get('target')!r} "
             f"({manifest.get('fingerprint')}), not for {target.name!r} ({fingerprint(target.model)})"
         )
-    model = student(target, manifest["source_layers"])
-    own = {"layers": model.model.layers, "norm": model.model.norm}
-    for prefix, module in own.items():
+    kind = manifest.get("kind", "layers")
+    if kind == "features":
+        model = feature_student(target.model, manifest["source_layers"])
+    elif kind == "layers":
+        model = student(target, manifest["source_layers"])
+    else:
+        raise ValueError(f"draft {str(path)!r} is of unknown kind {kind!r}")
+    for prefix, module in draft_modules(model).items():
         state = {k.removeprefix(f"{prefix}."): v for k, v in tensors.items() if k.startswith(f"{prefix}.")}
         module.load_state_dict(state)  # strict: a missing or extra tensor is an error
         module.to(device=target.model.device, dtype=target.model.dtype)
     model.eval().requires_grad_(False)
-    layers = len(manifest["source_layers"])
-    source = f"distilled draft {path} ({layers} layers, for {manifest['target']})"
+    shape = f"{len(manifest['source_layers'])} layers" + (
+        ", reading the target's hidden states" if kind == "features" else ""
+    )
+    source = f"distilled draft {path} ({shape}, for {manifest['target']})"
     name = "default distilled draft" if path.resolve() == SHIPPED_DRAFT.resolve() else str(path)
     return LoadedModel(model, target.tokenizer, name, source)
 

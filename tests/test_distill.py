@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -12,7 +13,8 @@ from smcsd_ppl import SMCSD, SMCConfig
 from smcsd_ppl.cli import main
 from smcsd_ppl.distill import DistillConfig, collect, distill, forward_cost, load_examples, match_metrics
 from smcsd_ppl.distill.data import greedy_examples
-from smcsd_ppl.drafts import MANIFEST, is_draft_dir, load_draft, resolve_draft, student
+from smcsd_ppl.drafts import MANIFEST, draft_modules, is_draft_dir, load_draft, resolve_draft, student
+from smcsd_ppl.feature_draft import feature_student
 from smcsd_ppl.generate import encode_prompt
 from smcsd_ppl.models import LoadedModel
 
@@ -47,7 +49,8 @@ CONFIG = DistillConfig(layers=2, steps=6, batch_tokens=64, lr=3e-3, warmup=1, sa
 
 
 def own_weights(draft_dir) -> dict[str, torch.Tensor]:
-    return load_draft(draft_dir, target()).model.model.layers.state_dict()
+    modules = draft_modules(load_draft(draft_dir, target()).model)
+    return {f"{name}.{k}": v for name, m in modules.items() for k, v in m.state_dict().items()}
 
 
 def test_collect_writes_shards_with_topk(data):
@@ -77,25 +80,28 @@ def test_collect_resumes_and_refuses_other_settings(data, tmp_path):
         collect(lm.model, prompt_ids(lm), tmp_path, **(kwargs | {"max_new_tokens": 5}))
 
 
-def test_distill_resumes_exactly_after_interruption(data, tmp_path):
+@pytest.mark.parametrize("kind", ["layers", "features"])
+def test_distill_resumes_exactly_after_interruption(data, tmp_path, kind):
     lm, train = target(), load_examples(data)
-    whole = distill(lm, train, tmp_path / "whole", CONFIG, held_out=train[:2])
+    config = dataclasses.replace(CONFIG, kind=kind)
+    whole = distill(lm, train, tmp_path / "whole", config, held_out=train[:2])
 
     def stop_after_4(p):
         if p.step == 4:
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        distill(lm, train, tmp_path / "cut", CONFIG, held_out=train[:2], on_progress=stop_after_4)
+        distill(lm, train, tmp_path / "cut", config, held_out=train[:2], on_progress=stop_after_4)
     # the checkpoint of step 3 is on disk; the resumed run redoes step 4 and goes on to 6
-    resumed = distill(lm, train, tmp_path / "cut", CONFIG, held_out=train[:2])
+    resumed = distill(lm, train, tmp_path / "cut", config, held_out=train[:2])
     a, b = own_weights(whole), own_weights(resumed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     log = [json.loads(line) for line in (tmp_path / "cut" / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == [0, 3, 6]  # the lines after the checkpoint were dropped, then redone
     assert {"agreement", "acceptance_T1", "tokens"} <= set(log[-1])
     manifest = json.loads((resumed / MANIFEST).read_text())
-    assert manifest["trained"]["steps"] == 6 and manifest["source_layers"] == [0, 1]
+    assert manifest["trained"]["steps"] == 6 and manifest["kind"] == kind
+    assert manifest["source_layers"] == [0, 1]
 
 
 def test_resume_with_other_settings_is_refused(data, tmp_path):
@@ -105,11 +111,13 @@ def test_resume_with_other_settings_is_refused(data, tmp_path):
         distill(lm, train, tmp_path, DistillConfig(layers=2, steps=3, batch_tokens=64, save_every=3, lr=1e-3))
 
 
-def test_training_reduces_the_loss_and_raises_agreement(data, tmp_path):
+@pytest.mark.parametrize("kind", ["layers", "features"])
+def test_training_reduces_the_loss_and_raises_agreement(data, tmp_path, kind):
     lm, train = target(), load_examples(data)
-    before = match_metrics(lm.model, student(lm, [0, 1]).eval(), train)
+    start = student(lm, [0, 1]) if kind == "layers" else feature_student(lm.model, [0, 1])
+    before = match_metrics(lm.model, start.eval(), train)
     config = DistillConfig(
-        layers=2, steps=60, batch_tokens=128, lr=3e-3, warmup=2, save_every=60, eval_every=60
+        kind=kind, layers=2, steps=60, batch_tokens=128, lr=3e-3, warmup=2, save_every=60, eval_every=60
     )
     losses = []
     distill(lm, train, tmp_path, config, on_progress=lambda p: losses.append(p.loss))
@@ -127,12 +135,13 @@ def test_match_metrics_of_the_target_itself_are_one_and_cost_is_timed():
     assert m["agreement"] == 1.0 and m["acceptance_T1"] == pytest.approx(1.0) and m["positions"] > 0
     other = match_metrics(lm.model, llama(seed=5, layers=1), examples)
     assert other["acceptance_T1"] < 0.99
-    cost = forward_cost(lm.model, student(lm, [0]).eval(), context=16, repeats=3)
-    assert (
-        cost["draft_ms"] > 0
-        and cost["target_ms"] > 0
-        and cost["ratio"] == cost["draft_ms"] / cost["target_ms"]
-    )
+    for draft in (student(lm, [0]), feature_student(lm.model, [0, 1])):
+        cost = forward_cost(lm.model, draft.eval(), context=16, repeats=3)
+        assert (
+            cost["draft_ms"] > 0
+            and cost["target_ms"] > 0
+            and cost["ratio"] == cost["draft_ms"] / cost["target_ms"]
+        )
 
 
 def test_saved_draft_loads_and_runs_sd_smcsd(data, tmp_path):

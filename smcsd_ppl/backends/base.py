@@ -32,7 +32,13 @@ class ForwardStats:
 
 @runtime_checkable
 class BatchedLM(Protocol):
-    """What the inference code needs from a language model."""
+    """What the inference code needs from a language model.
+
+    A backend whose ``needs_features`` is true (a feature draft, ``feature_draft``) also
+    takes the target's hidden states with its tokens: ``prefill(prompts, features)`` and
+    ``extend(tokens, valid, features)``; one with ``keep_hidden`` set keeps its last
+    forward's final hidden states in ``last_hidden``.
+    """
 
     vocab_size: int
     max_length: int

@@ -37,19 +37,28 @@ class HFBatchedLM:
         self.max_cache_bytes = max_cache_bytes
         self.bytes_per_token = _kv_bytes_per_token(model)
         self.stats = ForwardStats()
-        # transformers 5.24 renamed `past_key_values` to `cache`; accept either release.
-        params = inspect.signature(model.forward).parameters
-        self.cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.cache_kw = _cache_keyword(model)
         self.cache: DynamicCache | None = None
         self.rows = RowMask(torch.zeros(0, 0, dtype=torch.bool, device=self.device))
+        # A feature draft reads the target's hidden states with its tokens; a target
+        # serving one keeps the hidden states of its last forward (`keep_hidden`).
+        self.needs_features = bool(getattr(model, "needs_features", False))
+        self.keep_hidden = self.needs_features
+        self.last_hidden: torch.Tensor | None = None  # [R, T, H] of the last forward
 
     @property
     def n_rows(self) -> int:
         """Rows currently held."""
         return self.rows.valid.shape[0]
 
-    def prefill(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Start afresh with one row per prompt (left-padded); next-token logits ``[B, V]``."""
+    def prefill(
+        self, prompts: Sequence[Sequence[int]], features: Sequence[torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """Start afresh with one row per prompt (left-padded); next-token logits ``[B, V]``.
+
+        ``features[i]`` (``[len(prompts[i]), H]``) are the hidden states a feature draft
+        reads with prompt ``i``'s tokens.
+        """
         check_prompts(prompts, self.max_length)
         width = max(len(p) for p in prompts)
         ids = torch.zeros(len(prompts), width, dtype=torch.long, device=self.device)
@@ -57,19 +66,33 @@ class HFBatchedLM:
         for i, p in enumerate(prompts):  # left padding keeps every row's last token in the last column
             ids[i, width - len(p) :] = torch.tensor(list(p), dtype=torch.long)
             valid[i, width - len(p) :] = True
+        feats = None
+        if features is not None:
+            feats = torch.zeros(len(prompts), width, features[0].shape[-1], device=self.device)
+            for i, f in enumerate(features):
+                feats[i, width - len(f) :] = f
         self.cache = DynamicCache()
         self.rows = RowMask(torch.zeros(len(prompts), 0, dtype=torch.bool, device=self.device))
-        return self._forward(ids, valid, last_only=True)[:, -1]
+        return self._forward(ids, valid, last_only=True, features=feats)[:, -1]
 
-    def extend(self, tokens: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
-        """Append ``tokens [R, T]`` in one forward; logits ``[R, T, V]`` (float32)."""
+    def extend(
+        self, tokens: torch.Tensor, valid: torch.Tensor | None = None, features: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Append ``tokens [R, T]`` in one forward; logits ``[R, T, V]`` (float32).
+
+        ``features [R, T, H]``: the hidden states a feature draft reads with the tokens.
+        """
         if self.cache is None:
             raise ValueError(f"{self.name}: extend() before prefill()")
         if tokens.dim() != 2 or tokens.shape[0] != self.n_rows:
             raise ValueError(f"{self.name}: tokens must be [{self.n_rows}, T], got {list(tokens.shape)}")
         if valid is None:
             valid = torch.ones_like(tokens, dtype=torch.bool)
-        return self._forward(tokens.to(self.device), valid.to(self.device), last_only=False)
+        if features is not None:
+            features = features.to(self.device)
+        return self._forward(
+            tokens.to(self.device), valid.to(self.device), last_only=False, features=features
+        )
 
     def fork(self, rows: torch.Tensor) -> None:
         """Keep rows ``rows [R']`` in order: one ``index_select`` per cache tensor."""
@@ -110,8 +133,15 @@ class HFBatchedLM:
             if getattr(layer, "keys", None) is not None and layer.keys.numel():
                 layer.keys, layer.values = fn(layer.keys), fn(layer.values)
 
-    def _forward(self, ids: torch.Tensor, valid: torch.Tensor, *, last_only: bool) -> torch.Tensor:
+    def _forward(
+        self, ids: torch.Tensor, valid: torch.Tensor, *, last_only: bool, features: torch.Tensor | None = None
+    ) -> torch.Tensor:
         r, t = ids.shape
+        if self.needs_features != (features is not None):
+            what = "needs the target's hidden states" if self.needs_features else "takes no hidden states"
+            raise ValueError(f"{self.name}: this model {what}")
+        if features is not None and features.shape[:2] != ids.shape:
+            raise ValueError(f"{self.name}: features must be [{r}, {t}, H], got {list(features.shape)}")
         need = int(self.rows.n_real.max()) + t if r else t
         if need > self.max_length:
             raise ValueError(
@@ -127,16 +157,30 @@ class HFBatchedLM:
             )
         positions = self.rows.new_positions(valid)
         self.rows.append(valid)
+        kwargs = {"attention_mask": self.rows.valid.long(), "position_ids": positions, "use_cache": True}
         with Timer(self.stats, self.device, r * t), torch.inference_mode():
-            out = self.model(
-                input_ids=ids,
-                attention_mask=self.rows.valid.long(),
-                position_ids=positions,
-                use_cache=True,
-                **{self.cache_kw: self.cache},
-                logits_to_keep=1 if last_only else 0,
-            )
-        return check_logits(out.logits.float(), self.name)
+            if features is not None:
+                decoder = self.model.body.get_decoder()
+                kwargs[_cache_keyword(decoder)] = self.cache
+                hidden = self.model.hidden(ids, features, **kwargs)
+            elif self.keep_hidden:
+                decoder = self.model.get_decoder()
+                hidden = decoder(
+                    input_ids=ids, **kwargs, **{_cache_keyword(decoder): self.cache}
+                ).last_hidden_state
+            else:
+                kwargs[self.cache_kw] = self.cache
+                out = self.model(input_ids=ids, logits_to_keep=1 if last_only else 0, **kwargs)
+                self.last_hidden = None
+                return check_logits(out.logits.float(), self.name)
+            self.last_hidden = hidden
+            logits = self.model.get_output_embeddings()(hidden[:, -1:] if last_only else hidden)
+        return check_logits(logits.float(), self.name)
+
+
+def _cache_keyword(model: torch.nn.Module) -> str:
+    """The cache argument's name: ``cache`` since transformers 5.24, ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def _kv_bytes_per_token(model: PreTrainedModel) -> int:

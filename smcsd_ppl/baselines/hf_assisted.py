@@ -167,6 +167,11 @@ def _run(pair, ids, config, on_progress, *, assisted: bool) -> list[Generation]:
     name = "hf_assisted" if assisted else "hf_prompt_lookup"
     if config.alpha != 1.0:
         raise ValueError(f"{name} samples the target itself: alpha must be 1")
+    if assisted and getattr(pair.draft.model, "needs_features", False):
+        raise ValueError(
+            f"{name} needs a standalone draft model; {pair.draft.name!r} reads the target's hidden "
+            "states, which Hugging Face's assistant interface cannot pass (use --draft layers:N)"
+        )
     tokens = hf_speculative(
         pair.target.model,
         ids,

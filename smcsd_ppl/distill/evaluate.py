@@ -1,7 +1,8 @@
 """How well a draft matches its target: agreement, acceptance probability, forward cost.
 
 - *agreement*: how often the draft's most likely next token is the target's, on the
-  target's greedy continuations of held-out prompts;
+  target's greedy continuations of held-out prompts (a feature draft is run as in
+  decoding: blocks of ``block_size`` tokens, its own predicted states inside a block);
 - *acceptance at T*: the mean of sum_v min(p_T(v), q_T(v)) = E_{x~q}[min(1, p/q)], the
   probability that exact speculative sampling accepts a drafted token, with both models
   at temperature T, at the same positions;
@@ -23,6 +24,7 @@ import torch
 import transformers
 
 from ..backends.hf import HFBatchedLM
+from ..feature_draft import target_hidden
 from .data import Example, right_padded
 
 
@@ -39,22 +41,62 @@ def _logits(model: transformers.PreTrainedModel, examples: Sequence[Example]) ->
     return [logits[row, max(e.start, 1) - 1 : len(e.ids) - 1].float() for row, e in enumerate(examples)]
 
 
+def _block_logits(
+    target: transformers.PreTrainedModel, draft: torch.nn.Module, example: Example, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target and feature-draft logits at an example's continuation positions, drafted in blocks.
+
+    As in decoding, the first token of each block is predicted from the target's true
+    states and the next ``block_size - 1`` from the draft's own; then the block's tokens
+    are fed again with the target's states.
+    """
+    ids = example.ids[None].to(target.device)
+    hidden = target_hidden(target, ids, torch.ones_like(ids))[0]  # [L, H]
+    first, end = max(example.start, 1), len(example.ids)  # predict x_first .. x_{end-1}
+    p = target.get_output_embeddings()(hidden[first - 1 : end - 1]).float()
+    lm = HFBatchedLM(draft, name="draft")
+    zero = hidden.new_zeros(1, hidden.shape[-1])
+    out = [lm.prefill([ids[0, :first].tolist()], [torch.cat([zero, hidden[: first - 1]])])]
+    j = first
+    while j < end:
+        n = min(block_size, end - j)
+        for step in range(1, n):  # x_j .. x_{j+n-2} with predicted states
+            state = lm.last_hidden[:, -1:]
+            out.append(lm.extend(ids[:, j + step - 1 : j + step], features=state)[:, -1])
+        if n > 1:
+            lm.drop_tail(torch.tensor([n - 1]))
+        if j + n < end:  # the block again, with the target's states; predicts x_{j+n}
+            out.append(lm.extend(ids[:, j : j + n], features=hidden[None, j - 1 : j + n - 1])[:, -1])
+        j += n
+    return p, torch.cat(out).float()
+
+
 @torch.inference_mode()
 def match_metrics(
     target: transformers.PreTrainedModel,
-    draft: transformers.PreTrainedModel,
+    draft: torch.nn.Module,
     examples: Sequence[Example],
     *,
     temperatures: Sequence[float] = (1.0, 0.7),
     batch_size: int = 8,
+    block_size: int = 8,
 ) -> dict[str, float]:
-    """Agreement and acceptance of ``draft`` with ``target`` over the examples' continuations."""
+    """Agreement and acceptance of ``draft`` with ``target`` over the examples' continuations.
+
+    ``block_size`` is the drafted block length a feature draft is run with.
+    """
     if not examples:
         raise ValueError("no examples to evaluate on")
     agree, accept, count = 0.0, {t: 0.0 for t in temperatures}, 0
     for first in range(0, len(examples), batch_size):
         group = examples[first : first + batch_size]
-        for p, q in zip(_logits(target, group), _logits(draft, group), strict=True):
+        if getattr(draft, "needs_features", False):
+            head = draft.get_output_embeddings().weight.dtype
+            with torch.autocast(draft.device.type, dtype=head, enabled=draft.dtype != head):
+                pairs = [_block_logits(target, draft, e, block_size) for e in group]
+        else:
+            pairs = zip(_logits(target, group), _logits(draft, group), strict=True)
+        for p, q in pairs:
             agree += float((p.argmax(-1) == q.argmax(-1)).sum())
             for t in temperatures:
                 overlap = torch.minimum(torch.softmax(p / t, -1), torch.softmax(q / t, -1)).sum(-1)
@@ -89,14 +131,19 @@ def forward_cost(
 
     def prepare(model, rows):
         lm = HFBatchedLM(model, name="cost")
-        lm.prefill(torch.randint(0, vocab, (rows, context), generator=gen).tolist())
-        return torch.randint(0, vocab, (rows, 1), generator=gen), lm
+        size = target.config.hidden_size
+        feats = [torch.randn(context, size, generator=gen)] * rows if lm.needs_features else None
+        lm.prefill(torch.randint(0, vocab, (rows, context), generator=gen).tolist(), feats)
+        step = torch.randint(0, vocab, (rows, 1), generator=gen)
+        extra = {"features": torch.randn(rows, 1, size, generator=gen)} if lm.needs_features else {}
+        return (step, extra), lm
 
-    def timed(lm, step) -> float:
+    def timed(lm, inputs) -> float:
+        step, extra = inputs
         if lm.device.type == "cuda":
             torch.cuda.synchronize(lm.device)
         start = time.perf_counter()
-        lm.extend(step)
+        lm.extend(step, **extra)
         if lm.device.type == "cuda":
             torch.cuda.synchronize(lm.device)
         lm.drop_tail(torch.ones(step.shape[0], dtype=torch.long))  # back to the context

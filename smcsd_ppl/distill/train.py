@@ -1,10 +1,13 @@
 """Training a draft by distillation: KL from the target's top-k next-token distribution.
 
-The draft (``drafts.student``) is a few of the target's own decoder layers, copied and
-trained, with the target's embeddings and LM head shared and frozen. The loss at every
-position is the cross-entropy of the draft against the target's stored top-k distribution
-(the KL up to a constant). A checkpoint (weights, optimizer, schedule, data cursor, RNG) is
-written atomically every ``save_every`` steps, so an interrupted run resumes exactly.
+The draft is a few of the target's own decoder layers, copied and trained, that may also
+read the target's hidden states (``drafts.student``, ``feature_draft.feature_student``);
+the target's embeddings and LM head are shared and frozen. The loss at every position is
+the cross-entropy of the draft against the target's stored top-k distribution (the KL up
+to a constant); a feature draft also regresses the target's hidden states, and is trained
+on its own predicted states too (``unroll`` passes), as it runs inside a block. A
+checkpoint (weights, optimizer, schedule, data cursor, RNG) is written atomically every
+``save_every`` steps, so an interrupted run resumes exactly.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..drafts import fingerprint, save_draft, student
+from ..drafts import draft_modules, fingerprint, save_draft, student
+from ..feature_draft import feature_student, target_hidden
 from ..models import LoadedModel
 from .data import Example, right_padded
 from .evaluate import match_metrics
@@ -36,6 +40,10 @@ class DistillConfig:
     """Settings of one distillation run.
 
     Attributes:
+        kind: ``"layers"`` (a stack of target layers) or ``"features"`` (the same, also
+            reading the target's hidden states; ``feature_draft``).
+        init_draft: a saved layer draft (directory) a feature draft starts from: its layers
+            and norm are loaded, and the draft first ignores the states.
         layers: decoder layers of the draft, initialised from the target's first ``layers``
             layers (they keep the residual stream the embeddings feed: measured on
             SmolLM2-135M, agreement starts at 0.06 from layers 0-3 but at 0.00 from layers
@@ -51,8 +59,12 @@ class DistillConfig:
         eval_every: steps between held-out evaluations (when evaluation data is given).
         bf16: autocast matrix products to bfloat16 (fp32 master weights).
         seed: seeds data order and initialisation.
+        unroll: passes of a feature draft per batch, each fed the previous pass's states.
+        state_weight: weight of a feature draft's hidden-state regression loss.
     """
 
+    kind: str = "layers"
+    init_draft: str | None = None
     layers: int = 4
     source_layers: tuple[int, ...] | None = None
     steps: int = 1000
@@ -65,9 +77,15 @@ class DistillConfig:
     eval_every: int = 100
     bf16: bool = True
     seed: int = 0
+    unroll: int = 2
+    state_weight: float = 0.5
 
     def __post_init__(self) -> None:
-        for name in ("layers", "steps", "batch_tokens", "save_every", "eval_every"):
+        if self.kind not in ("layers", "features"):
+            raise ValueError(f"kind must be 'layers' or 'features', got {self.kind!r}")
+        if self.init_draft is not None and self.kind != "features":
+            raise ValueError("init_draft starts a feature draft from a layer draft: it needs kind='features'")
+        for name in ("layers", "steps", "batch_tokens", "save_every", "eval_every", "unroll"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -75,8 +93,8 @@ class DistillConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-        if self.warmup < 0 or self.weight_decay < 0:
-            raise ValueError("warmup and weight_decay must be >= 0")
+        if self.warmup < 0 or self.weight_decay < 0 or self.state_weight < 0:
+            raise ValueError("warmup, weight_decay and state_weight must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -125,11 +143,68 @@ def kd_loss(
         rows = torch.cat([torch.full((len(e.ids) - 1,), r) for r, e in enumerate(examples)])
         cols = torch.cat([torch.arange(len(e.ids) - 1) for e in examples])
         logits = model.lm_head(hidden[rows.to(device), cols.to(device)])
+    return _topk_ce(logits, examples), len(rows)
+
+
+def _topk_ce(logits: torch.Tensor, examples: Sequence[Example]) -> torch.Tensor:
+    """Mean cross-entropy of ``logits`` (the examples' scored positions, in order) against the top-k."""
     logq = torch.log_softmax(logits.float(), dim=-1)
-    top_ids = torch.cat([e.top_ids for e in examples]).to(device)
-    p = torch.cat([e.top_logp for e in examples]).to(device).float().exp()
-    loss = -(p * logq.gather(1, top_ids)).sum(-1).mean()
-    return loss, len(rows)
+    top_ids = torch.cat([e.top_ids for e in examples]).to(logits.device)
+    p = torch.cat([e.top_logp for e in examples]).to(logits.device).float().exp()
+    return -(p * logq.gather(1, top_ids)).sum(-1).mean()
+
+
+def feature_kd_loss(
+    model: torch.nn.Module,
+    examples: Sequence[Example],
+    states: Sequence[torch.Tensor],
+    *,
+    autocast: bool,
+    unroll: int,
+    state_weight: float,
+) -> tuple[torch.Tensor, int]:
+    """Top-k cross-entropy plus hidden-state regression of a feature draft, over ``unroll`` passes.
+
+    ``states[i]`` are the target's hidden states ``[T, H]`` of example i. Pass 1 feeds the
+    target's states; each later pass feeds the previous pass's predictions (detached), as
+    the draft's later tokens in a block see them.
+    """
+    device = model.device
+    ids, mask = right_padded([e.ids for e in examples], device)
+    true = torch.zeros(*ids.shape, states[0].shape[-1], device=device)
+    for row, h in enumerate(states):
+        true[row, : len(h)] = h.to(device).float()
+    rows = torch.cat([torch.full((len(e.ids) - 1,), r) for r, e in enumerate(examples)]).to(device)
+    cols = torch.cat([torch.arange(len(e.ids) - 1) for e in examples]).to(device)
+    real = mask.bool()
+    fed, loss = true, 0.0
+    for _ in range(unroll):
+        previous = torch.cat([torch.zeros_like(fed[:, :1]), fed[:, :-1]], 1)  # x_j goes with h_{j-1}
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            hidden = model.hidden(ids, previous, attention_mask=mask)
+            logits = model.get_output_embeddings()(hidden[rows, cols])
+        regression = torch.nn.functional.smooth_l1_loss(hidden.float()[real], true[real])
+        loss = loss + _topk_ce(logits, examples) + state_weight * regression
+        fed = hidden.detach().float()
+    return loss / unroll, len(rows)
+
+
+@torch.inference_mode()
+def hidden_states(target: LoadedModel, examples: Sequence[Example], batch_tokens: int) -> list[torch.Tensor]:
+    """The target's final hidden states ``[T, H]`` (bf16, CPU) of every example."""
+    out: list[torch.Tensor] = [None] * len(examples)  # type: ignore[list-item]
+    order = sorted(range(len(examples)), key=lambda i: len(examples[i].ids))
+    group: list[int] = []
+    for i in [*order, None]:
+        if i is not None and (not group or len(examples[i].ids) * (len(group) + 1) <= batch_tokens):
+            group.append(i)
+            continue
+        ids, mask = right_padded([examples[g].ids for g in group], target.model.device)
+        h = target_hidden(target.model, ids, mask)
+        for row, g in enumerate(group):
+            out[g] = h[row, : len(examples[g].ids)].to("cpu", torch.bfloat16)
+        group = [i] if i is not None else []
+    return out
 
 
 def _schedule(config: DistillConfig) -> Callable[[int], float]:
@@ -170,9 +245,13 @@ def distill(
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     total = target.model.config.num_hidden_layers
-    if config.source_layers is None and config.layers >= total:
+    if config.init_draft is None and config.source_layers is None and config.layers >= total:
         raise ValueError(f"a draft of {config.layers} layers is no smaller than the target ({total} layers)")
-    sources = list(config.source_layers or range(config.layers))
+    init = _init_draft(config.init_draft, target) if config.init_draft else None
+    if init is not None:
+        sources = init["source_layers"]
+    else:
+        sources = list(config.source_layers or range(config.layers))
     manifest = {
         "target": target.name,
         "fingerprint": fingerprint(target.model),
@@ -180,7 +259,14 @@ def distill(
         "config": dataclasses.asdict(config) | {"source_layers": sources},
     }
     torch.manual_seed(config.seed)
-    model = student(target, sources).train()
+    if config.kind == "features":
+        model = feature_student(target.model, sources).train()
+        if init is not None:
+            for name in ("layers", "norm"):
+                draft_modules(model)[name].load_state_dict(init["modules"][name])
+        states = hidden_states(target, train, config.batch_tokens)
+    else:
+        model = student(target, sources).train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule(config))
@@ -193,11 +279,11 @@ def distill(
             or saved["manifest"]["fingerprint"] != manifest["fingerprint"]
         ):
             raise ValueError(f"{ckpt} was written with other settings or another target; use a new --out")
-        missing, unexpected = model.load_state_dict(
-            saved["model"], strict=False
-        )  # shared tensors aren't saved
-        if unexpected or any(k.startswith(("model.layers.", "model.norm.")) for k in missing):
-            raise ValueError(f"{ckpt} does not match the draft's layers; use a new --out")
+        try:
+            for name, module in draft_modules(model).items():  # shared tensors aren't saved
+                module.load_state_dict(saved["model"][name])
+        except (KeyError, RuntimeError) as err:
+            raise ValueError(f"{ckpt} does not match the draft's layers; use a new --out") from err
         opt.load_state_dict(saved["optimizer"])
         sched.load_state_dict(saved["scheduler"])
         state = saved["state"]
@@ -215,9 +301,20 @@ def distill(
         if state["index"] >= len(epoch_batches):
             state["epoch"], state["index"] = state["epoch"] + 1, 0
             epoch_batches = batches(train, config.batch_tokens, config.seed, state["epoch"])
-        group = [train[i] for i in epoch_batches[state["index"]]]
+        indices = epoch_batches[state["index"]]
+        group = [train[i] for i in indices]
         state["index"] += 1
-        loss, scored = kd_loss(model, group, autocast=autocast)
+        if config.kind == "features":
+            loss, scored = feature_kd_loss(
+                model,
+                group,
+                [states[i] for i in indices],
+                autocast=autocast,
+                unroll=config.unroll,
+                state_weight=config.state_weight,
+            )
+        else:
+            loss, scored = kd_loss(model, group, autocast=autocast)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
@@ -241,9 +338,7 @@ def distill(
                 "trained": {"steps": step, "tokens": state["tokens"], "seconds": state["seconds"]}
             }
             save_draft(model, out / DRAFT_SUBDIR, info)
-            own = {
-                k: v for k, v in model.state_dict().items() if k.startswith(("model.layers.", "model.norm."))
-            }
+            own = {name: module.state_dict() for name, module in draft_modules(model).items()}
             saved = {
                 "manifest": manifest,
                 "model": own,
@@ -257,6 +352,21 @@ def distill(
         if on_progress is not None:
             on_progress(Progress(step, config.steps, state["tokens"], loss.item(), metrics))
     return out / DRAFT_SUBDIR
+
+
+def _init_draft(directory: str, target: LoadedModel) -> dict:
+    """The source layers and trained tensors of the layer draft a feature draft starts from."""
+    from ..drafts import load_draft
+
+    draft = load_draft(directory, target)
+    if getattr(draft.model, "needs_features", False):
+        raise ValueError(f"{directory!r} is a feature draft; init_draft takes a layer draft")
+    manifest = json.loads((pathlib.Path(directory) / "smcsd_draft.json").read_text())
+    modules = {
+        name: {k: v.float() for k, v in m.state_dict().items()}
+        for name, m in draft_modules(draft.model).items()
+    }
+    return {"source_layers": manifest["source_layers"], "modules": modules}
 
 
 def _append_log(path: pathlib.Path, record: dict) -> None:

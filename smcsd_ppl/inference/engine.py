@@ -3,6 +3,11 @@
 It owns the draft and target backends, the tokens each row has generated but
 not yet fed to each model (the deferred bonus token, the last drafted token),
 and the run's random generator. Particles only hold their row index.
+
+A feature draft (``feature_draft.FeatureDraft``) reads, with each token, the target's
+hidden state at the position before it. Inside a block it feeds back its own predicted
+states; after verification those speculative positions are dropped and the kept tokens
+are queued again with the target's true states from the fused forward.
 """
 
 from __future__ import annotations
@@ -108,6 +113,13 @@ class BlockEngine:
         self.g_cpu = torch.Generator().manual_seed(config.seed + 1)
         self.target_pending: list[list[int]] = []
         self.draft_pending: list[list[int]] = []
+        self.features = bool(getattr(draft, "needs_features", False))
+        if self.features:
+            if not hasattr(target, "keep_hidden"):
+                raise ValueError("a feature draft needs a target backend that returns hidden states")
+            target.keep_hidden = True
+        self.draft_feats: list[torch.Tensor] = []  # per row: target states paired with draft_pending
+        self._verified: tuple[list[int], torch.Tensor] | None = None  # rows, states [n, K+1, H]
 
     @property
     def n_rows(self) -> int:
@@ -127,7 +139,14 @@ class BlockEngine:
         Rows are then ``copies`` consecutive forks of each prompt.
         """
         logits = self.target.prefill(prompts)  # [B, V]
-        self.draft.prefill(prompts)
+        if self.features:  # token j of a prompt goes with the target's state at j-1
+            h = self.target.last_hidden  # [B, W, H], left-padded
+            zero, w = h.new_zeros(1, h.shape[-1]), h.shape[1]
+            states = [torch.cat([zero, h[i, w - len(p) : w - 1]]) for i, p in enumerate(prompts)]
+            self.draft.prefill(prompts, states)
+            last = h[:, -1]
+        else:
+            self.draft.prefill(prompts)
         c = self.config
         log_z0 = power_log_normalizer(logits, c.target_temperature, c.alpha)
         power = c.alpha * logits / c.target_temperature
@@ -143,6 +162,7 @@ class BlockEngine:
         self.draft.fork(rows)
         self.target_pending = [[int(x0[i])] for i in rows.tolist()]
         self.draft_pending = [[int(x0[i])] for i in rows.tolist()]
+        self.draft_feats = [last[i][None] for i in rows.tolist()] if self.features else []
         return x0.tolist(), log_z0.tolist()
 
     @torch.inference_mode()
@@ -167,12 +187,14 @@ class BlockEngine:
         asked[rows] = True
         feed = [p if a else [] for p, a in zip(self.draft_pending, asked.tolist())]
         ids, valid = pad_left(feed, self.device)
+        feats = self._pending_features(ids.shape[1], asked.tolist()) if self.features else None
         asked = asked.to(self.device)
         masking = constrained.Masking(rows, constraints, "proposal")
         critic = constrained.Masking(rows, constraints, "critic")
         drafts, logqs, probs = [], [], []
         for _ in range(k):
-            q = torch.softmax(self.draft.extend(ids, valid)[:, -1].div_(t_d), -1)  # [R, V]
+            logits = self.draft.extend(ids, valid, feats) if self.features else self.draft.extend(ids, valid)
+            q = torch.softmax(logits[:, -1].div_(t_d), -1)  # [R, V]
             masking.restrict(q, drafts)  # proposal-mode rows sample allowed tokens only
             d = sample_probs(q, self.g)
             logqs.append(q.gather(-1, d[:, None])[:, 0].log())
@@ -180,12 +202,16 @@ class BlockEngine:
             if keep_probs:
                 probs.append(q)
             ids, valid = d[:, None], asked[:, None]
+            if self.features:  # the draft's own predicted state goes with its next token
+                feats = self.draft.last_hidden[:, -1:]
         tokens = torch.stack(drafts, 1).cpu()  # [R, K]
         logq = torch.stack(logqs, 1).cpu()
         q_all = torch.stack(probs, 1) if probs else None  # [R, K, V]
         dead_at = masking.dead_at | critic.first_impossible(tokens)  # request -> position
         for r in rows:
             self.draft_pending[r] = []  # fed, except d_K which commit() queues
+            if self.features:
+                self.draft_feats[r] = self.draft_feats[r][:0]
         blocks = []
         for i, (r, b) in enumerate(zip(rows, budgets)):
             limit = dead_at.get(i, k)
@@ -195,6 +221,15 @@ class BlockEngine:
             block.dead = not block.stops and block.kept == limit < k
             blocks.append(block)
         return blocks
+
+    def _pending_features(self, width: int, asked: list[bool]) -> torch.Tensor:
+        """The queued target states ``[R, width, H]``, left-padded like ``pad_left``."""
+        some = self.draft_feats[0]
+        out = torch.zeros(self.n_rows, width, some.shape[-1], dtype=some.dtype, device=self.device)
+        for r, (f, a) in enumerate(zip(self.draft_feats, asked)):
+            if a and len(f):
+                out[r, width - len(f) :] = f
+        return out
 
     def _cut(self, row, tokens, logq, budget, probs, limit=None) -> DraftedBlock:
         """Kept length: up to ``limit`` (a constraint's cut), the first EOS, the budget."""
@@ -216,8 +251,13 @@ class BlockEngine:
         ids, valid = pad_left(feed, self.device)
         logits = self.target.extend(ids, valid)[:, -(k + 1) :]
         rows = [b.row for b in blocks]
+        hidden = self.target.last_hidden[:, -(k + 1) :] if self.features else None
         if rows != list(range(self.n_rows)):  # usually every row asks: skip the copy
-            logits = logits.index_select(0, torch.tensor(rows, device=self.device))
+            index = torch.tensor(rows, device=self.device)
+            logits = logits.index_select(0, index)
+            hidden = hidden.index_select(0, index) if hidden is not None else None
+        if hidden is not None:
+            self._verified = (rows, hidden)  # commit() queues the kept tokens' true states
         return logits.div_(self.config.target_temperature)
 
     @torch.inference_mode()
@@ -262,16 +302,27 @@ class BlockEngine:
         After a forward the target holds [pending, d_1..d_K] and the draft [pending,
         d_1..d_{K-1}]; both then await the next token (the deferred bonus), the draft
         also d_K when the whole block was kept. Rows without a next token stop and
-        leave at the next ``reorder``.
+        leave at the next ``reorder``. A feature draft drops all its drafted positions
+        (computed from predicted states) and queues the kept tokens again with the
+        target's states from ``target_logits``.
         """
         k = self.config.block_size
         drop_t, drop_d = {}, {}
+        states = None
+        if self.features:
+            rows, hidden = self._verified
+            states = dict(zip(rows, hidden))
         for b, n, nxt in zip(blocks, kept, nexts):
             tail = [] if nxt is None else [nxt]
             self.target_pending[b.row] = tail
-            self.draft_pending[b.row] = ([b.tokens[-1]] if n == k else []) + tail
+            if states is not None:
+                self.draft_pending[b.row] = b.tokens[:n] + tail if tail else []
+                self.draft_feats[b.row] = states[b.row][: n + 1] if tail else states[b.row][:0]
+            else:
+                self.draft_pending[b.row] = ([b.tokens[-1]] if n == k else []) + tail
             if nxt is not None:
-                drop_t[b.row], drop_d[b.row] = k - n, max(0, k - 1 - n)
+                drop_t[b.row] = k - n
+                drop_d[b.row] = k - 1 if states is not None else max(0, k - 1 - n)
         self._drop(self.target, drop_t)
         self._drop(self.draft, drop_d)
 
@@ -293,6 +344,8 @@ class BlockEngine:
             self.draft.fork(index)
         self.target_pending = [list(self.target_pending[r]) for r in rows]
         self.draft_pending = [list(self.draft_pending[r]) for r in rows]
+        if self.features:
+            self.draft_feats = [self.draft_feats[r] for r in rows]
 
 
 @dataclass
