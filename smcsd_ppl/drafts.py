@@ -2,7 +2,7 @@
 
 A distilled draft (made by ``smcsd distill``) is trained to match the target and is one of
 two kinds: ``layers``, a few decoder layers of the target's own architecture, or
-``features``, one layer that also reads the target's hidden states
+``features``, the same that also read the target's hidden states
 (``feature_draft.FeatureDraft``). Both share the target's tokenizer, embeddings, rotary
 embedding and LM head, so a saved draft holds only its own tensors (``draft.safetensors``)
 plus a manifest (``smcsd_draft.json``) naming the target it fits.
