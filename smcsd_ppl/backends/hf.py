@@ -45,6 +45,10 @@ class HFBatchedLM:
         self.needs_features = bool(getattr(model, "needs_features", False))
         self.keep_hidden = self.needs_features
         self.last_hidden: torch.Tensor | None = None  # [R, T, H] of the last forward
+        # The decoder both of those call, and its cache argument (looked up once, not per forward).
+        owner = model.body if self.needs_features else model
+        decoder = owner.get_decoder() if hasattr(owner, "get_decoder") else None
+        self.decoder_cache_kw = _cache_keyword(decoder) if decoder is not None else None
 
     @property
     def n_rows(self) -> int:
@@ -160,14 +164,11 @@ class HFBatchedLM:
         kwargs = {"attention_mask": self.rows.valid.long(), "position_ids": positions, "use_cache": True}
         with Timer(self.stats, self.device, r * t), torch.inference_mode():
             if features is not None:
-                decoder = self.model.body.get_decoder()
-                kwargs[_cache_keyword(decoder)] = self.cache
+                kwargs[self.decoder_cache_kw] = self.cache
                 hidden = self.model.hidden(ids, features, **kwargs)
             elif self.keep_hidden:
-                decoder = self.model.get_decoder()
-                hidden = decoder(
-                    input_ids=ids, **kwargs, **{_cache_keyword(decoder): self.cache}
-                ).last_hidden_state
+                kwargs[self.decoder_cache_kw] = self.cache
+                hidden = self.model.get_decoder()(input_ids=ids, **kwargs).last_hidden_state
             else:
                 kwargs[self.cache_kw] = self.cache
                 out = self.model(input_ids=ids, logits_to_keep=1 if last_only else 0, **kwargs)
