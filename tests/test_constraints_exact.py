@@ -166,3 +166,60 @@ def test_constraint_no_particle_can_finish_ends_with_a_message(mode):
     [result] = run_smc_sd([Constrained(PROMPT, DeadEnd(), mode)], eng)
     assert result.token_ids == [] and result.chosen == -1
     assert "no particle" in result.message
+
+
+class Forced:
+    """Tokens 2 then 1 at positions 1, 2 (and 5, 6, 9, 10, ...); anything elsewhere."""
+
+    def next_mask(self, contexts):
+        out = torch.ones(len(contexts), V, dtype=torch.bool)
+        for i, c in enumerate(contexts):
+            if len(c) % 4 in (1, 2):
+                out[i] = False
+                out[i, 2 if len(c) % 4 == 1 else 1] = True
+        return out
+
+
+def test_forced_tokens_skip_draft_forwards_and_stay_properly_weighted():
+    # K=2: the first block is all forced (no draft forward; x0 stays unread), the second
+    # block (budget 1) then feeds x0, 2, 1 and the bonus in one forward.
+    target, draft = models()
+    eng = engine(target, draft, max_new_tokens=5, draft_temperature=1.0, seed=5, n_particles=3, block_size=2)
+    results = run_smc_sd([Constrained(PROMPT, Forced()) for _ in range(4000)], eng)
+    assert draft.stats.calls == 1 + 1  # prefill, then one forward in the second block
+    weights, _ = exact_target(target, PROMPT, 5)
+    exact = {y: w for y, w in weights.items() if y[1:3] == (2, 1)[: len(y) - 1]}
+    z = sum(exact.values())
+    zs = torch.tensor([math.exp(r.log_z) for r in results], dtype=torch.float64)
+    stderr = float(zs.std() / math.sqrt(len(zs)))
+    assert abs(float(zs.mean()) - z) < 4 * stderr, (float(zs.mean()), z, stderr)
+    assert total_variation(z_weighted(results), {k: v / z for k, v in exact.items()}) < TV_LIMIT
+
+
+def test_drafted_log_q_is_the_drafts_on_the_true_context(monkeypatch):
+    """Tokens of skipped forwards are fed later: every log q is the draft's given the true context."""
+    import smcsd_ppl.inference.engine as engine_module
+
+    seen, real = [], engine_module.BlockEngine.draft_blocks
+
+    def spy(self, *args, **kwargs):
+        blocks = real(self, *args, **kwargs)
+        seen.extend(blocks)
+        return blocks
+
+    monkeypatch.setattr(engine_module.BlockEngine, "draft_blocks", spy)
+    target, _ = models()
+    draft = MockLM(V, order=6, seed=3)  # sees far back: a token fed twice or never shows
+    t_d, forced = 0.8, Forced()
+    eng = engine(target, draft, max_new_tokens=12, draft_temperature=t_d, seed=2, n_particles=4, block_size=2)
+    run_smc_sd([Constrained(PROMPT, forced) for _ in range(12)], eng)
+    checked = 0
+    for b in seen:
+        for j in range(b.kept):
+            context = list(b.constraint.context) + b.tokens[:j]
+            mask = forced.next_mask([context])[0]
+            q = torch.softmax(draft.next_logits(PROMPT + context) / t_d, -1) * mask
+            expected = 0.0 if mask.sum() == 1 else math.log(q[b.tokens[j]] / q.sum())
+            assert float(b.draft_logq[j]) == pytest.approx(expected, abs=1e-5), (b.row, j, context)
+            checked += mask.sum() > 1
+    assert checked > 50

@@ -49,15 +49,31 @@ def cfg(**kw):
 # --- forward counting ---
 
 
-def test_one_target_and_k_draft_forwards_per_cycle(smcsd):
+@pytest.fixture
+def block_lengths(monkeypatch):
+    """Lengths of the blocks of every ``draft_blocks`` call, with the budgets asked."""
+    calls = []
+    draft_blocks = BlockEngine.draft_blocks
+
+    def spy(self, rows, budgets, **kw):
+        blocks = draft_blocks(self, rows, budgets, **kw)
+        calls.append((blocks, list(budgets)))
+        return blocks
+
+    monkeypatch.setattr(BlockEngine, "draft_blocks", spy)
+    return calls
+
+
+def test_one_target_and_up_to_k_draft_forwards_per_cycle(smcsd):
     cycles = []
     out = smcsd.run([SMCSDModel(p) for p in PROMPTS], cfg(ignore_eos=True), on_cycle=cycles.append)
     n = len(cycles)
     assert n == 3  # x0, then 4 tokens per cycle (K=3 + bonus): 1 -> 5 -> 9 -> 10 (budget cut)
     stats = out[0].stats
     assert stats.target_calls == 1 + n
-    assert stats.draft_calls == 1 + 3 * n
-    assert smcsd.target_lm.stats.calls == 1 + n and smcsd.draft_lm.stats.calls == 1 + 3 * n
+    drafts = 1 + 3 + 3 + 1  # prefill, two full blocks, then a budget of one token: one forward
+    assert stats.draft_calls == drafts
+    assert smcsd.target_lm.stats.calls == 1 + n and smcsd.draft_lm.stats.calls == drafts
     for g in out:
         assert len(g.token_ids) == 10
         assert all(len(p.token_ids) == 10 for p in g.particles)
@@ -65,11 +81,11 @@ def test_one_target_and_k_draft_forwards_per_cycle(smcsd):
     assert cycles[-1].live == 0 and cycles[0].live == 12
 
 
-def test_forward_counts_of_the_baselines(smcsd):
+def test_forward_counts_of_the_baselines(smcsd, block_lengths):
     steps = []
     sd = smcsd.generate(PROMPTS, method="sd", config=cfg(ignore_eos=True), on_progress=steps.append)
-    assert sd[0].stats.target_calls == 1 + len(steps)
-    assert sd[0].stats.draft_calls == 1 + 3 * len(steps)
+    assert sd[0].stats.target_calls == 1 + len(steps) == 1 + len(block_lengths)
+    assert sd[0].stats.draft_calls == 1 + sum(len(blocks[0].tokens) for blocks, _ in block_lengths)
     assert all(len(g.token_ids) == 10 for g in sd)
     ar = smcsd.generate(PROMPTS, method="ar", config=cfg(ignore_eos=True))
     assert ar[0].stats.target_calls == 10 and ar[0].stats.draft_calls == 0
@@ -86,7 +102,7 @@ def test_forward_counts_with_the_mock_backend():
     )
     assert len(cycles) == 3
     assert target.stats.calls == 1 + len(cycles)
-    assert draft.stats.calls == 1 + 3 * len(cycles)
+    assert draft.stats.calls == 1 + 3 + 3 + 1  # the last block has a budget of one token
     assert all(len(p.token_ids) == 10 for r in res for p in r.particles)
 
 
@@ -381,14 +397,14 @@ def test_all_particles_rejected_gives_an_empty_result_with_a_message(smcsd, prog
     assert len(cycles) <= 4
 
 
-def test_forward_counts_do_not_depend_on_finished_particles(eos_smcsd):
+def test_forward_counts_do_not_depend_on_finished_particles(eos_smcsd, block_lengths):
     cycles = []
     out = eos_smcsd.run(
         [SMCSDModel(p) for p in PROMPTS], cfg(max_new_tokens=16, n_particles=6), on_cycle=cycles.append
     )
     assert any(len(p.token_ids) < 16 for g in out for p in g.particles)  # some stopped early at EOS
-    assert out[0].stats.target_calls == 1 + len(cycles)
-    assert out[0].stats.draft_calls == 1 + 3 * len(cycles)
+    assert out[0].stats.target_calls == 1 + len(cycles) == 1 + len(block_lengths)
+    assert out[0].stats.draft_calls == 1 + sum(len(blocks[0].tokens) for blocks, _ in block_lengths)
     assert [c.live for c in cycles] == sorted((c.live for c in cycles), reverse=True)
 
 
@@ -446,3 +462,27 @@ def test_constant_twist_with_resampling_changes_nothing_normalized(smcsd):
         wa = torch.softmax(torch.tensor([p.log_weight for p in a.particles], dtype=torch.float64), 0)
         wb = torch.softmax(torch.tensor([p.log_weight for p in b.particles], dtype=torch.float64), 0)
         torch.testing.assert_close(wa, wb)
+
+
+@pytest.mark.parametrize("method", ["smcsd", "sd"])
+def test_drafting_stops_once_every_row_has_ended(eos_smcsd, block_lengths, method):
+    """A block is shorter than K exactly when every row had ended by its last token, not sooner."""
+    config = cfg(max_new_tokens=7, n_particles=6, block_size=4, seed=3)
+    if method == "smcsd":
+        eos_smcsd.run([SMCSDModel(p) for p in PROMPTS], config)
+    else:
+        eos_smcsd.generate(PROMPTS, method="sd", config=config)
+    eos = set(eos_smcsd.eos_token_ids)
+
+    def ended_by(block, budget, n):  # EOS among the first n tokens, or the budget spent
+        return any(t in eos for t in block.tokens[:n]) or budget <= n
+
+    shorter = 0
+    for blocks, budgets in block_lengths:
+        n = len(blocks[0].tokens)
+        assert all(len(b.tokens) == n == len(b.draft_logq) for b in blocks)
+        assert not all(ended_by(b, k, n - 1) for b, k in zip(blocks, budgets))
+        if n < 4:
+            shorter += 1
+            assert all(ended_by(b, k, n) for b, k in zip(blocks, budgets))
+    assert shorter  # the EOS-heavy pair and the budget make some blocks short

@@ -55,20 +55,37 @@ class Masking:
             (i, r, c) for i, (r, c) in enumerate(zip(rows, constraints)) if c is not None and c.mode == mode
         ]
         self.dead_at: dict[int, int] = {}  # request index -> position where nothing was allowed
+        self.position = 0  # of the token the latest masks are for
 
-    def restrict(self, q: torch.Tensor, drafted: list[torch.Tensor]) -> None:
-        """Zero disallowed tokens of q ``[R, V]`` in place and renormalize, per row."""
+    def next_masks(self, drafted: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Allowed tokens ``[V]`` (bool) at the next position of each live row, by request.
+
+        A row whose constraint allows nothing there dies at this position.
+        """
+        self.position = len(drafted)
         live = [(i, r, c) for i, r, c in self.items if i not in self.dead_at]
         if not live:
-            return
+            return {}
         contexts = [(c.constraint, c.context + tuple(int(d[r]) for d in drafted)) for _, r, c in live]
-        for (i, r, _), mask in zip(live, _masks(contexts)):
-            row = q[r] * mask.to(q.device)
+        out = {}
+        for (i, _, _), mask in zip(live, _masks(contexts)):
+            if mask.any():
+                out[i] = mask
+            else:
+                self.dead_at[i] = self.position
+        return out
+
+    def restrict(self, q: torch.Tensor, allowed: dict[int, torch.Tensor]) -> None:
+        """Zero disallowed tokens of q ``[R, V]`` in place and renormalize, per row."""
+        for i, r, _ in self.items:
+            if i not in allowed:
+                continue
+            row = q[r] * allowed[i].to(q.device)
             total = row.sum()
             if total > 0:
                 q[r] = row / total
-            else:  # the constraint allows nothing here: the particle dies at this position
-                self.dead_at[i] = len(drafted)
+            else:  # the draft gives the allowed tokens no mass: the particle dies here
+                self.dead_at[i] = self.position
 
     def first_impossible(self, tokens: torch.Tensor) -> dict[int, int]:
         """Critic rows: position of the first drafted token the constraint forbids.
@@ -91,6 +108,28 @@ class Masking:
                 if bad:
                     out[i] = bad[0]
         return out
+
+
+def forced_tokens(
+    allowed: dict[int, torch.Tensor], rows: Sequence[int], ended: torch.Tensor
+) -> torch.Tensor | None:
+    """The one allowed token of every row still drafting ``[R]``; None if any row has a choice.
+
+    ``allowed`` maps a request to its allowed tokens (``Masking.next_masks``), ``rows`` a
+    request to its row, ``ended [R]`` marks rows whose later tokens do not count.
+    """
+    if not allowed:  # no constrained row is drafting: some row samples freely, or none is left
+        return None
+    by_row = {rows[i]: mask for i, mask in allowed.items()}
+    out = torch.zeros(len(ended), dtype=torch.long)
+    for r, done in enumerate(ended.tolist()):
+        if done:
+            continue
+        mask = by_row.get(r)
+        if mask is None or int(mask.sum()) != 1:
+            return None
+        out[r] = int(mask.nonzero()[0, 0])
+    return out.to(ended.device)
 
 
 def check_bonus(blocks: Sequence, bonus: Sequence[int]) -> list[bool]:

@@ -53,14 +53,15 @@ class DraftedBlock:
     """K tokens drafted for one row, and how many of them count."""
 
     row: int
-    tokens: list[int]  # all K drafted tokens
-    draft_logq: torch.Tensor  # [K] log q(d_j | .) at T_d
+    tokens: list[int]  # all drafted tokens: K, or fewer when every row of the call ended sooner
+    draft_logq: torch.Tensor  # [k] log q(d_j | .) at T_d
     kept: int  # tokens that count: an EOS (included) or the budget cuts the rest
     stops: bool  # the block itself ends the particle (drafted EOS or budget): no bonus
     budget: int  # tokens the particle could still emit before this block
-    draft_probs: torch.Tensor | None = None  # [K, V] q at each drafted position, on request
+    draft_probs: torch.Tensor | None = None  # [k, V] q at each drafted position, on request
     constraint: RowConstraint | None = None
     dead: bool = False  # the constraint allowed nothing where the block ends: zero weight
+    fed: int = 0  # drafted tokens the draft model has read (k-1, fewer after forced tokens)
 
     @property
     def kept_tokens(self) -> list[int]:
@@ -83,6 +84,14 @@ class ScoredBlock:
     stops: bool  # the particle ends here: the block stopped, the bonus is EOS, or the budget is spent
     bonus_log_z: float  # log sum_v p_T(v)^alpha at the bonus position (0 if alpha = 1)
     log_weight: float  # the SMC-SD increment: sum over kept of (alpha log p - log q) + bonus_log_z
+
+
+def block_length(blocks: Sequence[DraftedBlock]) -> int:
+    """The common length of blocks drafted in one ``draft_blocks`` call."""
+    lengths = {len(b.tokens) for b in blocks}
+    if len(lengths) != 1:
+        raise ValueError(f"blocks verified together must be drafted together (lengths {sorted(lengths)})")
+    return lengths.pop()
 
 
 def pad_left(seqs: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,7 +128,7 @@ class BlockEngine:
                 raise ValueError("a feature draft needs a target backend that returns hidden states")
             target.keep_hidden = True
         self.draft_feats: list[torch.Tensor] = []  # per row: target states paired with draft_pending
-        self._verified: tuple[list[int], torch.Tensor] | None = None  # rows, states [n, K+1, H]
+        self._verified: tuple[list[int], torch.Tensor] | None = None  # rows, states [n, k+1, H]
 
     @property
     def n_rows(self) -> int:
@@ -174,11 +183,16 @@ class BlockEngine:
         keep_probs: bool = False,
         constraints: Sequence[RowConstraint | None] | None = None,
     ) -> list[DraftedBlock]:
-        """K batched draft forwards over all rows; rows not asked for are fed holes.
+        """Up to K batched draft forwards over all rows; rows not asked for are fed holes.
 
         ``budgets[i]`` is how many more tokens row ``rows[i]`` may emit; ``keep_probs``
         also returns q over the whole vocabulary (exact speculative sampling needs it);
-        ``constraints[i]`` optionally constrains row ``rows[i]``'s block.
+        ``constraints[i]`` optionally constrains row ``rows[i]``'s block. Drafting stops
+        early once every asked row has ended (an EOS, its budget, a constraint's dead
+        end): no later token could count, so all blocks of the call are that much shorter.
+        Where a constraint leaves every drafting row one allowed token, q is a point mass
+        whatever the draft says: that step skips its forward and the token is fed with the
+        next one.
         """
         k, t_d = self.config.block_size, self.config.draft_temperature
         rows = list(rows)
@@ -192,31 +206,53 @@ class BlockEngine:
         masking = constrained.Masking(rows, constraints, "proposal")
         critic = constrained.Masking(rows, constraints, "critic")
         drafts, logqs, probs = [], [], []
-        for _ in range(k):
-            logits = self.draft.extend(ids, valid, feats) if self.features else self.draft.extend(ids, valid)
-            q = torch.softmax(logits[:, -1].div_(t_d), -1)  # [R, V]
-            masking.restrict(q, drafts)  # proposal-mode rows sample allowed tokens only
-            d = sample_probs(q, self.g)
-            logqs.append(q.gather(-1, d[:, None])[:, 0].log())
+        fed = 0  # drafted tokens the draft has read: it holds [pending, d_1..d_fed]
+        pending_fed = False
+        ended = ~asked
+        budget = torch.full((self.n_rows,), k, device=self.device)
+        budget[rows] = torch.tensor(list(budgets), device=self.device)
+        eos = torch.tensor(sorted(self.eos), dtype=torch.long, device=self.device)
+        for j in range(k):
+            allowed = masking.next_masks(drafts)  # proposal-mode rows sample allowed tokens only
+            ended[[rows[i] for i in masking.dead_at]] = True
+            d = None if self.features else constrained.forced_tokens(allowed, rows, ended)
+            if d is not None:
+                q = torch.nn.functional.one_hot(d, self.draft.vocab_size).float() if keep_probs else None
+                logqs.append(torch.zeros(self.n_rows, device=self.device))
+                ids, valid = torch.cat([ids, d[:, None]], 1), torch.cat([valid, asked[:, None]], 1)
+            else:
+                extra = (feats,) if self.features else ()
+                logits = self.draft.extend(ids, valid, *extra)
+                fed, pending_fed = len(drafts), True
+                q = torch.softmax(logits[:, -1].div_(t_d), -1)  # [R, V]
+                masking.restrict(q, allowed)
+                d = sample_probs(q, self.g)
+                logqs.append(q.gather(-1, d[:, None])[:, 0].log())
+                ids, valid = d[:, None], asked[:, None]
+                if self.features:  # the draft's own predicted state goes with its next token
+                    feats = self.draft.last_hidden[:, -1:]
             drafts.append(d)
             if keep_probs:
                 probs.append(q)
-            ids, valid = d[:, None], asked[:, None]
-            if self.features:  # the draft's own predicted state goes with its next token
-                feats = self.draft.last_hidden[:, -1:]
-        tokens = torch.stack(drafts, 1).cpu()  # [R, K]
+            ended |= torch.isin(d, eos) | (budget <= j + 1)
+            ended[[rows[i] for i in masking.dead_at]] = True
+            if bool(ended.all()):
+                break
+        k = len(drafts)
+        tokens = torch.stack(drafts, 1).cpu()  # [R, k]
         logq = torch.stack(logqs, 1).cpu()
         q_all = torch.stack(probs, 1) if probs else None  # [R, K, V]
         dead_at = masking.dead_at | critic.first_impossible(tokens)  # request -> position
         for r in rows:
-            self.draft_pending[r] = []  # fed, except d_K which commit() queues
+            if pending_fed:  # else the draft has read nothing yet: the pending tokens stay queued
+                self.draft_pending[r] = []
             if self.features:
                 self.draft_feats[r] = self.draft_feats[r][:0]
         blocks = []
         for i, (r, b) in enumerate(zip(rows, budgets)):
             limit = dead_at.get(i, k)
             block = self._cut(r, tokens[r].tolist(), logq[r], b, q_all[r] if keep_probs else None, limit)
-            block.constraint = constraints[i]
+            block.constraint, block.fed = constraints[i], fed
             # The constraint, not an EOS or the budget, ended the block: the particle dies.
             block.dead = not block.stops and block.kept == limit < k
             blocks.append(block)
@@ -241,11 +277,11 @@ class BlockEngine:
 
     @torch.inference_mode()
     def target_logits(self, blocks: Sequence[DraftedBlock]) -> torch.Tensor:
-        """ONE target forward over [pending, d_1..d_K] for all rows -> ``[n, K+1, V]`` / T_t.
+        """ONE target forward over [pending, d_1..d_k] for all rows -> ``[n, k+1, V]`` / T_t.
 
-        Position j of the result scores d_{j+1}; position K is the bonus position.
+        Position j of the result scores d_{j+1}; position k is the bonus position.
         """
-        k = self.config.block_size
+        k = block_length(blocks)
         by_row = {b.row: b for b in blocks}
         feed = [self.target_pending[r] + by_row[r].tokens if r in by_row else [] for r in range(self.n_rows)]
         ids, valid = pad_left(feed, self.device)
@@ -263,8 +299,8 @@ class BlockEngine:
     @torch.inference_mode()
     def verify_blocks(self, blocks: Sequence[DraftedBlock]) -> list[ScoredBlock]:
         """SMC-SD verification: score every block in one forward, draw bonus tokens, commit."""
-        c, k = self.config, self.config.block_size
-        logits = self.target_logits(blocks)  # [n, K+1, V]
+        c, k = self.config, block_length(blocks)
+        logits = self.target_logits(blocks)  # [n, k+1, V]
         drafted = torch.tensor([b.tokens for b in blocks], device=self.device)
         token_logp = pick(torch.log_softmax(logits[:, :k], -1), drafted).cpu()  # [n, K]
         kept = torch.tensor([b.kept for b in blocks], device=self.device)
@@ -299,14 +335,14 @@ class BlockEngine:
     ) -> None:
         """Keep ``kept[i]`` drafted tokens of each block, queue the next token, hole out the rest.
 
-        After a forward the target holds [pending, d_1..d_K] and the draft [pending,
-        d_1..d_{K-1}]; both then await the next token (the deferred bonus), the draft
-        also d_K when the whole block was kept. Rows without a next token stop and
-        leave at the next ``reorder``. A feature draft drops all its drafted positions
-        (computed from predicted states) and queues the kept tokens again with the
-        target's states from ``target_logits``.
+        After a forward the target holds [pending, d_1..d_k] and the draft [pending,
+        d_1..d_fed] (fed = k-1 unless forced tokens skipped forwards); both then await
+        the next token (the deferred bonus), the draft also the kept tokens it has not
+        read. Rows without a next token stop and leave at the next ``reorder``. A feature
+        draft drops all its drafted positions (computed from predicted states) and queues
+        the kept tokens again with the target's states from ``target_logits``.
         """
-        k = self.config.block_size
+        k = block_length(blocks) if blocks else 0
         drop_t, drop_d = {}, {}
         states = None
         if self.features:
@@ -319,10 +355,10 @@ class BlockEngine:
                 self.draft_pending[b.row] = b.tokens[:n] + tail if tail else []
                 self.draft_feats[b.row] = states[b.row][: n + 1] if tail else states[b.row][:0]
             else:
-                self.draft_pending[b.row] = ([b.tokens[-1]] if n == k else []) + tail
+                self.draft_pending[b.row] = self.draft_pending[b.row] + b.tokens[b.fed : n] + tail
             if nxt is not None:
                 drop_t[b.row] = k - n
-                drop_d[b.row] = k - 1 if states is not None else max(0, k - 1 - n)
+                drop_d[b.row] = k - 1 if states is not None else max(0, b.fed - n)
         self._drop(self.target, drop_t)
         self._drop(self.draft, drop_d)
 
