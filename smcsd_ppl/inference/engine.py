@@ -50,7 +50,7 @@ class RowConstraint:
 
 @dataclass
 class DraftedBlock:
-    """K tokens drafted for one row, and how many of them count."""
+    """The tokens drafted for one row in a cycle, and how many of them count."""
 
     row: int
     tokens: list[int]  # all drafted tokens: K, or fewer when every row of the call ended sooner
@@ -241,7 +241,7 @@ class BlockEngine:
         k = len(drafts)
         tokens = torch.stack(drafts, 1).cpu()  # [R, k]
         logq = torch.stack(logqs, 1).cpu()
-        q_all = torch.stack(probs, 1) if probs else None  # [R, K, V]
+        q_all = torch.stack(probs, 1) if probs else None  # [R, k, V]
         dead_at = masking.dead_at | critic.first_impossible(tokens)  # request -> position
         for r in rows:
             if pending_fed:  # else the draft has read nothing yet: the pending tokens stay queued
