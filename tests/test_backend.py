@@ -269,3 +269,20 @@ def test_bf16_fused_block_matches_token_by_token():
     torch.testing.assert_close(out, steps, atol=0.05 * scale, rtol=0.05)
     # greedy choices agree almost everywhere
     assert (out.argmax(-1) == steps.argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.parametrize("plain_head", [True, False])
+def test_extend_over_a_vocabulary_subset_returns_those_logits(model, plain_head):
+    # plain_head=False stands for a model that scales or soft-caps its logits after the head:
+    # the backend must then run the full forward and pick the columns.
+    vocab = torch.tensor([3, 17, 250, 299])
+    lm = HFBatchedLM(model)
+    lm.prefill(PROMPTS)
+    assert lm._plain_head()  # a Llama's logits are its head on the decoder's output
+    lm.plain_head = plain_head
+    tokens = block(len(PROMPTS), 3)
+    full = lm.extend(tokens)
+    lm.drop_tail(torch.full((len(PROMPTS),), 3))
+    part = lm.extend(tokens, vocab=vocab)
+    assert part.shape == (len(PROMPTS), 3, len(vocab))
+    torch.testing.assert_close(part, full[..., vocab], atol=ATOL, rtol=RTOL)

@@ -486,3 +486,50 @@ def test_drafting_stops_once_every_row_has_ended(eos_smcsd, block_lengths, metho
             shorter += 1
             assert all(ended_by(b, k, n) for b, k in zip(blocks, budgets))
     assert shorter  # the EOS-heavy pair and the budget make some blocks short
+
+
+class FewTokens:
+    """Allows a fixed handful of tokens (different ones at even and odd positions), and EOS."""
+
+    def __init__(self, eos):
+        self.eos = eos
+
+    def next_mask(self, contexts):
+        out = torch.zeros(len(contexts), 300, dtype=torch.bool)
+        for i, c in enumerate(contexts):
+            out[i, [5, 9, 40, 41] if len(c) % 2 else [7, 8, 99]] = True
+            out[i, self.eos] = True
+        return out
+
+
+@pytest.mark.parametrize("keep_probs", [False, True])
+def test_drafting_over_the_allowed_tokens_only_changes_nothing(smcsd, monkeypatch, keep_probs):
+    """Logits of the allowed tokens only (a few of V) give the same blocks as full logits, masked."""
+    import smcsd_ppl.inference.constrained as constrained
+    from smcsd_ppl.inference.engine import RowConstraint
+
+    few = FewTokens(smcsd.eos_token_ids[0])
+    calls = []
+    real_extend = smcsd.draft_lm.extend
+
+    def spy(*args, **kwargs):
+        calls.append("vocab" in kwargs)
+        return real_extend(*args, **kwargs)
+
+    monkeypatch.setattr(smcsd.draft_lm, "extend", spy)
+    runs = {}
+    for shared in (True, False):
+        if not shared:
+            monkeypatch.setattr(constrained, "shared_vocab", lambda masks, v: None)
+        calls.clear()
+        eng = smcsd.engine(cfg(n_particles=3, block_size=4, seed=4))
+        eng.start([smcsd.encode(p) for p in PROMPTS], 3)
+        rows = list(range(eng.n_rows))
+        cons = [RowConstraint(few, "proposal", ()) for _ in rows]
+        runs[shared] = eng.draft_blocks(rows, [10] * len(rows), keep_probs=keep_probs, constraints=cons)
+        assert any(calls) == shared
+    for a, b in zip(runs[True], runs[False]):
+        assert a.tokens == b.tokens
+        torch.testing.assert_close(a.draft_logq, b.draft_logq, atol=1e-5, rtol=1e-5)
+        if keep_probs:
+            torch.testing.assert_close(a.draft_probs, b.draft_probs, atol=1e-6, rtol=1e-5)

@@ -51,10 +51,13 @@ class BatchedLM(Protocol):
     def prefill(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
         """Start afresh with one row per prompt; logits of each prompt's next token ``[B, V]``."""
 
-    def extend(self, tokens: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    def extend(
+        self, tokens: torch.Tensor, valid: torch.Tensor | None = None, *, vocab: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Append ``tokens [R, T]`` to every row in ONE forward; logits ``[R, T, V]`` (float32).
 
-        ``valid [R, T]`` marks holes (False): fed but invisible to later tokens.
+        ``valid [R, T]`` marks holes (False): fed but invisible to later tokens. ``vocab [U]``
+        asks for the logits of those tokens only (``[R, T, U]``), as constrained drafting does.
         """
 
     def fork(self, rows: torch.Tensor) -> None:

@@ -49,6 +49,8 @@ class HFBatchedLM:
         owner = model.body if self.needs_features else model
         decoder = owner.get_decoder() if hasattr(owner, "get_decoder") else None
         self.decoder_cache_kw = _cache_keyword(decoder) if decoder is not None else None
+        # A feature draft's head is plain by construction; others are checked on first use.
+        self.plain_head: bool | None = True if self.needs_features else None
 
     @property
     def n_rows(self) -> int:
@@ -80,11 +82,18 @@ class HFBatchedLM:
         return self._forward(ids, valid, last_only=True, features=feats)[:, -1]
 
     def extend(
-        self, tokens: torch.Tensor, valid: torch.Tensor | None = None, features: torch.Tensor | None = None
+        self,
+        tokens: torch.Tensor,
+        valid: torch.Tensor | None = None,
+        features: torch.Tensor | None = None,
+        *,
+        vocab: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Append ``tokens [R, T]`` in one forward; logits ``[R, T, V]`` (float32).
 
         ``features [R, T, H]``: the hidden states a feature draft reads with the tokens.
+        ``vocab [U]``: return the logits of these tokens only, ``[R, T, U]``; the LM head
+        then reads only their rows (a large share of a small draft's forward).
         """
         if self.cache is None:
             raise ValueError(f"{self.name}: extend() before prefill()")
@@ -95,7 +104,11 @@ class HFBatchedLM:
         if features is not None:
             features = features.to(self.device)
         return self._forward(
-            tokens.to(self.device), valid.to(self.device), last_only=False, features=features
+            tokens.to(self.device),
+            valid.to(self.device),
+            last_only=False,
+            features=features,
+            vocab=None if vocab is None else vocab.to(self.device),
         )
 
     def fork(self, rows: torch.Tensor) -> None:
@@ -138,7 +151,13 @@ class HFBatchedLM:
                 layer.keys, layer.values = fn(layer.keys), fn(layer.values)
 
     def _forward(
-        self, ids: torch.Tensor, valid: torch.Tensor, *, last_only: bool, features: torch.Tensor | None = None
+        self,
+        ids: torch.Tensor,
+        valid: torch.Tensor,
+        *,
+        last_only: bool,
+        features: torch.Tensor | None = None,
+        vocab: torch.Tensor | None = None,
     ) -> torch.Tensor:
         r, t = ids.shape
         if self.needs_features != (features is not None):
@@ -166,7 +185,7 @@ class HFBatchedLM:
             if features is not None:
                 kwargs[self.decoder_cache_kw] = self.cache
                 hidden = self.model.hidden(ids, features, **kwargs)
-            elif self.keep_hidden:
+            elif self.keep_hidden or (vocab is not None and self._plain_head()):
                 kwargs[self.decoder_cache_kw] = self.cache
                 hidden = self.model.get_decoder()(input_ids=ids, **kwargs).last_hidden_state
             else:
@@ -177,11 +196,37 @@ class HFBatchedLM:
                 keep = torch.tensor([t - 1], device=self.device) if last_only else 0
                 out = self.model(input_ids=ids, logits_to_keep=keep, **kwargs)
                 self.last_hidden = None
-                return check_logits(out.logits.float(), self.name)
+                logits = out.logits if vocab is None else out.logits.index_select(-1, vocab)
+                return check_logits(logits.float(), self.name)
             self.last_hidden = hidden
             last = hidden.index_select(1, torch.tensor([t - 1], device=self.device))  # see above
-            logits = self.model.get_output_embeddings()(last if last_only else hidden)
+            logits = _head(self.model.get_output_embeddings(), last if last_only else hidden, vocab)
         return check_logits(logits.float(), self.name)
+
+    def _plain_head(self) -> bool:
+        """Whether the logits are the LM head applied to the decoder's output, as in Llama.
+
+        Checked once on two tokens: some models scale or soft-cap their logits after the
+        head, and then only the full forward is right.
+        """
+        if self.plain_head is None and not hasattr(self.model, "get_decoder"):
+            self.plain_head = False
+        if self.plain_head is None:
+            ids = torch.tensor([[0, 1]], device=self.device)
+            with torch.inference_mode():
+                full = self.model(input_ids=ids, use_cache=False).logits
+                hidden = self.model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
+                mine = self.model.get_output_embeddings()(hidden)
+            self.plain_head = torch.allclose(full.float(), mine.float(), rtol=1e-3, atol=1e-3)
+        return self.plain_head
+
+
+def _head(head: torch.nn.Module, hidden: torch.Tensor, vocab: torch.Tensor | None) -> torch.Tensor:
+    """The LM head on ``hidden``, for every token or for the rows ``vocab`` only."""
+    if vocab is None:
+        return head(hidden)
+    bias = head.bias.index_select(0, vocab) if head.bias is not None else None
+    return torch.nn.functional.linear(hidden, head.weight.index_select(0, vocab), bias)
 
 
 def _cache_keyword(model: torch.nn.Module) -> str:

@@ -70,11 +70,14 @@ class MockLM:
         self.rows = RowMask(torch.zeros(len(prompts), 0, dtype=torch.bool))
         return self._forward(ids, valid)[:, -1]
 
-    def extend(self, tokens: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
-        """Append ``tokens [R, T]``; logits ``[R, T, V]``."""
+    def extend(
+        self, tokens: torch.Tensor, valid: torch.Tensor | None = None, *, vocab: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Append ``tokens [R, T]``; logits ``[R, T, V]`` (``[R, T, U]`` for the tokens ``vocab [U]``)."""
         if tokens.dim() != 2 or tokens.shape[0] != self.n_rows:
             raise ValueError(f"tokens must be [{self.n_rows}, T], got {list(tokens.shape)}")
-        return self._forward(tokens, torch.ones_like(tokens, dtype=torch.bool) if valid is None else valid)
+        out = self._forward(tokens, torch.ones_like(tokens, dtype=torch.bool) if valid is None else valid)
+        return out if vocab is None else out.index_select(-1, vocab)
 
     def fork(self, rows: torch.Tensor) -> None:
         """Keep rows ``rows [R']`` in order."""

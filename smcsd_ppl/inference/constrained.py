@@ -110,26 +110,39 @@ class Masking:
         return out
 
 
-def forced_tokens(
+def live_masks(
     allowed: dict[int, torch.Tensor], rows: Sequence[int], ended: torch.Tensor
-) -> torch.Tensor | None:
-    """The one allowed token of every row still drafting ``[R]``; None if any row has a choice.
+) -> dict[int, torch.Tensor] | None:
+    """Allowed tokens of every row still drafting, by row; None if one of them is unconstrained.
 
     ``allowed`` maps a request to its allowed tokens (``Masking.next_masks``), ``rows`` a
     request to its row, ``ended [R]`` marks rows whose later tokens do not count.
     """
-    if not allowed:  # no constrained row is drafting: some row samples freely, or none is left
+    if not allowed:
         return None
     by_row = {rows[i]: mask for i, mask in allowed.items()}
-    out = torch.zeros(len(ended), dtype=torch.long)
-    for r, done in enumerate(ended.tolist()):
-        if done:
-            continue
-        mask = by_row.get(r)
-        if mask is None or int(mask.sum()) != 1:
-            return None
-        out[r] = int(mask.nonzero()[0, 0])
-    return out.to(ended.device)
+    live = [r for r, done in enumerate(ended.tolist()) if not done]
+    if any(r not in by_row for r in live):
+        return None
+    return {r: by_row[r] for r in live}
+
+
+def forced_tokens(masks: dict[int, torch.Tensor], n_rows: int) -> torch.Tensor | None:
+    """The one allowed token of each row ``[R]`` (0 for rows not drafting); None if any has a choice."""
+    if any(int(m.sum()) != 1 for m in masks.values()):
+        return None
+    out = torch.zeros(n_rows, dtype=torch.long)
+    for r, m in masks.items():
+        out[r] = int(m.nonzero()[0, 0])
+    return out
+
+
+def shared_vocab(masks: dict[int, torch.Tensor], vocab_size: int) -> torch.Tensor | None:
+    """The tokens any drafting row may take, when they are few enough to compute logits for only them."""
+    if not masks:
+        return None
+    union = torch.stack(list(masks.values())).any(0)
+    return torch.nonzero(union)[:, 0] if int(union.sum()) <= vocab_size // 4 else None
 
 
 def check_bonus(blocks: Sequence, bonus: Sequence[int]) -> list[bool]:

@@ -192,9 +192,11 @@ class BlockEngine:
         end): no later token could count, so all blocks of the call are that much shorter.
         Where a constraint leaves every drafting row one allowed token, q is a point mass
         whatever the draft says: that step skips its forward and the token is fed with the
-        next one.
+        next one. Where every drafting row is constrained to a few tokens, the draft computes
+        the logits of those tokens only.
         """
         k, t_d = self.config.block_size, self.config.draft_temperature
+        vocab_size = self.draft.vocab_size
         rows = list(rows)
         constraints = list(constraints) if constraints is not None else [None] * len(rows)
         asked = torch.zeros(self.n_rows, dtype=torch.bool)
@@ -215,16 +217,22 @@ class BlockEngine:
         for j in range(k):
             allowed = masking.next_masks(drafts)  # proposal-mode rows sample allowed tokens only
             ended[[rows[i] for i in masking.dead_at]] = True
-            d = None if self.features else constrained.forced_tokens(allowed, rows, ended)
+            masks = constrained.live_masks(allowed, rows, ended)  # None: some row samples freely
+            d = None if masks is None or self.features else constrained.forced_tokens(masks, self.n_rows)
             if d is not None:
-                q = torch.nn.functional.one_hot(d, self.draft.vocab_size).float() if keep_probs else None
+                d = d.to(self.device)
+                q = torch.nn.functional.one_hot(d, vocab_size).float() if keep_probs else None
                 logqs.append(torch.zeros(self.n_rows, device=self.device))
                 ids, valid = torch.cat([ids, d[:, None]], 1), torch.cat([valid, asked[:, None]], 1)
             else:
                 extra = (feats,) if self.features else ()
-                logits = self.draft.extend(ids, valid, *extra)
+                vocab = None if masks is None else constrained.shared_vocab(masks, vocab_size)
+                kw = {} if vocab is None else {"vocab": vocab}  # logits of allowed tokens only
+                logits = self.draft.extend(ids, valid, *extra, **kw)
                 fed, pending_fed = len(drafts), True
-                q = torch.softmax(logits[:, -1].div_(t_d), -1)  # [R, V]
+                q = torch.softmax(logits[:, -1].div_(t_d), -1)  # [R, V], or [R, U] over vocab
+                if vocab is not None:
+                    q = q.new_zeros(len(q), vocab_size).index_copy_(1, vocab.to(q.device), q)
                 masking.restrict(q, allowed)
                 d = sample_probs(q, self.g)
                 logqs.append(q.gather(-1, d[:, None])[:, 0].log())
