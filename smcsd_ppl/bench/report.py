@@ -294,9 +294,10 @@ def _quality(ax, rows: Sequence[Row], attr: str, ylabel: str) -> bool:
     ax.plot([x(r) for r in front], [q(r) for r in front], "-o", color="tab:red", lw=2, ms=10, mfc="none",
             mew=2, label="Pareto front")  # fmt: skip
     with_t = len({r.temperature for r in rows}) > 1
-    for i, r in enumerate(sorted(pts, key=x)):  # alternate label offsets so neighbours do not collide
-        ax.annotate(r.label(with_t), (x(r), q(r)), textcoords="offset points",
-                    xytext=(6, 5 if i % 2 == 0 else -13), fontsize=8)  # fmt: skip
+    for i, r in enumerate(sorted(pts, key=x)):  # alternate sides so neighbours' labels do not collide
+        right = i % 2 == 0
+        ax.annotate(r.label(with_t), (x(r), q(r)), textcoords="offset points", fontsize=8,
+                    xytext=(6, 5) if right else (-6, -13), ha="left" if right else "right")  # fmt: skip
     title = f"{ylabel[0].upper()}{ylabel[1:]} vs speed (up and right is better)"
     ax.set(xlabel=xlabel, ylabel=f"{ylabel} (higher is better)", title=title)
     if attr == "accuracy":
