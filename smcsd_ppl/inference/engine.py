@@ -190,6 +190,8 @@ class BlockEngine:
         ``constraints[i]`` optionally constrains row ``rows[i]``'s block. Drafting stops
         early once every asked row has ended (an EOS, its budget, a constraint's dead
         end): no later token could count, so all blocks of the call are that much shorter.
+        On an accelerator, unconstrained drafting stops early on budgets only: spotting
+        EOS tokens would cost a host sync per step.
         Where a constraint leaves every drafting row one allowed token, q is a point mass
         whatever the draft says: that step skips its forward and the token is fed with the
         next one. Where every drafting row is constrained to a few tokens, the draft computes
@@ -214,10 +216,15 @@ class BlockEngine:
         budget = torch.full((self.n_rows,), k, device=self.device)
         budget[rows] = torch.tensor(list(budgets), device=self.device)
         eos = torch.tensor(sorted(self.eos), dtype=torch.long, device=self.device)
+        longest = max(budgets, default=k)
+        # Masks already bring every step to the host; on a CPU the check is free anyway.
+        host_checks = self.device.type == "cpu" or bool(masking.items)
         for j in range(k):
             allowed = masking.next_masks(drafts)  # proposal-mode rows sample allowed tokens only
-            ended[[rows[i] for i in masking.dead_at]] = True
+            if masking.dead_at:
+                ended[[rows[i] for i in masking.dead_at]] = True
             masks = constrained.live_masks(allowed, rows, ended)  # None: some row samples freely
+            # A feature draft never skips: its next input is the state this forward predicts.
             d = None if masks is None or self.features else constrained.forced_tokens(masks, self.n_rows)
             if d is not None:
                 d = d.to(self.device)
@@ -243,8 +250,9 @@ class BlockEngine:
             if keep_probs:
                 probs.append(q)
             ended |= torch.isin(d, eos) | (budget <= j + 1)
-            ended[[rows[i] for i in masking.dead_at]] = True
-            if bool(ended.all()):
+            if masking.dead_at:
+                ended[[rows[i] for i in masking.dead_at]] = True
+            if j + 1 >= longest or (host_checks and bool(ended.all())):
                 break
         k = len(drafts)
         tokens = torch.stack(drafts, 1).cpu()  # [R, k]
