@@ -370,9 +370,11 @@ def _compare_constrained(args: argparse.Namespace) -> int:
         f"max {args.max_new_tokens} new tokens, {args.dtype} on {args.device}; medians of {args.repeats} "
         "repeat(s). valid = share of final particles (positive weight, constraint met); output = share "
         "of returned texts; tokens = mean per particle, EOS included (smcsd_plain: length-matched to "
-        "smcsd_proposal); log p/tok = untempered target on the returned tokens; ESS at the end."
+        "smcsd_proposal); log p/tok = untempered target on the returned tokens; ESS at the end; "
+        "target fwd = target forward calls per run, prefill included."
     )
-    cols = ("task", "method", "valid", "output valid", "tokens/s", "tokens", "s", "log p/tok", "log Z", "ESS")
+    cols = ("task", "method", "valid", "output valid", "tokens/s", "tokens", "s")
+    cols += ("log p/tok", "log Z", "ESS", "target fwd")
     print("| " + " | ".join(cols) + " | output |")
     print("|---" * (len(cols) + 1) + "|")
     for r in rows:
@@ -380,7 +382,7 @@ def _compare_constrained(args: argparse.Namespace) -> int:
         print(
             f"| {r.task} | {r.method} | {r.validity:.2f} | {r.output_validity:.2f} | "
             f"{r.tokens_per_second:.2f} | {r.tokens:.1f} | {r.seconds:.1f} | {r.loglik_per_token:.2f} | "
-            f"{r.log_z:.2f} | {r.ess:.2f} | {text} |"
+            f"{r.log_z:.2f} | {r.ess:.2f} | {r.target_forwards:.0f} | {text} |"
         )
     for task, ratios in speed_ratios(rows).items():
         print(f"{task}: smcsd_proposal tokens/s = " + ", ".join(f"{v:.2f}x {m}" for m, v in ratios.items()))

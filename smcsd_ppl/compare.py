@@ -12,9 +12,11 @@ tokens/s compare at equal length. Tokens/s everywhere = mean tokens per particle
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 
@@ -77,7 +79,8 @@ class CompareRow:
     ``validity`` is the share of final particles that are valid (positive weight, constraint
     satisfied), ``output_validity`` the share of runs whose returned text is valid;
     ``loglik_per_token`` is the untempered target's mean log p of the returned tokens given
-    the (chat-templated) prompt; ``ess`` is the final ESS.
+    the (chat-templated) prompt; ``ess`` is the final ESS; ``target_forwards`` counts the
+    target's forward calls in a run, the prompt's prefill included.
     """
 
     method: str
@@ -90,6 +93,7 @@ class CompareRow:
     loglik_per_token: float
     log_z: float
     ess: float
+    target_forwards: float
     runs: int
     example: str
 
@@ -128,8 +132,8 @@ def compare_constrained(
     kw = dict(n_particles=n_particles, max_new_tokens=max_new_tokens, temperature=temperature)
     _warm_up(pair, tasks[0], constraints[tasks[0].name], methods, **kw)
     runs: dict[tuple[str, str], list[tuple[SteeringRecord, float]]] = {}
-    for rep in range(repeats):
-        for task in tasks:
+    with _count_forwards(pair.target.model) as forwards:
+        for rep, task in itertools.product(range(repeats), tasks):
             done: dict[str, SteeringRecord] = {}
             for method in methods:
                 extra = {"block_size": block_size} if method in SMCSD_METHODS else {}
@@ -138,15 +142,28 @@ def compare_constrained(
                         "ignore_eos": True,
                         "max_new_tokens": max(1, round(done["smcsd_proposal"].tokens)),
                     }
+                before = forwards[0]
                 rec = METHODS[method](
                     pair, task.prompt, constraints[task.name], seed=seed + rep, **{**kw, **extra}
                 )
+                rec.extra["target_forwards"] = forwards[0] - before
                 done[method] = rec
                 ll = target_loglik(pair, pair.encode(task.prompt), rec.token_ids)
                 runs.setdefault((task.name, method), []).append((rec, ll))
                 if on_run is not None:
                     on_run(task.name, method, rec)
     return [_row(task, method, recs) for (task, method), recs in runs.items()]
+
+
+@contextmanager
+def _count_forwards(model):
+    """A one-item list counting the forward calls of ``model``'s decoder while inside."""
+    count = [0]
+    hook = model.get_decoder().register_forward_hook(lambda *_: count.__setitem__(0, count[0] + 1))
+    try:
+        yield count
+    finally:
+        hook.remove()
 
 
 def _warm_up(pair, task: Task, constraint: TaskConstraint, methods: Sequence[str], **kw) -> None:
@@ -176,6 +193,7 @@ def _row(task: str, method: str, recs: list[tuple[SteeringRecord, float]]) -> Co
         _median([ll for _, ll in recs]),
         _median([math.nan if r.log_z is None else r.log_z for r in rs]),
         _median([math.nan if r.ess is None else r.ess for r in rs]),
+        _median([r.extra["target_forwards"] for r in rs]),
         len(rs),
         rs[0].text,
     )

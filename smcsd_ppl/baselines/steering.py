@@ -287,7 +287,11 @@ def _smcsd(pair, program, task, name, *, n_particles, max_new_tokens, temperatur
     (out,) = pair.run([program], config)
     ids, log_w = [p.token_ids for p in out.particles], [p.log_weight for p in out.particles]
     rec = _finish(name, pair, task, ids, log_w, out.stats.seconds, seed)
-    rec.extra = {"n_resamples": out.n_resamples, "mean_ess": out.mean_ess}
+    rec.extra = {
+        "n_resamples": out.n_resamples,
+        "mean_ess": out.mean_ess,
+        "target_calls": out.stats.target_calls,
+    }
     rec.log_z = out.log_z  # includes the log Z increments of earlier resampling rounds
     return rec
 

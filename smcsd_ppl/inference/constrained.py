@@ -41,6 +41,11 @@ def _masks(pairs: Sequence[tuple[object, tuple[int, ...]]]) -> list[torch.Tensor
     return out
 
 
+def _nonempty(masks: Sequence[torch.Tensor]) -> list[bool]:
+    """Whether each mask allows some token: one reduction for all (bool any() is slow on CPU)."""
+    return torch.stack(list(masks)).view(torch.uint8).amax(1).bool().tolist() if masks else []
+
+
 class Masking:
     """The constrained rows of one drafting round that use ``mode``.
 
@@ -67,9 +72,10 @@ class Masking:
         if not live:
             return {}
         contexts = [(c.constraint, c.context + tuple(int(d[r]) for d in drafted)) for _, r, c in live]
+        masks = _masks(contexts)
         out = {}
-        for (i, _, _), mask in zip(live, _masks(contexts)):
-            if mask.any():
+        for (i, _, _), mask, some in zip(live, masks, _nonempty(masks)):
+            if some:
                 out[i] = mask
             else:
                 self.dead_at[i] = self.position
@@ -77,15 +83,22 @@ class Masking:
 
     def restrict(self, q: torch.Tensor, allowed: dict[int, torch.Tensor]) -> None:
         """Zero disallowed tokens of q ``[R, V]`` in place and renormalize, per row."""
-        for i, r, _ in self.items:
-            if i not in allowed:
-                continue
-            row = q[r] * allowed[i].to(q.device)
-            total = row.sum()
-            if total > 0:
-                q[r] = row / total
-            else:  # the draft gives the allowed tokens no mass: the particle dies here
+        items = [(i, r) for i, r, _ in self.items if i in allowed]
+        if not items:
+            return
+        rows = [r for _, r in items]
+        every = rows == list(range(len(q)))  # usually: then no copies in and out
+        index = torch.tensor(rows, device=q.device)
+        kept = q if every else q.index_select(0, index)
+        kept.mul_(torch.stack([allowed[i] for i, _ in items]).to(q.device))  # one op for all rows
+        total = kept.sum(-1, keepdim=True)
+        kept.div_(total.clamp_min(torch.finfo(q.dtype).tiny))
+        for j, ((i, _), ok) in enumerate(zip(items, (total[:, 0] > 0).tolist())):
+            if not ok:  # the draft gives the allowed tokens no mass: the particle dies here
                 self.dead_at[i] = self.position
+                kept[j] = 1.0 / kept.shape[1]  # any distribution will do for a dead row
+        if not every:
+            q.index_copy_(0, index, kept)
 
     def first_impossible(self, tokens: torch.Tensor) -> dict[int, int]:
         """Critic rows: position of the first drafted token the constraint forbids.
@@ -141,8 +154,8 @@ def shared_vocab(masks: dict[int, torch.Tensor], vocab_size: int) -> torch.Tenso
     """The tokens any drafting row may take, when they are few enough to compute logits for only them."""
     if not masks:
         return None
-    union = torch.stack(list(masks.values())).any(0)
-    return torch.nonzero(union)[:, 0] if int(union.sum()) <= vocab_size // 4 else None
+    union = torch.stack(list(masks.values())).amax(0)  # amax: bool any() is slower on CPU
+    return torch.nonzero(union)[:, 0] if int(torch.count_nonzero(union)) <= vocab_size // 4 else None
 
 
 def check_bonus(blocks: Sequence, bonus: Sequence[int]) -> list[bool]:
@@ -178,13 +191,14 @@ def restrict_bonus(power_logits: torch.Tensor, log_z: torch.Tensor, blocks: Sequ
         (blocks[i].constraint.constraint, blocks[i].constraint.context + tuple(blocks[i].kept_tokens))
         for i in rows
     ]
-    out = power_logits.clone()
-    for i, mask in zip(rows, _masks(pairs)):
-        mask = mask.to(out.device)
-        full = torch.logsumexp(out[i], -1)
-        out[i] = out[i].masked_fill(~mask, -math.inf)
-        allowed = torch.logsumexp(out[i], -1)
-        log_z[i] = log_z[i] + allowed - full  # allowed share of the power's mass
-        if not torch.isfinite(allowed):
-            out[i] = power_logits[i]  # keeps sampling well defined; the row dies by weight
-    return out
+    index = torch.tensor(rows, device=power_logits.device)
+    masks = torch.stack(_masks(pairs)).to(power_logits.device)
+    power = power_logits.index_select(0, index)
+    full = torch.logsumexp(power, -1)
+    restricted = power.masked_fill(~masks, -math.inf)
+    allowed = torch.logsumexp(restricted, -1)
+    log_z.index_add_(0, index, (allowed - full).to(log_z.dtype))  # the allowed share of the power's mass
+    dead = ~torch.isfinite(allowed)
+    if bool(dead.any()):  # such a row keeps its distribution, so sampling stays defined; it dies by weight
+        restricted[dead] = power[dead]
+    return power_logits.index_copy(0, index, restricted)
