@@ -242,7 +242,7 @@ def _measure(pair: SMCSD, grid: Grid, key: tuple, prompt: Prompt) -> dict:
     except ValueError as err:  # e.g. a prompt over the context: recorded, the grid goes on
         return record | {"error": str(err)}
     s = gen.stats
-    trace = getattr(gen, "ess_trace", None)  # not carried by Generation yet
+    trace = gen.ess_trace
     return record | {
         "new_tokens": s.new_tokens,
         "seconds": round(s.seconds, 5),
