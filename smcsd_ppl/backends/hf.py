@@ -198,9 +198,10 @@ class HFBatchedLM:
                 self.last_hidden = None
                 logits = out.logits if vocab is None else out.logits.index_select(-1, vocab)
                 return check_logits(logits.float(), self.name)
-            self.last_hidden = hidden
-            last = hidden.index_select(1, torch.tensor([t - 1], device=self.device))  # see above
-            logits = _head(self.model.get_output_embeddings(), last if last_only else hidden, vocab)
+            self.last_hidden = hidden if self.keep_hidden else None
+            if last_only:
+                hidden = hidden.index_select(1, torch.tensor([t - 1], device=self.device))  # see above
+            logits = _head(self.model.get_output_embeddings(), hidden, vocab)
         return check_logits(logits.float(), self.name)
 
     def _plain_head(self) -> bool:

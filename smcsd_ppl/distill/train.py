@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..drafts import draft_modules, fingerprint, save_draft, student
+from ..drafts import MANIFEST, draft_modules, fingerprint, load_draft, save_draft, student
 from ..feature_draft import feature_student, target_hidden
 from ..models import LoadedModel
 from .data import Example, right_padded
@@ -356,12 +356,10 @@ def distill(
 
 def _init_draft(directory: str, target: LoadedModel) -> dict:
     """The source layers and trained tensors of the layer draft a feature draft starts from."""
-    from ..drafts import load_draft
-
     draft = load_draft(directory, target)
     if getattr(draft.model, "needs_features", False):
         raise ValueError(f"{directory!r} is a feature draft; init_draft takes a layer draft")
-    manifest = json.loads((pathlib.Path(directory) / "smcsd_draft.json").read_text())
+    manifest = json.loads((pathlib.Path(directory) / MANIFEST).read_text())
     modules = {
         name: {k: v.float() for k, v in m.state_dict().items()}
         for name, m in draft_modules(draft.model).items()
