@@ -24,6 +24,7 @@ import torch
 
 from .baselines import steering
 from .baselines.steering import SteeringRecord, TaskConstraint
+from .config import SMCConfig
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,7 @@ def compare_constrained(
     temperature: float = 0.7,
     seed: int = 0,
     repeats: int = 1,
+    cut: float | None = SMCConfig.cut,
     on_run: Callable[[str, str, SteeringRecord], None] | None = None,
 ) -> list[CompareRow]:
     """Run every method on every task ``repeats`` times, interleaved; one row per (task, method)."""
@@ -136,7 +138,7 @@ def compare_constrained(
         for rep, task in itertools.product(range(repeats), tasks):
             done: dict[str, SteeringRecord] = {}
             for method in methods:
-                extra = {"block_size": block_size} if method in SMCSD_METHODS else {}
+                extra = {"block_size": block_size, "cut": cut} if method in SMCSD_METHODS else {}
                 if method == "smcsd_plain" and "smcsd_proposal" in done:  # length-matched reference
                     extra |= {
                         "ignore_eos": True,

@@ -7,15 +7,19 @@ from dataclasses import dataclass
 
 RESAMPLING_SCHEMES = ("systematic", "multinomial", "stratified", "residual")
 SELECTIONS = ("sample", "argmax")
+DIVERGENCE_NAMES = ("tv", "renyi2", "kl")  # see spec.DIVERGENCES
 
 
 @dataclass(frozen=True)
 class SMCConfig:
-    """Settings of one SMC-SD run (defaults follow the reference implementation).
+    """Settings of one SMC-SD run, shared by the API and the CLI.
+
+    N, K and the temperatures are the reference implementation's fastest benchmark setting;
+    ``cut`` is the quality floor (``None`` runs the paper's algorithm unchanged).
 
     Attributes:
         n_particles: N, particles per request.
-        block_size: K, tokens drafted per particle and cycle.
+        block_size: K, the most tokens drafted per particle and cycle.
         ess_threshold: resample when ESS < threshold * N; 0 never resamples.
         resampling: one of ``RESAMPLING_SCHEMES``.
         draft_temperature: T_d of the proposal q.
@@ -27,19 +31,28 @@ class SMCConfig:
         seed: seed of the run's ``torch.Generator``.
         ignore_eos: treat EOS as an ordinary token and emit exactly
             ``max_new_tokens`` (for speed measurements).
+        cut: the quality floor: each drafted block is cut at the first position where
+            the divergence between the target's and the draft's next-token distributions
+            exceeds this, and the bonus token is drawn from the target there (the weights
+            stay proper). Drafting then adapts to the kept lengths, down to decoding with
+            the target alone where the draft does not pay. ``None``: the paper's algorithm
+            (whole blocks, fixed N and K).
+        cut_divergence: the divergence ``cut`` bounds, one of ``DIVERGENCE_NAMES``.
     """
 
-    n_particles: int = 4
-    block_size: int = 4
+    n_particles: int = 8
+    block_size: int = 8
     ess_threshold: float = 0.5
     resampling: str = "systematic"
-    draft_temperature: float = 0.7
-    target_temperature: float = 1.0
+    draft_temperature: float = 0.5
+    target_temperature: float = 0.5
     alpha: float = 1.0
     selection: str = "sample"
     max_new_tokens: int = 128
     seed: int = 0
     ignore_eos: bool = False
+    cut: float | None = 0.3
+    cut_divergence: str = "tv"
 
     def __post_init__(self) -> None:
         _check_int("n_particles", self.n_particles, 1)
@@ -53,6 +66,10 @@ class SMCConfig:
         _check_positive("alpha", self.alpha)
         if self.resampling not in RESAMPLING_SCHEMES:
             raise ValueError(f"resampling must be one of {RESAMPLING_SCHEMES}, got {self.resampling!r}")
+        if self.cut is not None:
+            _check_positive("cut", self.cut)
+        if self.cut_divergence not in DIVERGENCE_NAMES:
+            raise ValueError(f"cut_divergence must be one of {DIVERGENCE_NAMES}, got {self.cut_divergence!r}")
         if self.selection not in SELECTIONS:
             raise ValueError(f"selection must be one of {SELECTIONS}, got {self.selection!r}")
 

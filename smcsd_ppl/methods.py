@@ -90,6 +90,8 @@ def run_programs(pair: SMCSD, programs, config, on_progress=None, on_cycle=None)
             particles=r.particles,
             ess_trace=r.ess_trace,
             message=r.message,
+            collapsed=r.collapsed,
+            draft_lengths=r.draft_lengths,
         )
         for r in results
     ]

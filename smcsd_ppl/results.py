@@ -58,6 +58,10 @@ class Generation:
         acceptance: speculative methods (accepted / drafted tokens).
         entropy_rejections: EASD only (drafted tokens SD accepted but its rule rejected).
         message: why an output is empty, if it is.
+        collapsed: SMC-SD only: the ESS averaged under 30% of the particles, so the output
+            follows the draft more than the target (see ``SMCResult``).
+        draft_lengths: SMC-SD with a quality cut: the draft length of each cycle (0: the
+            target alone).
     """
 
     text: str
@@ -72,3 +76,5 @@ class Generation:
     particles: list[ParticleOut] = field(default_factory=list)
     ess_trace: list[float] = field(default_factory=list)
     message: str = ""
+    collapsed: bool = False
+    draft_lengths: list[int] = field(default_factory=list)

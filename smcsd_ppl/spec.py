@@ -1,4 +1,4 @@
-"""Pure verification math: SMC-SD block weights and exact speculative sampling.
+"""Pure verification math: SMC-SD block weights and cuts, exact speculative sampling.
 
 Shapes: R rows (particles of all requests), K drafted tokens per row, V vocabulary.
 All functions take float32 logits and return new tensors; nothing here holds state.
@@ -54,6 +54,59 @@ def block_log_weights(
     live = torch.arange(k, device=kept.device)[None, :] < kept[:, None]
     terms = torch.where(live, alpha * target_logp - draft_logq, torch.zeros_like(target_logp))
     return terms.sum(1) + torch.where(has_bonus, bonus_log_z, torch.zeros_like(bonus_log_z))
+
+
+def _tv(p: torch.Tensor, q: torch.Tensor, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (p - q).abs().sum(-1)
+
+
+def _renyi2(p: torch.Tensor, q: torch.Tensor, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    # log E_q[(p/q)^2] = log(1 + chi^2(p || q)): the log second moment of one weight increment.
+    return torch.logsumexp(torch.where(p > 0, 2 * log_p - log_q, -torch.inf), -1)
+
+
+def _kl(p: torch.Tensor, q: torch.Tensor, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    return torch.where(p > 0, p * (log_p - log_q), torch.zeros_like(p)).sum(-1)
+
+
+DIVERGENCES = {"tv": _tv, "renyi2": _renyi2, "kl": _kl}
+"""Divergences D(p || q) a block cut may use: total variation (in [0, 1]), Renyi-2 and KL (nats)."""
+
+
+def cut_divergence(
+    target_logits: torch.Tensor,  # [R, k, V] l / T_t at the drafted positions
+    draft_probs: torch.Tensor,  # [R, k, V] q at the same positions (zero where a constraint forbids)
+    alpha: float,
+    name: str,
+    restrict: torch.Tensor | None = None,  # [R] bool: compare with p restricted to q's support
+) -> torch.Tensor:
+    """D(p^alpha / Z || q) at every drafted position (``[R, k]``).
+
+    Where a proposal-mode constraint masks q, the target it stands for is p restricted to
+    the allowed tokens; ``restrict`` marks those rows (q's support stands for the mask).
+    """
+    log_p = torch.log_softmax(alpha * target_logits.float(), -1)
+    q = draft_probs.float()
+    if restrict is not None and bool(restrict.any()):
+        masked = log_p.masked_fill(q <= 0, -torch.inf)
+        masked = masked - torch.logsumexp(masked, -1, keepdim=True)
+        log_p = torch.where(restrict[:, None, None], masked, log_p)
+    log_q = q.clamp_min(torch.finfo(q.dtype).tiny).log()
+    return DIVERGENCES[name](log_p.exp(), q, log_p, log_q)
+
+
+def first_cut(divergence: torch.Tensor, threshold: float, limit: torch.Tensor) -> torch.Tensor:
+    """Where each block is cut (``[R]``): the first position whose divergence exceeds ``threshold``.
+
+    ``divergence [R, k]`` describes the next-token distributions before each drafted token,
+    so the cut depends on the prefix only, never on the token drawn where it falls: the
+    bonus drawn from the target there keeps the block properly weighted. ``limit [R]``
+    caps the result (a row's draft length or its kept tokens).
+    """
+    k = divergence.shape[1]
+    over = divergence > threshold
+    first = torch.where(over.any(1), over.float().argmax(1), torch.full_like(limit, k))
+    return torch.minimum(first, limit)
 
 
 def speculative_accept(

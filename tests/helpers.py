@@ -56,5 +56,9 @@ def total_variation(p: dict, q: dict) -> float:
     return 0.5 * sum(abs(p.get(k, 0.0) - q.get(k, 0.0)) for k in set(p) | set(q))
 
 
+# The settings the exact tests were written for: the paper's algorithm (no cut), T_t = 1.
+PAPER = dict(n_particles=4, block_size=4, target_temperature=1.0, cut=None)
+
+
 def engine(target: MockLM, draft: MockLM, **cfg) -> BlockEngine:
-    return BlockEngine(target, draft, [EOS], SMCConfig(**cfg))
+    return BlockEngine(target, draft, [EOS], SMCConfig(**{**PAPER, **cfg}))

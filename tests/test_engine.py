@@ -42,7 +42,7 @@ def eos_smcsd():
 
 
 def cfg(**kw):
-    base = dict(n_particles=4, block_size=3, max_new_tokens=10, seed=0)
+    base = dict(n_particles=4, block_size=3, max_new_tokens=10, seed=0, target_temperature=1.0, cut=None)
     return SMCConfig(**(base | kw))
 
 

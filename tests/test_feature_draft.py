@@ -127,7 +127,7 @@ def test_sd_with_a_feature_draft_reproduces_the_target():
         HFBatchedLM(target),
         HFBatchedLM(draft),
         [EOS],
-        Config(block_size=2, max_new_tokens=horizon, draft_temperature=0.8, seed=1),
+        Config(block_size=2, max_new_tokens=horizon, draft_temperature=0.8, target_temperature=1.0, seed=1),
     )
     out = speculative_sampling(eng, [[1, 2]] * runs)
     exact, z = exact_target(_Enumerable(target), [1, 2], horizon)
@@ -142,7 +142,14 @@ def test_smcsd_with_a_feature_draft_is_properly_weighted():
     target, draft = tiny_vocab_pair()
     runs, horizon = 1500, 4
     config = Config(
-        n_particles=3, block_size=2, max_new_tokens=horizon, draft_temperature=1.0, ess_threshold=0.7, seed=3
+        n_particles=3,
+        block_size=2,
+        max_new_tokens=horizon,
+        draft_temperature=1.0,
+        target_temperature=1.0,
+        ess_threshold=0.7,
+        seed=3,
+        cut=None,
     )
     eng = BlockEngine(HFBatchedLM(target), HFBatchedLM(draft), [EOS], config)
     results = run_smc_sd([SMCSDModel([1, 2]) for _ in range(runs)], eng)

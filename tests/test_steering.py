@@ -120,6 +120,7 @@ def test_compare_rows_and_length_matched_plain(pair):
         block_size=3,
         max_new_tokens=8,
         temperature=1.0,
+        cut=None,  # the paper's whole blocks: random weights would cut at every position
         on_run=lambda task, method, rec: seen.append((method, rec)),
     )
     assert [(r.task, r.method) for r in rows] == [

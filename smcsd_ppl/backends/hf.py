@@ -36,6 +36,7 @@ class HFBatchedLM:
         self.max_length = int(getattr(model.config, "max_position_embeddings", 2048))
         self.max_cache_bytes = max_cache_bytes
         self.bytes_per_token = _kv_bytes_per_token(model)
+        self.n_params = sum(p.numel() for p in model.parameters())  # what a forward reads
         self.stats = ForwardStats()
         self.cache_kw = _cache_keyword(model)
         self.cache: DynamicCache | None = None

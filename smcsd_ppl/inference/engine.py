@@ -14,15 +14,24 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..backends.base import BatchedLM
 from ..config import SMCConfig
 from ..potentials.constraints import Constraint
-from ..spec import block_log_weights, pick, power_log_normalizer, sample_probs, sample_tokens
+from ..spec import (
+    block_log_weights,
+    cut_divergence,
+    first_cut,
+    pick,
+    power_log_normalizer,
+    sample_probs,
+    sample_tokens,
+)
 from . import constrained
+from .schedule import draft_step_cost
 
 CONSTRAINT_MODES = ("proposal", "critic")
 
@@ -62,6 +71,7 @@ class DraftedBlock:
     constraint: RowConstraint | None = None
     dead: bool = False  # the constraint allowed nothing where the block ends: zero weight
     fed: int = 0  # drafted tokens the draft model has read (k-1, fewer after forced tokens)
+    diverged: bool = False  # the quality cut ended the block (``SMCConfig.cut``)
 
     @property
     def kept_tokens(self) -> list[int]:
@@ -122,6 +132,10 @@ class BlockEngine:
         self.g_cpu = torch.Generator().manual_seed(config.seed + 1)
         self.target_pending: list[list[int]] = []
         self.draft_pending: list[list[int]] = []
+        # One drafted position's cost relative to a target step, for adaptive drafting.
+        self.draft_cost = draft_step_cost(
+            getattr(draft, "n_params", None), getattr(target, "n_params", None), self.device.type
+        )
         self.features = bool(getattr(draft, "needs_features", False))
         if self.features:
             if not hasattr(target, "keep_hidden"):
@@ -182,12 +196,14 @@ class BlockEngine:
         *,
         keep_probs: bool = False,
         constraints: Sequence[RowConstraint | None] | None = None,
+        limits: Sequence[int] | None = None,
     ) -> list[DraftedBlock]:
         """Up to K batched draft forwards over all rows; rows not asked for are fed holes.
 
         ``budgets[i]`` is how many more tokens row ``rows[i]`` may emit; ``keep_probs``
         also returns q over the whole vocabulary (exact speculative sampling needs it);
-        ``constraints[i]`` optionally constrains row ``rows[i]``'s block. Drafting stops
+        ``constraints[i]`` optionally constrains row ``rows[i]``'s block; ``limits[i]`` caps
+        how many of its drafted tokens may count (0: the row does not draft). Drafting stops
         early once every asked row has ended (an EOS, its budget, a constraint's dead
         end): no later token could count, so all blocks of the call are that much shorter.
         On an accelerator, unconstrained drafting stops early on budgets only: spotting
@@ -198,11 +214,18 @@ class BlockEngine:
         the logits of those tokens only.
         """
         k, t_d = self.config.block_size, self.config.draft_temperature
+        keep_probs = keep_probs or self.config.cut is not None  # the cut compares q with p
         vocab_size = self.draft.vocab_size
-        rows = list(rows)
+        rows, budgets = list(rows), list(budgets)
         constraints = list(constraints) if constraints is not None else [None] * len(rows)
+        limits = [k] * len(rows) if limits is None else [min(k, n) for n in limits]
+        if not any(limits):  # nobody drafts: the target alone decodes this cycle
+            blocks = [self._cut(r, [], torch.zeros(0), b, None, None, 0) for r, b in zip(rows, budgets)]
+            for block, constraint in zip(blocks, constraints):
+                block.constraint = constraint
+            return blocks
         asked = torch.zeros(self.n_rows, dtype=torch.bool)
-        asked[rows] = True
+        asked[[r for r, n in zip(rows, limits) if n > 0]] = True
         feed = [p if a else [] for p, a in zip(self.draft_pending, asked.tolist())]
         ids, valid = pad_left(feed, self.device)
         feats = self._pending_features(ids.shape[1], asked.tolist()) if self.features else None
@@ -214,9 +237,9 @@ class BlockEngine:
         pending_fed = False
         ended = ~asked
         budget = torch.full((self.n_rows,), k, device=self.device)
-        budget[rows] = torch.tensor(list(budgets), device=self.device)
+        budget[rows] = torch.tensor([min(b, n) for b, n in zip(budgets, limits)], device=self.device)
         eos = torch.tensor(sorted(self.eos), dtype=torch.long, device=self.device)
-        longest = max(budgets, default=k)
+        longest = max(min(b, n) for b, n in zip(budgets, limits))
         # Masks already bring every step to the host; on a CPU the check is free anyway.
         host_checks = self.device.type == "cpu" or bool(masking.items)
         for j in range(k):
@@ -259,18 +282,16 @@ class BlockEngine:
         logq = torch.stack(logqs, 1).cpu()
         q_all = torch.stack(probs, 1) if probs else None  # [R, k, V]
         dead_at = masking.dead_at | critic.first_impossible(tokens)  # request -> position
-        for r in rows:
-            if pending_fed:  # else the draft has read nothing yet: the pending tokens stay queued
+        for r, n in zip(rows, limits):
+            if pending_fed and n:  # else the draft has read nothing yet: the pending tokens stay queued
                 self.draft_pending[r] = []
-            if self.features:
+            if self.features and n:
                 self.draft_feats[r] = self.draft_feats[r][:0]
         blocks = []
-        for i, (r, b) in enumerate(zip(rows, budgets)):
-            limit = dead_at.get(i, k)
-            block = self._cut(r, tokens[r].tolist(), logq[r], b, q_all[r] if keep_probs else None, limit)
-            block.constraint, block.fed = constraints[i], fed
-            # The constraint, not an EOS or the budget, ended the block: the particle dies.
-            block.dead = not block.stops and block.kept == limit < k
+        for i, (r, b, n) in enumerate(zip(rows, budgets, limits)):
+            q = q_all[r] if keep_probs else None
+            block = self._cut(r, tokens[r].tolist(), logq[r], b, q, dead_at.get(i), n)
+            block.constraint, block.fed = constraints[i], fed if n else 0
             blocks.append(block)
         return blocks
 
@@ -283,13 +304,15 @@ class BlockEngine:
                 out[r, width - len(f) :] = f
         return out
 
-    def _cut(self, row, tokens, logq, budget, probs, limit=None) -> DraftedBlock:
-        """Kept length: up to ``limit`` (a constraint's cut), the first EOS, the budget."""
-        k = len(tokens) if limit is None else limit
-        eos_at = next((j for j, t in enumerate(tokens[:k]) if t in self.eos), None)
-        kept = min(k if eos_at is None else eos_at + 1, budget)
+    def _cut(self, row, tokens, logq, budget, probs, dead_at, limit) -> DraftedBlock:
+        """Kept length: the row's ``limit``, a constraint's dead end, the first EOS, the budget."""
+        end = min(len(tokens), limit, len(tokens) if dead_at is None else dead_at)
+        eos_at = next((j for j, t in enumerate(tokens[:end]) if t in self.eos), None)
+        kept = min(end if eos_at is None else eos_at + 1, budget)
         stops = (eos_at is not None and eos_at < kept) or kept >= budget
-        return DraftedBlock(row, tokens, logq, kept, stops, budget, probs)
+        # The constraint, not an EOS, the budget or the limit, ended the block: the particle dies.
+        dead = not stops and dead_at is not None and kept == dead_at < min(len(tokens), limit)
+        return DraftedBlock(row, tokens, logq, kept, stops, budget, probs, dead=dead)
 
     @torch.inference_mode()
     def target_logits(self, blocks: Sequence[DraftedBlock]) -> torch.Tensor:
@@ -317,7 +340,9 @@ class BlockEngine:
         """SMC-SD verification: score every block in one forward, draw bonus tokens, commit."""
         c, k = self.config, block_length(blocks)
         logits = self.target_logits(blocks)  # [n, k+1, V]
-        drafted = torch.tensor([b.tokens for b in blocks], device=self.device)
+        if c.cut is not None and k:
+            blocks = self._quality_cut(blocks, logits[:, :k])
+        drafted = torch.tensor([b.tokens for b in blocks], dtype=torch.long, device=self.device)
         token_logp = pick(torch.log_softmax(logits[:, :k], -1), drafted).cpu()  # [n, K]
         kept = torch.tensor([b.kept for b in blocks], device=self.device)
         at_bonus = logits[torch.arange(len(blocks), device=self.device), kept]  # [n, V]
@@ -344,6 +369,26 @@ class BlockEngine:
             out.append(ScoredBlock(b, token_logp[i], nxt, ends, float(bonus_log_z[i]), log_w[i]))
             nexts.append(None if ends else nxt)  # an ending row queues nothing and leaves
         self.commit(blocks, [b.kept for b in blocks], nexts)
+        return out
+
+    def _quality_cut(self, blocks: list[DraftedBlock], logits: torch.Tensor) -> list[DraftedBlock]:
+        """Cut each block where D(p || q) first exceeds ``config.cut``; the bonus is drawn there.
+
+        ``logits [n, k, V]`` are l / T_t at the drafted positions. The cut position depends
+        on the prefix only; a dead block (the constraint allowed nothing) comes alive when
+        the cut falls at or before the token that killed it, since that token is dropped.
+        """
+        c = self.config
+        q = torch.stack([b.draft_probs for b in blocks]).to(logits.device)  # [n, k, V]
+        restrict = [b.constraint is not None and b.constraint.mode == "proposal" for b in blocks]
+        div = cut_divergence(logits, q, c.alpha, c.cut_divergence, torch.tensor(restrict, device=q.device))
+        full = torch.full((len(blocks),), logits.shape[1], device=div.device)
+        cuts = first_cut(div, c.cut, full).tolist()
+        out = []
+        for b, at in zip(blocks, cuts):
+            if at < b.kept or (b.dead and at == b.kept):
+                b = replace(b, kept=at, stops=False, dead=False, diverged=True)
+            out.append(b)
         return out
 
     def commit(

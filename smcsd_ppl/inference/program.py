@@ -105,6 +105,7 @@ class SMCSDModel(Model):
         self.constraint, self.mode = constraint, mode
         self.token_ids: list[int] = []
         self.row = -1
+        self.draft_limit: int | None = None  # this cycle's draft length, when the run adapts it
         self.last_block: ScoredBlock | None = None
         self.runtime: Runtime | None = None
 
@@ -157,6 +158,11 @@ class SMCSDModel(Model):
         return TargetBlock(self)
 
     @property
+    def plain(self) -> bool:
+        """Whether this is the plain program: unconstrained generation, no user ``step``."""
+        return type(self).step is SMCSDModel.step and self.constraint is None
+
+    @property
     def budget(self) -> int:
         """How many more tokens this particle may emit."""
         return self.runtime.max_new_tokens - len(self.token_ids)
@@ -181,7 +187,7 @@ class DraftBlock(Distribution):
         if self.particle.finished:
             raise ValueError("a finished particle cannot draft")
         p = self.particle
-        block = await p.runtime.barrier.submit("draft", (p.row, p.budget, self.constraint))
+        block = await p.runtime.barrier.submit("draft", (p.row, p.budget, self.constraint, p.draft_limit))
         return block, block.log_q
 
     async def log_prob(self, block: DraftedBlock) -> float:
@@ -204,11 +210,12 @@ class TargetBlock(Distribution):
         """Score the block with the target (batched); commits it and its bonus token."""
         p = self.particle
         scored: ScoredBlock = await p.runtime.barrier.submit("target", block)
-        p.token_ids.extend(block.kept_tokens)
+        p.token_ids.extend(scored.drafted.kept_tokens)  # the quality cut may keep fewer than drafted
         if scored.bonus is not None:
             p.token_ids.append(scored.bonus)
         p.last_block = scored
-        if block.dead:  # the constraint allowed nothing: zero weight
+        if scored.drafted.dead:  # the constraint allowed nothing: zero weight
             return -math.inf
-        # LLaMPPL's sample() subtracts log q itself; hand back the potential's part.
+        # LLaMPPL's sample() subtracts the log q that DraftBlock.sample returned (before
+        # any cut); hand back the potential's part relative to it.
         return scored.log_weight + block.log_q

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import math
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -14,6 +15,11 @@ from .. import smc
 from ..config import SMCConfig
 from .engine import BlockEngine
 from .program import CycleBarrier, Runtime, SMCSDModel
+from .schedule import DraftSchedule
+
+# A request whose ESS averages under this share of its particles is flagged as collapsed:
+# its output is then close to the best of a few draft samples, not a target sample.
+COLLAPSE_ESS_FRACTION = 0.3
 
 
 @dataclass
@@ -49,6 +55,10 @@ class SMCResult:
         ess_trace: ESS before each cycle's resampling decision.
         n_resamples: resampling rounds.
         message: why the result is empty, if it is.
+        collapsed: the ESS averaged under ``COLLAPSE_ESS_FRACTION`` of the particles: the
+            draft is too far from the target at these settings.
+        draft_lengths: with ``SMCConfig.cut``, the draft length of each cycle (0: the
+            target alone).
     """
 
     token_ids: list[int]
@@ -59,6 +69,8 @@ class SMCResult:
     ess_trace: list[float] = field(default_factory=list)
     n_resamples: int = 0
     message: str = ""
+    collapsed: bool = False
+    draft_lengths: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -66,7 +78,9 @@ class _Population:
     particles: list[SMCSDModel]
     log_z: float = 0.0
     ess_trace: list[float] = field(default_factory=list)
+    ess_fractions: list[float] = field(default_factory=list)  # ESS / N where N >= 2
     n_resamples: int = 0
+    schedule: DraftSchedule | None = None
 
 
 async def smc_sd(
@@ -95,7 +109,10 @@ async def smc_sd(
     barrier = CycleBarrier(
         {
             "draft": lambda items: engine.draft_blocks(
-                [r for r, _, _ in items], [b for _, b, _ in items], constraints=[c for _, _, c in items]
+                [r for r, *_ in items],
+                [b for _, b, *_ in items],
+                constraints=[c for _, _, c, _ in items],
+                limits=[cfg.block_size if n is None else n for *_, n in items],
             ),
             "target": engine.verify_blocks,
         }
@@ -110,8 +127,14 @@ async def smc_sd(
             p.row, p.token_ids = i * cfg.n_particles + j, [x0[i]]
             if x0[i] in engine.eos or cfg.max_new_tokens == 1:
                 p.finish()
-        pops.append(_Population(particles, log_z=log_z0[i]))
+        schedule = None
+        if cfg.cut is not None:
+            schedule = DraftSchedule(cfg.block_size, cfg.n_particles, program.plain, engine.draft_cost)
+        pops.append(_Population(particles, log_z=log_z0[i], schedule=schedule))
     await asyncio.gather(*(p.start() for pop in pops for p in pop.particles))
+    for pop in pops:
+        _adapt(pop, engine.g_cpu)
+    _pack_rows(pops, engine)
 
     cycle = 0
     while any(not p.done_stepping() for pop in pops for p in pop.particles):
@@ -119,12 +142,15 @@ async def smc_sd(
         for pop in pops:
             for p in pop.particles:
                 p.untwist()
+        before = {id(p): p.last_block for p in live}
         await _step_all(live, barrier)
         ess_now, resampled = [], []
         for pop in pops:
+            _observe(pop, before)
             e, did = _maybe_resample(pop, cfg, engine.g_cpu)
             ess_now.append(e)
             resampled.append(did)
+            _adapt(pop, engine.g_cpu)
         _pack_rows(pops, engine)
         cycle += 1
         if on_cycle is not None:
@@ -171,6 +197,8 @@ def _maybe_resample(pop: _Population, cfg: SMCConfig, g: torch.Generator) -> tup
         return 0.0, False  # every particle is dead; nothing to resample from
     e = smc.ess(log_w)
     pop.ess_trace.append(e)
+    if n >= 2:
+        pop.ess_fractions.append(e / n)
     if n < 2 or cfg.ess_threshold == 0 or e >= cfg.ess_threshold * n:
         return e, False
     ancestors = smc.resample(log_w, cfg.resampling, g).tolist()
@@ -180,6 +208,41 @@ def _maybe_resample(pop: _Population, cfg: SMCConfig, g: torch.Generator) -> tup
         p.weight = 0.0
     pop.n_resamples += 1
     return e, True
+
+
+def _observe(pop: _Population, before: dict[int, object]) -> None:
+    """Feed the schedule the blocks this cycle's particles proposed (drafted ones only)."""
+    if pop.schedule is None:
+        return
+    blocks = [
+        p.last_block.drafted
+        for p in pop.particles
+        if id(p) in before and p.last_block is not before[id(p)] and p.last_block.drafted.tokens
+    ]
+    pop.schedule.observe([b.kept for b in blocks], [b.diverged for b in blocks])
+
+
+def _adapt(pop: _Population, g: torch.Generator) -> None:
+    """Set the next cycle's draft length; resize a plain request's population (1 or N particles).
+
+    Shrinking selects one particle in proportion to its weight, like a resampling round
+    down to one; growing copies a particle with its weight, which leaves every weighted
+    estimate unchanged.
+    """
+    if pop.schedule is None or all(p.done_stepping() for p in pop.particles):
+        return
+    length, want = pop.schedule.next_length(), pop.schedule.n_particles()
+    if want < len(pop.particles):
+        log_w = smc.clean_log_weights(torch.tensor([p.weight for p in pop.particles], dtype=torch.float64))
+        if torch.isfinite(log_w).any():
+            chosen = int(torch.multinomial(smc.normalize(log_w), 1, generator=g))
+            pop.log_z += smc.log_mean_exp(log_w)
+            pop.particles = [pop.particles[chosen]]
+            pop.particles[0].weight = 0.0
+    elif want > len(pop.particles) == 1:
+        pop.particles += [copy.deepcopy(pop.particles[0]) for _ in range(want - 1)]
+    for p in pop.particles:
+        p.draft_limit = length
 
 
 def _pack_rows(pops: list[_Population], engine: BlockEngine) -> None:
@@ -198,7 +261,12 @@ def _pack_rows(pops: list[_Population], engine: BlockEngine) -> None:
 def _result(pop: _Population, cfg: SMCConfig, g: torch.Generator) -> SMCResult:
     log_w = smc.clean_log_weights(torch.tensor([p.weight for p in pop.particles], dtype=torch.float64))
     outs = [ParticleOut(list(p.token_ids), p.text, float(w)) for p, w in zip(pop.particles, log_w)]
-    stats = dict(ess_trace=pop.ess_trace, n_resamples=pop.n_resamples)
+    stats = dict(
+        ess_trace=pop.ess_trace,
+        n_resamples=pop.n_resamples,
+        collapsed=bool(pop.ess_fractions) and statistics.fmean(pop.ess_fractions) < COLLAPSE_ESS_FRACTION,
+        draft_lengths=list(pop.schedule.lengths) if pop.schedule else [],
+    )
     if not torch.isfinite(log_w).any():
         msg = "every particle has zero weight: no particle satisfied the program's conditions"
         return SMCResult([], "", -math.inf, outs, -1, message=msg, **stats)
