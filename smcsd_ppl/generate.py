@@ -13,6 +13,7 @@ from .config import SMCConfig
 from .drafts import resolve_draft
 from .inference.engine import BlockEngine
 from .inference.program import SMCSDModel
+from .inference.schedule import DraftRecord
 from .inference.smc import CycleInfo
 from .models import LoadedModel, load_model
 from .results import Generation, RunStats
@@ -49,6 +50,7 @@ class SMCSD:
         self.target_lm = HFBatchedLM(target.model, max_cache_bytes=max_cache_bytes, name="target")
         self.draft_lm = HFBatchedLM(draft.model, max_cache_bytes=max_cache_bytes, name="draft")
         self.eos_token_ids = _eos_ids(target)
+        self.draft_record = DraftRecord()  # what SMC-SD's quality cut has seen of this draft
 
     @classmethod
     def load(
@@ -77,7 +79,7 @@ class SMCSD:
 
     def engine(self, config: SMCConfig) -> BlockEngine:
         """A block engine over this pair's backends, for custom loops."""
-        return BlockEngine(self.target_lm, self.draft_lm, self.eos_for(config), config)
+        return BlockEngine(self.target_lm, self.draft_lm, self.eos_for(config), config, self.draft_record)
 
     def eos_for(self, config: SMCConfig) -> list[int]:
         """EOS ids in force under ``config`` (none with ``ignore_eos``)."""

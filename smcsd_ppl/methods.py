@@ -7,6 +7,7 @@ Baselines in their own modules register themselves with ``@register``.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -66,7 +67,9 @@ def get(name: str) -> Method:
     return METHODS[name]
 
 
-def run_programs(pair: SMCSD, programs, config, on_progress=None, on_cycle=None) -> list[Generation]:
+def run_programs(
+    pair: SMCSD, programs, config, on_progress=None, on_cycle=None, name: str = "smcsd"
+) -> list[Generation]:
     """SMC-SD over user programs (or the default one), all requests in one batch."""
 
     def report(info: CycleInfo) -> None:
@@ -82,7 +85,7 @@ def run_programs(pair: SMCSD, programs, config, on_progress=None, on_cycle=None)
         Generation(
             r.text,
             r.token_ids,
-            "smcsd",
+            name,
             None,
             log_z=r.log_z,
             n_resamples=r.n_resamples,
@@ -100,6 +103,14 @@ def run_programs(pair: SMCSD, programs, config, on_progress=None, on_cycle=None)
 @register("smcsd", particles=True, summary="SMC speculative decoding (N particles x K-token blocks)")
 def _smcsd(pair, ids, config, on_progress):
     return run_programs(pair, [SMCSDModel(i) for i in ids], config, on_progress)
+
+
+@register(
+    "smcsd_paper", particles=True, summary="the paper's SMC-SD: whole K-token blocks, fixed N and K (no cut)"
+)
+def _smcsd_paper(pair, ids, config, on_progress):
+    config = dataclasses.replace(config, cut=None)
+    return run_programs(pair, [SMCSDModel(i) for i in ids], config, on_progress, name="smcsd_paper")
 
 
 @register("sd", summary="exact speculative sampling (Leviathan et al.)")

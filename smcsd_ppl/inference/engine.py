@@ -31,7 +31,7 @@ from ..spec import (
     sample_tokens,
 )
 from . import constrained
-from .schedule import draft_step_cost
+from .schedule import DraftRecord, draft_step_cost
 
 CONSTRAINT_MODES = ("proposal", "critic")
 
@@ -119,13 +119,22 @@ def pad_left(seqs: Sequence[Sequence[int]], device: torch.device) -> tuple[torch
 class BlockEngine:
     """Batched draft-and-verify over rows of a draft and a target backend."""
 
-    def __init__(self, target: BatchedLM, draft: BatchedLM, eos_token_ids: Sequence[int], config: SMCConfig):
+    def __init__(
+        self,
+        target: BatchedLM,
+        draft: BatchedLM,
+        eos_token_ids: Sequence[int],
+        config: SMCConfig,
+        record: DraftRecord | None = None,
+    ):
         if target.vocab_size != draft.vocab_size:
             raise ValueError(
                 f"draft vocabulary ({draft.vocab_size}) differs from the target's ({target.vocab_size}); "
                 "SMC-SD needs a draft that shares the target's tokenizer"
             )
         self.target, self.draft, self.config = target, draft, config
+        self.record = record if record is not None else DraftRecord()  # the draft's history, for cuts
+        self.draft_ready = False  # the draft holds the rows (start() may skip it)
         self.eos = set(int(e) for e in eos_token_ids)
         self.device = getattr(target, "device", torch.device("cpu"))
         self.g = torch.Generator(device=self.device).manual_seed(config.seed)
@@ -155,20 +164,24 @@ class BlockEngine:
         prompts: Sequence[Sequence[int]],
         copies: int,
         constraints: Sequence[Constraint | None] | None = None,
+        *,
+        draft: bool = True,
     ) -> tuple[list[int], list[float]]:
         """Prefill both models, draw each request's first token x0 from the target.
 
         Returns x0 per prompt and its log-normalizer (nonzero only when alpha != 1).
-        Rows are then ``copies`` consecutive forks of each prompt.
+        Rows are then ``copies`` consecutive forks of each prompt. ``draft=False`` leaves
+        the draft out, for runs whose requests all decode with the target alone.
         """
         logits = self.target.prefill(prompts)  # [B, V]
-        if self.features:  # token j of a prompt goes with the target's state at j-1
+        self.draft_ready = draft
+        if draft and self.features:  # token j of a prompt goes with the target's state at j-1
             h = self.target.last_hidden  # [B, W, H], left-padded
             zero, w = h.new_zeros(1, h.shape[-1]), h.shape[1]
             states = [torch.cat([zero, h[i, w - len(p) : w - 1]]) for i, p in enumerate(prompts)]
             self.draft.prefill(prompts, states)
             last = h[:, -1]
-        else:
+        elif draft:
             self.draft.prefill(prompts)
         c = self.config
         log_z0 = power_log_normalizer(logits, c.target_temperature, c.alpha)
@@ -182,10 +195,11 @@ class BlockEngine:
         x0 = sample_tokens(power, 1.0, self.g)
         rows = torch.arange(len(prompts), device=self.device).repeat_interleave(copies)
         self.target.fork(rows)
-        self.draft.fork(rows)
+        if draft:
+            self.draft.fork(rows)
         self.target_pending = [[int(x0[i])] for i in rows.tolist()]
         self.draft_pending = [[int(x0[i])] for i in rows.tolist()]
-        self.draft_feats = [last[i][None] for i in rows.tolist()] if self.features else []
+        self.draft_feats = [last[i][None] for i in rows.tolist()] if self.features and draft else []
         return x0.tolist(), log_z0.tolist()
 
     @torch.inference_mode()
@@ -438,7 +452,8 @@ class BlockEngine:
         if rows:
             index = torch.tensor(rows, device=self.device)
             self.target.fork(index)
-            self.draft.fork(index)
+            if self.draft_ready:
+                self.draft.fork(index)
         self.target_pending = [list(self.target_pending[r]) for r in rows]
         self.draft_pending = [list(self.draft_pending[r]) for r in rows]
         if self.features:

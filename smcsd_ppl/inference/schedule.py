@@ -13,12 +13,21 @@ so every block is still cut by a rule that sees its prefix only, and weights sta
 
 The plain program (no constraint, no conditions) needs one particle to probe and to decode
 alone: the weights of a draft-free cycle are all equal, so more particles would buy nothing.
+
+A pair remembers its draft across requests (``DraftRecord``): a request starts from what
+earlier ones saw, so once the draft is known not to pay, requests decode alone from their
+first token without even prefilling the draft, and every ``REPROBE_EVERY``-th such request
+probes again (the draft may suit some prompts better than others).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+REPROBE_EVERY = 8  # requests that start alone between two probes
+PRIOR_POSITIONS = 8.0  # how many drafted positions the record counts for in a new request
+MEMORY = 0.8  # the record's counts decay by this factor per request
 
 # Relative cost of one more verified position per drafted token: small on an accelerator,
 # where the fused forward is memory-bound, about a tenth of a step on a CPU (MODELS.md).
@@ -47,6 +56,36 @@ def best_length(pass_rate: float, cost: float, longest: int) -> int:
 
 
 @dataclass
+class DraftRecord:
+    """A pair's memory of its draft: cut counts pooled over requests, older ones fading."""
+
+    passed: float = 0.0
+    failed: float = 0.0
+    alone_since_probe: int = 0
+
+    def schedule(self, block_size: int, particles: int, plain: bool, cost: float) -> DraftSchedule:
+        """A new request's schedule, starting from this record (or probing afresh)."""
+        seen = self.passed + self.failed
+        fresh = DraftSchedule(block_size, particles, plain, cost)
+        if not seen:
+            return fresh
+        scale = min(1.0, PRIOR_POSITIONS / seen)
+        prior = DraftSchedule(block_size, particles, plain, cost, self.passed * scale, self.failed * scale)
+        if prior.planned_length() > 0:
+            return prior
+        self.alone_since_probe += 1
+        if self.alone_since_probe > REPROBE_EVERY:
+            self.alone_since_probe = 0
+            return fresh
+        return prior
+
+    def update(self, schedule: DraftSchedule) -> None:
+        """Add what a finished request's own cycles saw."""
+        self.passed = MEMORY * self.passed + schedule.passed - schedule.prior_passed
+        self.failed = MEMORY * self.failed + schedule.failed - schedule.prior_failed
+
+
+@dataclass
 class DraftSchedule:
     """One request's draft length and particle count, cycle by cycle.
 
@@ -56,8 +95,8 @@ class DraftSchedule:
         plain: the request runs the plain program, so it may probe and decode alone with
             one particle.
         cost: c, one drafted position's cost relative to one target step.
-        passed: drafted positions kept by the cut so far.
-        failed: cuts that fired so far.
+        passed: drafted positions kept by the cut so far (the record's share included).
+        failed: cuts that fired so far (likewise).
         lengths: the draft length of each cycle run (0: the target alone).
     """
 
@@ -65,33 +104,40 @@ class DraftSchedule:
     particles: int
     plain: bool
     cost: float
-    passed: int = 0
-    failed: int = 0
+    passed: float = 0.0
+    failed: float = 0.0
     lengths: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.prior_passed, self.prior_failed = self.passed, self.failed
 
     @property
     def alone(self) -> bool:
         """The request decodes with the target alone from now on (drafting did not pay)."""
         return bool(self.lengths) and self.lengths[-1] == 0
 
+    @property
+    def probing(self) -> bool:
+        """The request has seen no cut yet, nor any record: it drafts half a block to learn."""
+        return self.passed + self.failed == 0
+
+    def planned_length(self) -> int:
+        """The draft length the evidence so far calls for."""
+        if self.alone:  # no drafting, no new evidence: stay
+            return 0
+        if self.probing:
+            return max(1, self.block_size // 2)
+        return best_length(self.passed / (self.passed + self.failed), self.cost, self.block_size)
+
     def next_length(self) -> int:
         """The next cycle's draft length (and record it)."""
-        if not self.lengths:  # no evidence yet: a probe of half a block
-            n = max(1, self.block_size // 2)
-        elif self.alone:  # no drafting, no new evidence: stay
-            n = 0
-        else:
-            seen = self.passed + self.failed
-            rate = self.passed / seen if seen else 1.0
-            n = best_length(rate, self.cost, self.block_size)
-        self.lengths.append(n)
-        return n
+        self.lengths.append(self.planned_length())
+        return self.lengths[-1]
 
     def n_particles(self) -> int:
-        """How many particles the next cycle should run."""
-        if self.plain and (len(self.lengths) <= 1 or self.alone):
-            return 1
-        return self.particles
+        """How many particles the next cycle should run (after ``next_length``)."""
+        first_probe = len(self.lengths) == 1 and self.prior_passed + self.prior_failed == 0
+        return 1 if self.plain and (first_probe or self.alone) else self.particles
 
     def observe(self, kept: Sequence[int], diverged: Sequence[bool]) -> None:
         """Count one cycle's blocks: tokens kept by the cut, and whether it fired."""

@@ -15,7 +15,6 @@ from .. import smc
 from ..config import SMCConfig
 from .engine import BlockEngine
 from .program import CycleBarrier, Runtime, SMCSDModel
-from .schedule import DraftSchedule
 
 # A request whose ESS averages under this share of its particles is flagged as collapsed:
 # its output is then close to the best of a few draft samples, not a target sample.
@@ -118,7 +117,14 @@ async def smc_sd(
         }
     )
     runtime = Runtime(engine, barrier, cfg.max_new_tokens, decode)
-    x0, log_z0 = engine.start(prompts, cfg.n_particles, [p.constraint for p in programs])
+    schedules = [
+        engine.record.schedule(cfg.block_size, cfg.n_particles, p.plain, engine.draft_cost)
+        if cfg.cut is not None
+        else None
+        for p in programs
+    ]
+    drafting = any(s is None or s.planned_length() > 0 for s in schedules)
+    x0, log_z0 = engine.start(prompts, cfg.n_particles, [p.constraint for p in programs], draft=drafting)
     pops = []
     for i, program in enumerate(programs):
         program.runtime = runtime
@@ -127,10 +133,7 @@ async def smc_sd(
             p.row, p.token_ids = i * cfg.n_particles + j, [x0[i]]
             if x0[i] in engine.eos or cfg.max_new_tokens == 1:
                 p.finish()
-        schedule = None
-        if cfg.cut is not None:
-            schedule = DraftSchedule(cfg.block_size, cfg.n_particles, program.plain, engine.draft_cost)
-        pops.append(_Population(particles, log_z=log_z0[i], schedule=schedule))
+        pops.append(_Population(particles, log_z=log_z0[i], schedule=schedules[i]))
     await asyncio.gather(*(p.start() for pop in pops for p in pop.particles))
     for pop in pops:
         _adapt(pop, engine.g_cpu)
@@ -157,6 +160,9 @@ async def smc_sd(
             longest = max(len(p.token_ids) for pop in pops for p in pop.particles)
             n_live = sum(not p.done_stepping() for pop in pops for p in pop.particles)
             on_cycle(CycleInfo(cycle, n_live, longest, ess_now, resampled))
+    for s in schedules:
+        if s is not None:
+            engine.record.update(s)
     return [_result(pop, cfg, engine.g_cpu) for pop in pops]
 
 

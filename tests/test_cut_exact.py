@@ -1,0 +1,163 @@
+"""The quality cut keeps SMC-SD properly weighted: exact enumeration on the mock pair.
+
+Every check pools runs by their Z estimate: E[Z_hat sum_i W_i f(y_i)] = Z E_target[f].
+A cut decided from the drawn token itself (instead of the prefix) must fail the same checks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import EOS, engine, exact_target, total_variation
+from test_constraints_exact import NoOneZero, satisfies
+
+import smcsd_ppl.inference.engine as engine_module
+from smcsd_ppl.backends.mock import MockLM
+from smcsd_ppl.inference.program import SMCSDModel
+from smcsd_ppl.inference.smc import run_smc_sd
+from smcsd_ppl.spec import pick
+
+V = 4
+PROMPTS = ([1, 2], [0, 3, 1, 2, 1])  # different lengths, one batch
+TV_LIMIT = 0.07
+
+
+def models(rare_eos: bool = False):
+    target = MockLM(V, seed=0, scale=1.5)
+    noise = torch.randn(target.table.shape, generator=torch.Generator().manual_seed(7))
+    draft = MockLM(table=target.table + 0.8 * noise)
+    if rare_eos:  # most outputs then reach the budget and carry bonus tokens
+        for lm in (target, draft):
+            lm.table[..., EOS] -= 2.5
+    return target, draft
+
+
+class Twisted(SMCSDModel):
+    """Twists towards outputs with many 2s; the final target must not change."""
+
+    twists = 0
+
+    async def step(self):
+        await self.extend()
+        if not self.finished:
+            Twisted.twists += 1
+            self.twist(0.7 * self.token_ids.count(2) - 0.3)
+
+
+def pooled(results):
+    """Z-weighted output distribution and the Z estimates of each run."""
+    est, total, zs = {}, 0.0, []
+    for r in results:
+        zr = math.exp(r.log_z)
+        zs.append(zr)
+        if zr == 0:
+            continue
+        w = torch.softmax(torch.tensor([p.log_weight for p in r.particles], dtype=torch.float64), 0)
+        for p, wi in zip(r.particles, w.tolist()):
+            est[tuple(p.token_ids)] = est.get(tuple(p.token_ids), 0.0) + zr * wi
+        total += zr
+    return {k: v / total for k, v in est.items()}, torch.tensor(zs, dtype=torch.float64)
+
+
+def check(results, exact, z):
+    """Whether Z_hat is unbiased (4 s.e.) and the Z-weighted outputs match the target (TV)."""
+    est, zs = pooled(results)
+    stderr = float(zs.std() / math.sqrt(len(zs)))
+    unbiased = abs(float(zs.mean()) - z) < 4 * stderr
+    tv = total_variation(est, {k: v / z for k, v in exact.items()})
+    return unbiased, tv, (float(zs.mean()), z, stderr)
+
+
+CASES = {
+    "t_t=0.8": dict(program="plain", horizon=5, target_temperature=0.8, rare_eos=False),
+    "alpha=2, rare EOS": dict(program="plain", horizon=5, alpha=2.0, rare_eos=True),
+    "constraint": dict(program="constraint", horizon=5, rare_eos=False),
+    "twist": dict(program="twist", horizon=5, rare_eos=False),
+}
+
+
+def run_case(case, runs, seed=11):
+    spec = dict(CASES[case])
+    program, horizon, rare = spec.pop("program"), spec.pop("horizon"), spec.pop("rare_eos")
+    target, draft = models(rare)
+    cfg = dict(n_particles=3, block_size=2, ess_threshold=0.7, draft_temperature=1.0, cut=0.25) | spec
+    eng = engine(target, draft, max_new_tokens=horizon, seed=seed, **cfg)
+    make = {
+        "plain": lambda prompt: SMCSDModel(prompt),
+        "constraint": lambda prompt: SMCSDModel(prompt, NoOneZero()),
+        "twist": lambda prompt: Twisted(prompt, NoOneZero()),
+    }[program]
+    programs = [make(PROMPTS[i % 2]) for i in range(2 * runs)]
+    results = run_smc_sd(programs, eng)
+    groups = []
+    for i, prompt in enumerate(PROMPTS):
+        exact, _ = exact_target(
+            target, prompt, horizon, temperature=cfg.get("target_temperature", 1.0), alpha=cfg.get("alpha", 1.0)
+        )
+        if program != "plain":
+            exact = {y: w for y, w in exact.items() if satisfies(y)}
+        groups.append((results[i::2], exact, sum(exact.values())))
+    return eng, groups
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_cut_smcsd_is_properly_weighted(case, monkeypatch):
+    cuts = []
+    real = engine_module.BlockEngine._quality_cut
+
+    def spy(self, blocks, logits):
+        out = real(self, blocks, logits)
+        cuts.extend((b.diverged, b.kept) for b in out)
+        return out
+
+    monkeypatch.setattr(engine_module.BlockEngine, "_quality_cut", spy)
+    Twisted.twists = 0
+    eng, groups = run_case(case, runs=3000)
+    assert any(d for d, _ in cuts) and any(not d and k > 0 for d, k in cuts)  # the cut fires, not always
+    if case == "twist":
+        assert Twisted.twists > 0
+    for results, exact, z in groups:
+        assert max(len(r.draft_lengths) for r in results) >= 2  # several cycles
+        unbiased, tv, detail = check(results, exact, z)
+        assert unbiased, detail
+        assert tv < TV_LIMIT, tv
+
+
+def test_a_cut_that_reads_the_drawn_token_is_not_properly_weighted(monkeypatch):
+    """Cutting where the drawn token's p/q is small, then dropping it, biases the output."""
+
+    def token_cut(self, blocks, logits):
+        out = []
+        for i, b in enumerate(blocks):
+            k = len(b.tokens)
+            logp = torch.log_softmax(logits[i].float(), -1)
+            ratio = pick(logp[None], torch.tensor([b.tokens]))[0] - b.draft_logq[:k]
+            low = [j for j in range(min(k, b.kept)) if ratio[j] < -0.3]
+            if low:
+                b = engine_module.replace(b, kept=low[0], stops=False, dead=False, diverged=True)
+            out.append(b)
+        return out
+
+    monkeypatch.setattr(engine_module.BlockEngine, "_quality_cut", token_cut)
+    _, groups = run_case("alpha=2, rare EOS", runs=3000)
+    failures = [not unbiased or tv > TV_LIMIT for unbiased, tv, _ in (check(*g) for g in groups)]
+    assert any(failures)
+
+
+def test_the_output_particle_is_chosen_in_proportion_to_its_weight():
+    # Chosen with probability W_i, the output's own weight averages E[sum_i W_i^2];
+    # a uniform choice would average 1/N, the heaviest particle more than both.
+    target, draft = models()
+    eng = engine(target, draft, max_new_tokens=4, n_particles=4, block_size=2, ess_threshold=0.0, seed=3)
+    results = run_smc_sd([SMCSDModel(PROMPTS[0]) for _ in range(4000)], eng)
+    chosen, expected = [], []
+    for r in results:
+        w = torch.softmax(torch.tensor([p.log_weight for p in r.particles], dtype=torch.float64), 0)
+        chosen.append(float(w[r.chosen]))
+        expected.append(float((w * w).sum()))
+    chosen, expected = torch.tensor(chosen), torch.tensor(expected)
+    stderr = float((chosen - expected).std() / math.sqrt(len(chosen)))
+    assert abs(float(chosen.mean() - expected.mean())) < 4 * stderr, (chosen.mean(), expected.mean(), stderr)
+    assert float(expected.mean()) - 0.25 > 8 * stderr  # the weights are uneven enough for this to bite
