@@ -114,13 +114,15 @@ def _texts(sources: list[str], categories: str | None, limit: int | None) -> lis
 def _distill(args: argparse.Namespace) -> int:
     import random
 
-    from .cli import _err, _load_target, _progress
+    from .cli import _load_target
+    from .cli_util import err as _err
+    from .cli_util import progress as _progress
     from .distill import DistillConfig, collect, corpus_examples, distill, load_examples
     from .generate import encode_prompt
 
     source_layers = None
     if args.source_layers:
-        from .cli import _csv
+        from .cli_util import csv as _csv
 
         source_layers = tuple(_csv(args.source_layers, int, "--source-layers"))
     config = DistillConfig(
