@@ -212,11 +212,15 @@ def test_cli_distill_resume_and_eval_draft(tmp_path, capsys):
     assert (
         main(
             ["eval-draft", "--target", str(model_dir), "--dtype", "fp32", "--draft", str(out / "draft")]
-            + ["--prompts", str(prompts), "--max-new-tokens", "4", "--json"]
+            + ["--prompts", str(prompts), "--max-new-tokens", "4", "--json", "--limit", "2"]
         )
         == 0
     )
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    captured = capsys.readouterr()
+    result = json.loads(captured.out.strip().splitlines()[-1])
+    assert result["prompts"] == 2  # --limit counts all prompts
+    # distill recorded its training prompts in the draft, so measuring on them warns
+    assert "warning: 2 of these 2 prompts are in the draft's training data" in captured.err
     assert 0 <= result["agreement"] <= 1 and 0 <= result["acceptance_T1"] <= 1 and result["cost_ratio"] > 0
 
 

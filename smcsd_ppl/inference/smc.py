@@ -12,8 +12,8 @@ import torch
 
 from .. import smc
 from ..config import SMCConfig
-from .engine import BlockEngine
 from ..potentials.constraints import allows
+from .engine import BlockEngine
 from .program import CycleBarrier, Runtime, SMCSDModel
 
 
