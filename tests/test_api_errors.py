@@ -168,3 +168,18 @@ def test_a_constrained_output_cut_by_the_budget_says_it_is_incomplete(pair):
     anything = RegexConstraint("[a-z ]*", pair.tokenizer, pair.eos_token_ids)  # every prefix is complete
     [out] = pair.run([SMCSDModel("The quick brown fox", anything)], cfg)
     assert out.message == ""
+
+
+def test_generate_reads_standard_input_and_json_has_the_message(pair, tmp_path):
+    model_dir = tmp_path / "target"
+    pair.target.model.save_pretrained(model_dir)
+    pair.target.tokenizer.save_pretrained(model_dir)
+    cmd = [sys.executable, "-m", "smcsd_ppl", "generate", "-", "--json", "--max-new-tokens", "3"]
+    cmd += ["--target", str(model_dir), "--draft", "layers:1", "--dtype", "fp32", "--threads", "1"]
+    env = {"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+    run = subprocess.run(
+        cmd, input="The quick brown fox", capture_output=True, text=True, env=env, timeout=300
+    )
+    assert run.returncode == 0, run.stderr
+    record = json.loads(run.stdout)
+    assert "message" in record and 1 <= record["new_tokens"] <= 3

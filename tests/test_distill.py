@@ -245,3 +245,23 @@ def test_shipped_default_draft_is_small_loaded_by_default_and_agrees_with_the_ta
     )
     metrics = match_metrics(pair.target.model, pair.draft.model, examples)
     assert metrics["agreement"] >= AGREEMENT_FLOOR and metrics["acceptance_T1"] >= ACCEPTANCE_FLOOR
+
+
+def test_eval_draft_defaults_to_held_out_prompts_and_honours_limit(tmp_path, capsys):
+    lm = target()
+    model_dir = tmp_path / "target"
+    lm.model.save_pretrained(model_dir)
+    lm.tokenizer.save_pretrained(model_dir)
+    argv = ["eval-draft", "--target", str(model_dir), "--dtype", "fp32", "--draft", "layers:1"]
+    assert main([*argv, "--limit", "3", "--max-new-tokens", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["prompts"] == 3
+
+
+def test_shipped_draft_knows_its_training_prompts():
+    from smcsd_ppl.bench.datasets import load_prompts
+    from smcsd_ppl.distill import builtin_prompts
+    from smcsd_ppl.distill.overlap import training_overlap
+    from smcsd_ppl.drafts import SHIPPED_DRAFT
+
+    assert training_overlap(SHIPPED_DRAFT, builtin_prompts()) > 500  # the builtin set is training data
+    assert training_overlap(SHIPPED_DRAFT, [p.text for p in load_prompts("short_answer")]) == 0

@@ -171,3 +171,39 @@ def test_the_parser_lists_every_registered_method():
 
     assert METHOD_SUMMARIES == {m.name: m.summary for m in METHODS.values()}
     assert CONSTRAINED_METHODS == tuple(CC_METHODS)
+
+
+@pytest.mark.parametrize(
+    ("error", "line"),
+    [
+        (PermissionError(13, "Permission denied", "/root/r.jsonl"), "/root/r.jsonl: Permission denied"),
+        (IsADirectoryError(21, "Is a directory", "runs"), "runs: Is a directory"),
+        (FileExistsError(17, "File exists", "runs/a", None, "runs/b"), "runs/a -> runs/b: File exists"),
+        (
+            UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte"),
+            "'utf-8' codec can't decode byte 0xff in position 0: invalid start byte",
+        ),
+        (ValueError("two\nlines"), "two lines"),
+    ],
+    ids=["permission", "directory", "exists", "unicode", "multi-line"],
+)
+def test_main_turns_any_user_error_into_one_line(monkeypatch, capsys, error, line):
+    from smcsd_ppl import cli
+
+    def fail(_args):
+        raise error
+
+    monkeypatch.setattr(cli, "_report", fail)
+    assert cli.main(["report", "r.jsonl"]) == 2
+    assert capsys.readouterr().err == f"smcsd: error: {line}\n"
+
+
+def test_a_bug_keeps_its_traceback(monkeypatch):
+    from smcsd_ppl import cli
+
+    def bug(_args):
+        raise KeyError("not a user mistake")
+
+    monkeypatch.setattr(cli, "_report", bug)
+    with pytest.raises(KeyError):
+        cli.main(["report", "r.jsonl"])
