@@ -213,13 +213,14 @@ def load_model(
         if offline:
             raise ValueError(
                 f"could not load model {name!r}: it is no local directory, it is not in the local hub "
-                "cache, and the model hub is not reachable; pass a local path or omit it for the "
-                "embedded default"
+                "cache, and the model hub is not reachable (or HF_HUB_OFFLINE is set); pass a local "
+                "path or omit it for the embedded default"
             ) from err
-        raise ValueError(f"could not load model {name!r} from the hub: {err}") from err
+        raise ValueError(
+            f"could not load model {name!r} from the hub: {err}; check the id or pass a local path"
+        ) from err
 
 
-@cache
 def hub_reachable(timeout: float = 3.0) -> bool:
     """Whether the model hub answers a TCP connection within ``timeout`` seconds.
 
@@ -231,9 +232,13 @@ def hub_reachable(timeout: float = 3.0) -> bool:
     if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
         return True
     url = urllib.parse.urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
-    port = url.port or (80 if url.scheme == "http" else 443)
+    return _answers(url.hostname, url.port or (80 if url.scheme == "http" else 443), timeout)
+
+
+@cache
+def _answers(host: str, port: int, timeout: float) -> bool:
     try:
-        with socket.create_connection((url.hostname, port), timeout=timeout):
+        with socket.create_connection((host, port), timeout=timeout):
             return True
     except OSError:
         return False

@@ -219,8 +219,11 @@ def _cut_short(p: SMCSDModel) -> str:
     if c is None or p.runtime is None or len(ids) < p.runtime.max_new_tokens:
         return ""
     eos = p.runtime.engine.eos
-    if (ids and ids[-1] in eos) or (eos and allows(c, [[*ids, min(eos)]])[0]):
-        return ""  # it ended, or it could end here: the output satisfies the constraint
+    if ids and ids[-1] in eos:
+        return ""
+    # Could it end here? Then the output satisfies the constraint (without EOS ids: ask it).
+    if allows(c, [[*ids, min(eos)]])[0] if eos else getattr(c, "is_complete", lambda _: True)(ids):
+        return ""
     return (
         f"incomplete: max_new_tokens ({p.runtime.max_new_tokens}) ran out before the constraint was "
         "met; the text is only a prefix of a valid output (raise max_new_tokens)"
