@@ -1,23 +1,33 @@
-"""MkDocs hook: render the ``smcsd`` CLI reference from the argument parser at build time.
+"""MkDocs hook: the ``smcsd`` CLI reference, rendered from the argument parser.
 
-``docs/cli.md`` holds the line ``<!-- cli-reference -->``; this hook replaces it with the
-help of ``smcsd`` and of each subcommand, from ``smcsd_ppl.cli.build_parser()``, so the page
-always matches the installed command line.
+``docs/cli.md`` holds the help of ``smcsd`` and of each subcommand, from
+``smcsd_ppl.cli.build_parser()``, between the lines ``START`` and ``END``, so that the page
+reads fully outside the built site too. The hook renders it afresh at build time, and
+``python docs_hooks.py`` rewrites the file (a test checks that it is current).
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
-MARKER = "<!-- cli-reference -->"
+START = "<!-- cli-reference:start -->"
+END = "<!-- cli-reference:end -->"
 WIDTH = 100
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
-    """Replace the marker of the CLI page with the rendered help texts."""
-    if MARKER not in markdown:
+    """Render the CLI reference of the CLI page from the parser."""
+    if START not in markdown:
         return markdown
-    return markdown.replace(MARKER, cli_reference())
+    return with_reference(markdown)
+
+
+def with_reference(markdown: str) -> str:
+    """``markdown`` with the text between ``START`` and ``END`` replaced by ``cli_reference()``."""
+    head, rest = markdown.split(START, 1)
+    _, tail = rest.split(END, 1)
+    return head + START + "\n\n" + cli_reference() + "\n" + END + tail
 
 
 def cli_reference() -> str:
@@ -55,3 +65,8 @@ def _help_block(parser: argparse.ArgumentParser) -> str:
     finally:
         parser.formatter_class = cls
     return "```text\n" + text.rstrip() + "\n```"
+
+
+if __name__ == "__main__":
+    page = Path(__file__).resolve().parent / "docs" / "cli.md"
+    page.write_text(with_reference(page.read_text(encoding="utf-8")), encoding="utf-8")

@@ -23,13 +23,14 @@ class Extract(SMCSDModel):
 def main(pair=None, config=None):
     pair = pair or SMCSD.load()
     config = config or SMCConfig(
-        n_particles=8, block_size=8, draft_temperature=0.7, target_temperature=0.7, max_new_tokens=48
+        n_particles=8, block_size=8, draft_temperature=0.7, target_temperature=0.7, max_new_tokens=64
     )
     schema = RegexConstraint(schema_to_regex(SCHEMA), pair.tokenizer, pair.eos_token_ids)
     text = "Maria Lopez is 34 years old and lives in Madrid."
     prompt = f"Extract name, age and city from this text as JSON: {text}"
     [out] = pair.run([Extract(prompt, schema)], config)
-    print(json.loads(out.text) if out.text else out.message)
+    # An empty output, or one the budget cut short, is no JSON: its message says why.
+    print(out.message if out.message else json.loads(out.text))
     print(f"{out.stats.tokens_per_second:.1f} tok/s, mean ESS {out.mean_ess:.2f}, log Z {out.log_z:.2f}")
     return out
 

@@ -21,7 +21,7 @@ def main(pair=None, config=None):
     date = RegexConstraint(DATE, pair.tokenizer, pair.eos_token_ids)
     question = "On what date did Apollo 11 land on the Moon? Answer with the date only, as YYYY-MM-DD."
     [out] = pair.run([DateAnswer(question, date)], config)
-    print(out.text)
+    print(out.text if not out.message else f"{out.text} ({out.message})")
     print(f"{out.stats.tokens_per_second:.1f} tok/s, mean ESS {out.mean_ess:.2f}, log Z {out.log_z:.2f}")
     return out
 

@@ -1,14 +1,30 @@
-"""SMC speculative decoding as a probabilistic-programming extension of LLaMPPL."""
+"""SMC speculative decoding as a probabilistic-programming extension of LLaMPPL.
 
-from .config import SMCConfig
-from .generate import SMCSD
-from .inference.engine import BlockEngine
-from .inference.program import SMCSDModel
-from .inference.smc import SMCResult, run_smc_sd, smc_sd
-from .models import LoadedModel, load_model
-from .results import Generation, RunStats
+The public names load on first use (PEP 562), so that ``import smcsd_ppl`` and
+``smcsd --help`` do not pay for torch, transformers and llamppl.
+"""
 
-__all__ = [
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+# public name -> the submodule that defines it
+_EXPORTS = {
+    "SMCConfig": "config",
+    "SMCSD": "generate",
+    "Generation": "results",
+    "RunStats": "results",
+    "BlockEngine": "inference.engine",
+    "SMCSDModel": "inference.program",
+    "SMCResult": "inference.smc",
+    "smc_sd": "inference.smc",
+    "run_smc_sd": "inference.smc",
+    "LoadedModel": "models",
+    "load_model": "models",
+}
+
+__all__ = [  # noqa: RUF022 (the order of _EXPORTS)
     "SMCConfig",
     "SMCSD",
     "Generation",
@@ -21,3 +37,24 @@ __all__ = [
     "LoadedModel",
     "load_model",
 ]
+
+if TYPE_CHECKING:
+    from .config import SMCConfig
+    from .generate import SMCSD
+    from .inference.engine import BlockEngine
+    from .inference.program import SMCSDModel
+    from .inference.smc import SMCResult, run_smc_sd, smc_sd
+    from .models import LoadedModel, load_model
+    from .results import Generation, RunStats
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value  # later lookups skip this hook
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

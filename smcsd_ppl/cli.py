@@ -7,10 +7,37 @@ import json
 import logging
 import os
 import sys
-from contextlib import contextmanager
 
+from .cli_util import (
+    PROG,
+    USER_ERRORS,
+    Parser,
+    check_output_dir,
+    check_output_file,
+    check_threads,
+    csv,
+    err,
+    progress,
+    read_prompt,
+    status,
+    user_error,
+)
 from .config import RESAMPLING_SCHEMES, SELECTIONS, SMCConfig
-from .methods import METHODS
+from .text import check_prompt
+
+# The registry's names and summaries, kept here so that building the parser imports no torch;
+# a test checks that they match smcsd_ppl.methods.METHODS.
+METHOD_SUMMARIES = {
+    "smcsd": "SMC speculative decoding (N particles x K-token blocks)",
+    "sd": "exact speculative sampling (Leviathan et al.)",
+    "ar": "autoregressive sampling from the target",
+    "easd": "speculative sampling with EASD's entropy-aware rejection (not exact)",
+    "hf_assisted": "Hugging Face assisted generation (exact SD, batch 1, draft at T_t)",
+    "hf_prompt_lookup": "Hugging Face prompt lookup decoding (batch 1)",
+    "minedraft": "MineDraft-style SD: verify one half-batch while drafting the other",
+    "racer": "RACER: retrieval + logit-cue draft trees, greedy (target argmax)",
+    "racer_sampling": "RACER draft trees with exact sampling at T_t",
+}
 
 SPEED_PROMPTS = (
     "Write a short story about a lighthouse keeper.",
@@ -21,18 +48,18 @@ SPEED_PROMPTS = (
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``smcsd`` (also used to document the CLI)."""
-    parser = argparse.ArgumentParser(
-        prog="smcsd", description="SMC speculative decoding: fast sampling with N draft particles."
-    )
+    parser = Parser(prog=PROG, description="SMC speculative decoding: fast sampling with N draft particles.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate a continuation of a prompt")
-    gen.add_argument("prompt", help="the prompt (wrapped in the chat template of instruct models)")
+    gen.add_argument(
+        "prompt", help="the prompt (wrapped in the chat template of instruct models); - reads standard input"
+    )
     gen.add_argument(
         "--method",
-        choices=list(METHODS),
+        choices=list(METHOD_SUMMARIES),
         default="smcsd",
-        help="; ".join(f"{m.name}: {m.summary}" for m in METHODS.values()),
+        help="; ".join(f"{name}: {summary}" for name, summary in METHOD_SUMMARIES.items()),
     )
     _model_args(gen)
     _smc_args(gen)
@@ -60,19 +87,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--per-category", type=int, default=None, help="at most this many prompts per category"
     )
     bench.add_argument(
-        "--methods", default="ar,sd,smcsd", help=f"comma-separated, from: {', '.join(METHODS)}"
+        "--methods", default="ar,sd,smcsd", help=f"comma-separated, from: {', '.join(METHOD_SUMMARIES)}"
     )
-    bench.add_argument("--particles", default="4,8", help="comma-separated N values (default 4,8)")
-    bench.add_argument("--block-sizes", default="4,8", help="comma-separated K values (default 4,8)")
-    bench.add_argument("--temperatures", default="0.7", help="comma-separated T_d = T_t values (default 0.7)")
-    bench.add_argument("--repeats", type=int, default=1, help="runs per setting and prompt (default 1)")
-    bench.add_argument("--max-new-tokens", type=int, default=128)
-    bench.add_argument("--ess-threshold", type=float, default=0.5)
-    bench.add_argument("--resampling", choices=RESAMPLING_SCHEMES, default="systematic")
-    bench.add_argument("--alpha", type=float, default=1.0)
+    bench.add_argument("--particles", default="4,8", help="comma-separated N values")
+    bench.add_argument("--block-sizes", default="4,8", help="comma-separated K values")
+    bench.add_argument("--temperatures", default="0.7", help="comma-separated T_d = T_t values")
+    bench.add_argument("--repeats", type=int, default=1, help="runs per setting and prompt")
+    bench.add_argument("--max-new-tokens", type=int, default=128, help="generation budget per record")
+    bench.add_argument("--ess-threshold", type=float, default=0.5, help="resample when ESS < this x N")
+    bench.add_argument(
+        "--resampling", choices=RESAMPLING_SCHEMES, default="systematic", help="resampling scheme"
+    )
+    bench.add_argument("--alpha", type=float, default=1.0, help="power on the target")
     bench.add_argument("--seed", type=int, default=0, help="base seed (each record's seed derives from it)")
     bench.add_argument("--ignore-eos", action="store_true", help="always emit --max-new-tokens tokens")
-    bench.add_argument("--out", required=True, help="JSONL file of records; an existing one is resumed")
+    bench.add_argument(
+        "--out",
+        required=True,
+        help="JSONL file of records; an existing one is resumed if it was made with the same settings",
+    )
     _model_args(bench)
     bench.set_defaults(run=_bench)
 
@@ -83,24 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     report.set_defaults(run=_report)
 
-    cc = sub.add_parser(
-        "compare-constrained",
-        help="constrained generation: SMC-SD programs vs LLaMPPL, genlm-control and rejection, one table",
-    )
-    _model_args(cc)
-    cc.add_argument("--tasks", default="date,phone,json,short_words", help="comma-separated built-in tasks")
-    from .compare import METHODS as CC_METHODS
+    from .cli_compare import add_parser as add_compare
 
-    cc.add_argument(
-        "--methods", default=None, help=f"comma-separated (default: all): {', '.join(CC_METHODS)}"
-    )
-    cc.add_argument("-n", "--particles", type=int, default=8, help="N particles, every method (default 8)")
-    cc.add_argument("-k", "--block-size", type=int, default=8, help="K for SMC-SD (default 8)")
-    cc.add_argument("--temperature", type=float, default=0.7, help="T of every model (default 0.7)")
-    cc.add_argument("--max-new-tokens", type=int, default=32)
-    cc.add_argument("--repeats", type=int, default=1, help="runs per task and method (medians reported)")
-    cc.add_argument("--seed", type=int, default=0)
-    cc.set_defaults(run=_compare_constrained)
+    add_compare(sub, _model_args)
     from .cli_distill import add_parsers
 
     add_parsers(sub, _model_args)
@@ -119,30 +137,31 @@ def _model_args(p: argparse.ArgumentParser, *, draft: bool = True) -> None:
             help="a directory made by `smcsd distill`, hub id, local path, or layers:N (default: the shipped "
             "distilled draft for the default target, else the target's first 2 layers)",
         )
-    g.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float32 or float16")
+    g.add_argument("--dtype", default="bfloat16", help="bfloat16, float32 or float16")
     g.add_argument(
-        "--threads", type=int, default=None, help="torch CPU threads (default: torch's; 1 on a busy machine)"
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads, at most the cores (default: torch's; 1 on a busy machine)",
     )
-    g.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
+    g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
 
 
 def _smc_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("-n", "--particles", type=int, default=8, help="N particles (default 8)")
-    g.add_argument("-k", "--block-size", type=int, default=8, help="K drafted tokens per cycle (default 8)")
-    g.add_argument(
-        "--ess-threshold", type=float, default=0.5, help="resample when ESS < this x N (default 0.5)"
-    )
-    g.add_argument("--resampling", choices=RESAMPLING_SCHEMES, default="systematic")
-    g.add_argument("--draft-temperature", type=float, default=0.7, help="T_d (default 0.7)")
-    g.add_argument("--target-temperature", type=float, default=0.7, help="T_t (default 0.7)")
-    g.add_argument("--alpha", type=float, default=1.0, help="power on the target (default 1)")
+    g.add_argument("-n", "--particles", type=int, default=8, help="N particles")
+    g.add_argument("-k", "--block-size", type=int, default=8, help="K drafted tokens per cycle")
+    g.add_argument("--ess-threshold", type=float, default=0.5, help="resample when ESS < this x N")
+    g.add_argument("--resampling", choices=RESAMPLING_SCHEMES, default="systematic", help="resampling scheme")
+    g.add_argument("--draft-temperature", type=float, default=0.7, help="T_d, at least 0.01")
+    g.add_argument("--target-temperature", type=float, default=0.7, help="T_t, at least 0.01")
+    g.add_argument("--alpha", type=float, default=1.0, help="power on the target")
     g.add_argument(
         "--selection", choices=SELECTIONS, default="sample", help="how the output particle is chosen"
     )
-    g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-new-tokens", type=int, default=128, help="generation budget")
+    g.add_argument("--seed", type=int, default=0, help="seed of the run")
     g.add_argument("--ignore-eos", action="store_true", help="always emit --max-new-tokens tokens")
 
 
@@ -163,9 +182,11 @@ def _config(args: argparse.Namespace) -> SMCConfig:
 
 
 def _set_threads(args: argparse.Namespace) -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # our own bar is enough
+    check_threads(args.threads)
     if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {args.threads}")
         import torch
 
         torch.set_num_threads(args.threads)
@@ -175,9 +196,9 @@ def _load_target(args: argparse.Namespace):
     from .models import load_model
 
     _set_threads(args)
-    with _status(f"loading the target on {args.device} ({args.dtype})"):
+    with status(f"loading the target on {args.device} ({args.dtype})"):
         target = load_model(args.target, device=args.device, dtype=args.dtype)
-    _err(f"target: {target.name} [{target.source}]")
+    err(f"target: {target.name} [{target.source}]")
     return target
 
 
@@ -185,15 +206,14 @@ def _load(args: argparse.Namespace):
     from .generate import SMCSD
 
     _set_threads(args)
-
-    with _status(f"loading models on {args.device} ({args.dtype})"):
+    with status(f"loading models on {args.device} ({args.dtype})"):
         pair = SMCSD.load(
             args.target, args.draft, device=args.device, dtype=args.dtype, chat=not args.no_chat
         )
-    _err(f"target: {pair.target.name} [{pair.target.source}]")
-    _err(f"draft:  {pair.draft.name} [{pair.draft.source}]")
+    err(f"target: {pair.target.name} [{pair.target.source}]")
+    err(f"draft:  {pair.draft.name} [{pair.draft.source}]")
     if pair.draft.is_slice:
-        _err(
+        err(
             "note: a layer slice of the target is a WEAK draft (it agrees with the target on few tokens); "
             "expect low ESS and outputs closer to the draft than to the target. Pass --draft, or make one "
             "with `smcsd distill`."
@@ -203,9 +223,11 @@ def _load(args: argparse.Namespace):
 
 def _generate(args: argparse.Namespace) -> int:
     config = _config(args)
+    check_threads(args.threads)
+    prompt = read_prompt(args.prompt)
     pair = _load(args)
-    with _progress(config.max_new_tokens, "tokens") as bar:
-        out = pair.generate(args.prompt, method=args.method, config=config, on_progress=bar)
+    with progress(config.max_new_tokens, "tokens") as bar:
+        out = pair.generate(prompt, method=args.method, config=config, on_progress=bar)
     s = out.stats
     record = {
         "text": out.text,
@@ -217,6 +239,7 @@ def _generate(args: argparse.Namespace) -> int:
         "target_calls": s.target_calls,
         "draft_calls": s.draft_calls,
         "overhead_fraction": round(s.overhead_fraction, 3),
+        "message": out.message,
     }
     if out.method == "smcsd":
         record |= {"n_resamples": out.n_resamples, "mean_ess": out.mean_ess, "log_z": out.log_z}
@@ -226,6 +249,8 @@ def _generate(args: argparse.Namespace) -> int:
         print(json.dumps(record, ensure_ascii=False))
         return 0
     print(out.text if out.text else f"[empty output: {out.message}]")
+    if out.text and out.message:
+        err(f"note: {out.message}")
     line = (
         f"[{out.method}] {record['new_tokens']} tokens in {s.seconds:.2f} s = "
         f"{s.tokens_per_second:.1f} tok/s, {s.tokens_per_target_call:.2f} tokens/target call"
@@ -234,8 +259,8 @@ def _generate(args: argparse.Namespace) -> int:
         ess = f"{out.mean_ess:.2f}/{config.n_particles}"
         line += f", {out.n_resamples} resamples, mean ESS {ess}, log Z {out.log_z:.2f}"
     if out.acceptance is not None:
-        line += f", acceptance {out.acceptance:.2f}"
-    _err(line)
+        line += f", acceptance (accepted/drafted tokens) {out.acceptance:.2f}"
+    err(line)
     return 0
 
 
@@ -243,10 +268,12 @@ def _speed(args: argparse.Namespace) -> int:
     from .speed import SPEED_METHODS, compare_speed
 
     config = _config(args)
+    prompts = [check_prompt(p) for p in args.prompt or SPEED_PROMPTS]
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     pair = _load(args)
-    prompts = args.prompt or list(SPEED_PROMPTS)
     total = args.repeats * len(prompts) * len(SPEED_METHODS)
-    with _progress(total, "runs") as bar:
+    with progress(total, "runs") as bar:
         done = [0]
 
         def tick(_method: str) -> None:
@@ -282,43 +309,40 @@ def _bench(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
     )
     grid = Grid(
-        _csv(args.methods, str, "--methods"),
-        _csv(args.particles, int, "--particles"),
-        _csv(args.block_sizes, int, "--block-sizes"),
-        _csv(args.temperatures, float, "--temperatures"),
+        csv(args.methods, str, "--methods"),
+        csv(args.particles, int, "--particles"),
+        csv(args.block_sizes, int, "--block-sizes"),
+        csv(args.temperatures, float, "--temperatures"),
         base,
     )
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     prompts = load_prompts(args.dataset, limit=args.limit, per_category=args.per_category)
+    check_output_file(args.out, "--out")
+    check_threads(args.threads)
     total = len(grid.settings()) * len(prompts) * args.repeats
     pair = _load(args)
-    _err(
+    err(
         f"{len(prompts)} prompts x {len(grid.settings())} settings x {args.repeats} repeats "
         f"= {total} records -> {args.out}"
     )
     saved = [0]
     try:
-        with _progress(total, "records") as bar:
+        with progress(total, "records") as bar:
 
             def tick(_record: dict, done: int, _total: int) -> None:
                 saved[0] = done
                 bar(done)
 
-            run_bench(pair, prompts, grid, args.out, args.repeats, on_record=tick)
+            records = run_bench(pair, prompts, grid, args.out, args.repeats, on_record=tick)
     except KeyboardInterrupt:
-        _err(f"interrupted after {saved[0]}/{total} records; run the same command again to resume")
+        err(f"interrupted after {saved[0]}/{total} records; run the same command again to resume")
         return 130
-    _err(f"{total} records in {args.out}; summarize them with: smcsd report {args.out}")
-    return 0
-
-
-def _csv(text: str, kind: type, flag: str) -> list:
-    try:
-        values = [kind(v.strip()) for v in text.split(",") if v.strip()]
-    except ValueError as err:
-        raise ValueError(f"{flag}: expected comma-separated {kind.__name__} values, got {text!r}") from err
-    if not values:
-        raise ValueError(f"{flag}: give at least one value")
-    return values
+    failed = [r for r in records if "error" in r]
+    if failed:
+        err(f"first failure ({failed[0]['method']}, prompt {failed[0]['prompt_id']}): {failed[0]['error']}")
+    err(f"{total} records ({len(failed)} failed) in {args.out}; summarize them with: smcsd report {args.out}")
+    return 1 if len(failed) == len(records) else 0
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -327,6 +351,7 @@ def _report(args: argparse.Namespace) -> int:
     from .bench.report import write_report
 
     out_dir = args.out_dir or str(Path(args.records).with_suffix(""))
+    check_output_dir(out_dir, "--out-dir")
     rep = write_report(args.records, out_dir)
     for path in [rep.markdown, *rep.plots]:
         print(f"wrote {path}")
@@ -335,102 +360,22 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _compare_constrained(args: argparse.Namespace) -> int:
-    from .compare import METHODS as CC_METHODS
-    from .compare import TASKS, compare_constrained, speed_ratios
-
-    tasks = [TASKS[t] if t in TASKS else _unknown("task", t, TASKS) for t in _csv(args.tasks, str, "--tasks")]
-    methods = _csv(args.methods, str, "--methods") if args.methods else list(CC_METHODS)
-    for m in methods:
-        if m not in CC_METHODS:
-            _unknown("method", m, CC_METHODS)
-    pair = _load(args)
-    total = args.repeats * len(tasks) * len(methods)
-    with _progress(total, "runs") as bar:
-        done = [0]
-
-        def tick(task: str, method: str, _rec) -> None:
-            done[0] += 1
-            bar(done[0])
-
-        rows = compare_constrained(
-            pair,
-            tasks,
-            methods,
-            n_particles=args.particles,
-            block_size=args.block_size,
-            max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
-            seed=args.seed,
-            repeats=args.repeats,
-            on_run=tick,
-        )
-    print(
-        f"N={args.particles}, K={args.block_size} (SMC-SD), T={args.temperature} for every model, "
-        f"max {args.max_new_tokens} new tokens, {args.dtype} on {args.device}; medians of {args.repeats} "
-        "repeat(s). valid = share of final particles (positive weight, constraint met); output = share "
-        "of returned texts; tokens = mean per particle, EOS included (smcsd_plain: length-matched to "
-        "smcsd_proposal); log p/tok = untempered target on the returned tokens; ESS at the end; "
-        "target fwd = target forward calls per run, prefill included."
-    )
-    cols = ("task", "method", "valid", "output valid", "tokens/s", "tokens", "s")
-    cols += ("log p/tok", "log Z", "ESS", "target fwd")
-    print("| " + " | ".join(cols) + " | output |")
-    print("|---" * (len(cols) + 1) + "|")
-    for r in rows:
-        text = r.example.replace("|", "\\|").replace("\n", " ")[:40]
-        print(
-            f"| {r.task} | {r.method} | {r.validity:.2f} | {r.output_validity:.2f} | "
-            f"{r.tokens_per_second:.2f} | {r.tokens:.1f} | {r.seconds:.1f} | {r.loglik_per_token:.2f} | "
-            f"{r.log_z:.2f} | {r.ess:.2f} | {r.target_forwards:.0f} | {text} |"
-        )
-    for task, ratios in speed_ratios(rows).items():
-        print(f"{task}: smcsd_proposal tokens/s = " + ", ".join(f"{v:.2f}x {m}" for m, v in ratios.items()))
-    return 0
-
-
-def _unknown(kind: str, name: str, known) -> None:
-    raise ValueError(f"unknown {kind} {name!r}; choose from {', '.join(known)}")
-
-
-def _err(msg: str) -> None:
-    print(msg, file=sys.stderr)
-
-
-@contextmanager
-def _status(msg: str):
-    _err(msg + " ...")
-    yield
-
-
-@contextmanager
-def _progress(total: int, unit: str):
-    """A progress bar on stderr that appears only when work takes more than a moment."""
-    from tqdm import tqdm
-
-    with tqdm(total=total, unit=unit, delay=1.0, leave=False, file=sys.stderr) as bar:
-
-        def update(n: int) -> None:
-            bar.update(max(0, min(n, total) - bar.n))
-
-        yield update
-
-
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``smcsd`` console script."""
+    """Entry point of the ``smcsd`` console script.
+
+    The one place that turns a user's mistake (``USER_ERRORS``) into a one-line message
+    and exit status 2, as argparse does for bad arguments.
+    """
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # our own bar is enough
     try:
         return args.run(args)
-    except ValueError as err:
-        _err(f"error: {err}")
+    except USER_ERRORS as e:
+        err(f"{PROG}: error: {user_error(e)}")
         return 2
     except KeyboardInterrupt:
-        _err("interrupted")
+        err("interrupted")
         return 130
 
 

@@ -19,7 +19,8 @@ def add_parsers(sub, model_args) -> None:
     )
     model_args(dist, draft=False)
     dist.add_argument("--out", required=True, help="run directory (data, checkpoint, log, draft)")
-    _prompt_args(dist, "--prompts", "training prompts")
+    _prompt_args(dist, "training prompts: 'builtin' (a general instruction set) or")
+    dist.add_argument("--limit", type=int, default=None, help="at most this many prompts from each file")
     dist.add_argument(
         "--corpus", action="append", default=[], help="plain-text file to train on too (repeatable)"
     )
@@ -62,13 +63,13 @@ def add_parsers(sub, model_args) -> None:
     g.add_argument("--state-weight", type=float, default=0.5, help="feature drafts: state regression weight")
     g.add_argument("--layers", type=int, default=4, help="draft layers, from the target's first ones")
     g.add_argument("--source-layers", default=None, help="comma-separated target layers to start from")
-    g.add_argument("--steps", type=int, default=1000)
+    g.add_argument("--steps", type=int, default=1000, help="optimizer steps")
     g.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per step (default 4096)")
-    g.add_argument("--lr", type=float, default=5e-4)
+    g.add_argument("--lr", type=float, default=5e-4, help="peak learning rate")
     g.add_argument("--save-every", type=int, default=50, help="steps between checkpoints (default 50)")
     g.add_argument("--eval-every", type=int, default=100, help="steps between held-out evaluations")
     g.add_argument("--no-bf16", action="store_true", help="train in float32 (default: bf16 autocast)")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="seed of the prompt shuffle, sampling and training")
     dist.set_defaults(run=_distill)
 
     ev = sub.add_parser(
@@ -76,25 +77,30 @@ def add_parsers(sub, model_args) -> None:
         help="agreement, acceptance probability and forward cost of a draft against its target",
     )
     model_args(ev)
-    _prompt_args(ev, "--prompts", "held-out prompts")
+    _prompt_args(
+        ev,
+        "held-out prompts (default: short_answer, the built-in short-answer task): short_answer, "
+        "'builtin' (the instruction set the shipped draft was TRAINED on: not held out) or",
+        required=False,
+    )
+    ev.add_argument("--limit", type=int, default=None, help="at most this many prompts in all")
     ev.add_argument("--max-new-tokens", type=int, default=64, help="greedy target tokens per prompt")
     ev.add_argument("--json", action="store_true", help="print one JSON object")
     ev.set_defaults(run=_eval_draft)
 
 
-def _prompt_args(p: argparse.ArgumentParser, flag: str, what: str) -> None:
+def _prompt_args(p: argparse.ArgumentParser, what: str, *, required: bool = True) -> None:
     p.add_argument(
-        flag,
+        "--prompts",
         action="append",
-        required=True,
-        help=f"{what}: 'builtin' (a general instruction set) or a JSONL file (Spec-Bench, GSM8K, "
-        "'prompt' records); repeatable",
+        required=required,
+        help=f"{what} a JSONL file (Spec-Bench, GSM8K, 'prompt' records); repeatable",
     )
     p.add_argument("--categories", default=None, help="comma-separated categories of the files to use")
-    p.add_argument("--limit", type=int, default=None, help="at most this many prompts from each file")
 
 
 def _texts(sources: list[str], categories: str | None, limit: int | None) -> list[str]:
+    """Prompt texts of every source; ``limit`` cuts each file (not the builtin set)."""
     from .bench.datasets import load_prompts
     from .distill import builtin_prompts
 
@@ -114,13 +120,16 @@ def _texts(sources: list[str], categories: str | None, limit: int | None) -> lis
 def _distill(args: argparse.Namespace) -> int:
     import random
 
-    from .cli import _err, _load_target, _progress
+    from .cli import _load_target
+    from .cli_util import check_output_dir
+    from .cli_util import err as _err
+    from .cli_util import progress as _progress
     from .distill import DistillConfig, collect, corpus_examples, distill, load_examples
     from .generate import encode_prompt
 
     source_layers = None
     if args.source_layers:
-        from .cli import _csv
+        from .cli_util import csv as _csv
 
         source_layers = tuple(_csv(args.source_layers, int, "--source-layers"))
     config = DistillConfig(
@@ -141,6 +150,7 @@ def _distill(args: argparse.Namespace) -> int:
     texts = _texts(args.prompts, args.categories, args.limit)
     random.Random(args.seed).shuffle(texts)  # shards then mix sources evenly
     texts = texts[: args.max_prompts]
+    check_output_dir(args.out, "--out")
     target = _load_target(args)
     tok, eos = target.tokenizer, [target.tokenizer.eos_token_id]
     out = pathlib.Path(args.out)
@@ -196,6 +206,9 @@ def _distill(args: argparse.Namespace) -> int:
                 )
 
         draft_dir = distill(target, train, out, config, held_out=held_out, on_progress=tick)
+    from .distill.overlap import record_training_prompts
+
+    record_training_prompts(draft_dir, texts)  # so that eval-draft can tell held-out prompts apart
     from .distill.evaluate import plot_curve
 
     if plot_curve(out / "train_log.jsonl", out / "curve.png"):
@@ -206,18 +219,16 @@ def _distill(args: argparse.Namespace) -> int:
 
 def _eval_draft(args: argparse.Namespace) -> int:
     from .cli import _load
-    from .distill import forward_cost, match_metrics
-    from .distill.data import greedy_examples
+    from .cli_util import check_threads, progress
+    from .cli_util import err as _err
 
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {args.limit}")
+    texts = _texts(args.prompts or ["short_answer"], args.categories, None)[: args.limit]
+    check_threads(args.threads)
     pair = _load(args)
-    texts = _texts(args.prompts, args.categories, args.limit)
-    prompts = [pair.encode(t) for t in texts]
-    examples = greedy_examples(
-        pair.target.model, prompts, eos_ids=pair.eos_token_ids, max_new_tokens=args.max_new_tokens
-    )
-    result = {"prompts": len(texts), "draft": pair.draft.name, "target": pair.target.name}
-    result |= match_metrics(pair.target.model, pair.draft.model, examples)
-    result |= {f"cost_{k}": v for k, v in forward_cost(pair.target.model, pair.draft.model).items()}
+    _warn_overlap(args.draft, pair, texts)
+    result = _measure_draft(pair, texts, args.max_new_tokens, progress)
     if args.json:
         print(json.dumps(result))
         return 0
@@ -225,10 +236,55 @@ def _eval_draft(args: argparse.Namespace) -> int:
         f"draft {result['draft']} vs target {result['target']}: {len(texts)} prompts, "
         f"{result['positions']} greedy target tokens"
     )
-    print("| agreement (top-1) | acceptance T=1 | acceptance T=0.7 | draft 8 rows | target 1 row | ratio |")
+    print(
+        "| agreement (top-1) | acceptance prob. T=1 | acceptance prob. T=0.7 | draft 8 rows | target 1 row "
+        "| ratio |"
+    )
     print("|---|---|---|---|---|---|")
     print(
         f"| {result['agreement']:.3f} | {result['acceptance_T1']:.3f} | {result['acceptance_T0.7']:.3f} | "
         f"{result['cost_draft_ms']:.1f} ms | {result['cost_target_ms']:.1f} ms | {result['cost_ratio']:.2f} |"
     )
+    _err(
+        "agreement: share of positions where the draft's top token is the target's; acceptance prob.: "
+        "the mean per-position probability that speculative sampling accepts a drafted token"
+    )
     return 0
+
+
+def _measure_draft(pair, texts: list[str], max_new_tokens: int, progress) -> dict:
+    from .distill import forward_cost, match_metrics
+    from .distill.data import greedy_examples
+
+    prompts = [pair.encode(t) for t in texts]
+    with progress(len(prompts), "prompts") as bar:
+        examples = greedy_examples(
+            pair.target.model,
+            prompts,
+            eos_ids=pair.eos_token_ids,
+            max_new_tokens=max_new_tokens,
+            on_progress=bar,
+        )
+    result = {"prompts": len(texts), "draft": pair.draft.name, "target": pair.target.name}
+    result |= match_metrics(pair.target.model, pair.draft.model, examples)
+    result |= {f"cost_{k}": v for k, v in forward_cost(pair.target.model, pair.draft.model).items()}
+    return result
+
+
+def _warn_overlap(spec: str | None, pair, texts: list[str]) -> None:
+    """Warn when the prompts are among the ones the draft was trained on."""
+    from .cli_util import err as _err
+    from .distill.overlap import training_overlap
+    from .drafts import SHIPPED_DRAFT, is_draft_dir
+
+    if spec is None:
+        draft_dir = SHIPPED_DRAFT if pair.draft.name == "default distilled draft" else None
+    else:
+        draft_dir = pathlib.Path(spec).expanduser() if is_draft_dir(pathlib.Path(spec).expanduser()) else None
+    seen = None if draft_dir is None else training_overlap(draft_dir, texts)
+    if seen:
+        _err(
+            f"warning: {seen} of these {len(texts)} prompts are in the draft's training data, where it "
+            "agrees with the target far more often than on held-out prompts; measure on held-out ones "
+            "(the default, short_answer, is)"
+        )

@@ -8,6 +8,11 @@ from dataclasses import dataclass
 RESAMPLING_SCHEMES = ("systematic", "multinomial", "stratified", "residual")
 SELECTIONS = ("sample", "argmax")
 DIVERGENCE_NAMES = ("tv", "renyi2", "kl")  # see spec.DIVERGENCES
+# Below this, tempered log-probabilities (log p / T) grow past what float weights resolve: the ESS
+# and the resampling of near-greedy particles stop meaning anything. Use selection="argmax" or
+# the "ar" method at a low temperature instead.
+MIN_TEMPERATURE = 0.01
+MAX_SEED = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -59,10 +64,15 @@ class SMCConfig:
         _check_int("block_size", self.block_size, 1)
         _check_int("max_new_tokens", self.max_new_tokens, 1)
         _check_int("seed", self.seed, 0)
+        if self.seed > MAX_SEED:
+            raise ValueError(f"seed must be at most 2**63 - 1, got {self.seed}")
         if not 0.0 <= self.ess_threshold <= 1.0:
             raise ValueError(f"ess_threshold must be in [0, 1], got {self.ess_threshold}")
         _check_positive("draft_temperature", self.draft_temperature)
         _check_positive("target_temperature", self.target_temperature)
+        for name in ("draft_temperature", "target_temperature"):
+            if getattr(self, name) < MIN_TEMPERATURE:
+                raise ValueError(f"{name} must be at least {MIN_TEMPERATURE}, got {getattr(self, name)!r}")
         _check_positive("alpha", self.alpha)
         if self.resampling not in RESAMPLING_SCHEMES:
             raise ValueError(f"resampling must be one of {RESAMPLING_SCHEMES}, got {self.resampling!r}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import time
 from collections.abc import Callable, Sequence
 
@@ -17,6 +18,7 @@ from .inference.schedule import DraftRecord
 from .inference.smc import CycleInfo
 from .models import LoadedModel, load_model
 from .results import Generation, RunStats
+from .text import check_prompt
 
 
 class SMCSD:
@@ -104,8 +106,10 @@ class SMCSD:
         """
         spec = methods.get(method)
         config = config or SMCConfig()
-        single = isinstance(prompts, str)
+        single = isinstance(prompts, (str, bytes, bytearray))
         texts = [prompts] if single else list(prompts)
+        if not texts:
+            raise ValueError("no prompts: give a text or a non-empty list of texts")
         ids = [self.encode(p) for p in texts]
         self._check_fits(ids, config, spec)
         start = self.start_clock()
@@ -122,6 +126,10 @@ class SMCSD:
         on_cycle: Callable[[CycleInfo], None] | None = None,
     ) -> list[Generation]:
         """Run user programs (``SMCSDModel`` subclasses), one request each, in one batch."""
+        vocab = self.target.model.get_input_embeddings().num_embeddings
+        for p in programs:
+            if not isinstance(p.prompt, str):
+                _check_ids(p.prompt, vocab)
         start = self.start_clock()
         outs = methods.run_programs(self, list(programs), config or SMCConfig(), None, on_cycle)
         stats = self.stats("smcsd", start, sum(len(o.token_ids) for o in outs))
@@ -180,15 +188,19 @@ def _eos_ids(model: LoadedModel) -> list[int]:
     return sorted(int(i) for i in ids)
 
 
+def _check_ids(ids: Sequence[int], vocab: int) -> None:
+    """Refuse a token-id prompt that is empty or holds ids outside ``[0, vocab)``."""
+    ids = list(ids)
+    if not ids:
+        raise ValueError("the prompt is empty: give at least one token id")
+    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad[0]!r}")
+
+
 def encode_prompt(tokenizer, prompt: str, *, chat: bool = True) -> list[int]:
     """Token ids of a text prompt, wrapped in the chat template when ``chat`` and there is one."""
-    if not isinstance(prompt, str):
-        raise ValueError(
-            f"prompts must be text (str), got {type(prompt).__name__}; "
-            "for token ids use SMCSD.run([SMCSDModel(ids)])"
-        )
-    if not prompt.strip():
-        raise ValueError("the prompt is empty: give some text to continue")
+    check_prompt(prompt)
     if chat and getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True

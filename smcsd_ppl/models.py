@@ -13,9 +13,12 @@ import logging
 import os
 import pathlib
 import shutil
+import socket
 import tempfile
 import time
+import urllib.parse
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 import transformers
@@ -193,12 +196,49 @@ def load_model(
             logger.info("%s not in hub cache (%s); using embedded copy", DEFAULT_TARGET, type(err).__name__)
         return _load(embedded_default_dir(), DEFAULT_TARGET, _EMBEDDED_SOURCE, dev, dt)
     local = pathlib.Path(name).expanduser()
-    try:
-        if local.is_dir():
+    if local.is_dir():
+        if not (local / "config.json").is_file():
+            raise ValueError(
+                f"{name!r} is a directory but holds no model (no config.json): give a directory written "
+                "by save_pretrained, a draft made by `smcsd distill`, or a hub id"
+            )
+        try:
             return _load(local, name, f"local path {local}", dev, dt)
-        return _load(name, name, "hub", dev, dt)
-    except Exception as err:  # transformers raises many types; never fall back to random weights.
+        except Exception as err:  # transformers raises many types; never fall back to random weights.
+            raise ValueError(f"could not load the model in {name!r}: {err}") from err
+    offline = not hub_reachable()
+    try:
+        return _load(name, name, "hub", dev, dt, **({"local_files_only": True} if offline else {}))
+    except Exception as err:
+        if offline:
+            raise ValueError(
+                f"could not load model {name!r}: it is no local directory, it is not in the local hub "
+                "cache, and the model hub is not reachable (or HF_HUB_OFFLINE is set); pass a local "
+                "path or omit it for the embedded default"
+            ) from err
         raise ValueError(
-            f"could not load model {name!r}: {err}; no model hub reachable? "
-            "pass a local path or omit to use the embedded default"
+            f"could not load model {name!r} from the hub: {err}; check the id or pass a local path"
         ) from err
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the model hub answers a TCP connection within ``timeout`` seconds.
+
+    A quick probe, so that an unknown name fails at once instead of after the hub client's
+    retries. ``HF_HUB_OFFLINE`` means no; behind a proxy we cannot tell, so we assume yes.
+    """
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return False
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True
+    url = urllib.parse.urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    return _answers(url.hostname, url.port or (80 if url.scheme == "http" else 443), timeout)
+
+
+@cache
+def _answers(host: str, port: int, timeout: float) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False

@@ -57,7 +57,8 @@ class Generation:
         ess_trace: SMC-SD only: the ESS before each cycle's resampling decision.
         acceptance: speculative methods (accepted / drafted tokens).
         entropy_rejections: EASD only (drafted tokens SD accepted but its rule rejected).
-        message: why an output is empty, if it is.
+        message: why an output is empty, or incomplete (a constrained output cut short by
+            ``max_new_tokens``), if it is.
         collapsed: SMC-SD only: the ESS averaged under 30% of the particles, so the output
             follows the draft more than the target (see ``SMCResult``).
         draft_lengths: SMC-SD with a quality cut: the draft length of each cycle (0: the

@@ -25,16 +25,19 @@ def clean_log_weights(log_w: torch.Tensor) -> torch.Tensor:
 def normalize(log_w: torch.Tensor) -> torch.Tensor:
     """Normalized weights W = exp(lw - logsumexp(lw)); uniform when all are -inf."""
     log_w = clean_log_weights(log_w.double())
-    total = torch.logsumexp(log_w, 0)
-    if not torch.isfinite(total):
+    top = torch.max(log_w)
+    if not torch.isfinite(top):
         return torch.full_like(log_w, 1.0 / log_w.numel())
-    return torch.exp(log_w - total)
+    # Shift by the max, then divide: the heaviest term is exactly 1, so W sums to 1 even when
+    # the log-weights are so large (1e30) that lw - logsumexp(lw) would lose the log N term.
+    w = torch.exp(log_w - top)
+    return w / w.sum()
 
 
 def ess(log_w: torch.Tensor) -> float:
-    """Effective sample size 1 / sum W^2 (N for uniform weights, 1 for one survivor)."""
+    """Effective sample size 1 / sum W^2 (N for uniform weights, 1 for one survivor), in [1, N]."""
     w = normalize(log_w)
-    return float(1.0 / torch.sum(w * w))
+    return min(max(float(1.0 / torch.sum(w * w)), 1.0), float(w.numel()))
 
 
 def log_mean_exp(log_w: torch.Tensor) -> float:

@@ -212,11 +212,15 @@ def test_cli_distill_resume_and_eval_draft(tmp_path, capsys):
     assert (
         main(
             ["eval-draft", "--target", str(model_dir), "--dtype", "fp32", "--draft", str(out / "draft")]
-            + ["--prompts", str(prompts), "--max-new-tokens", "4", "--json"]
+            + ["--prompts", str(prompts), "--max-new-tokens", "4", "--json", "--limit", "2"]
         )
         == 0
     )
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    captured = capsys.readouterr()
+    result = json.loads(captured.out.strip().splitlines()[-1])
+    assert result["prompts"] == 2  # --limit counts all prompts
+    # distill recorded its training prompts in the draft, so measuring on them warns
+    assert "warning: 2 of these 2 prompts are in the draft's training data" in captured.err
     assert 0 <= result["agreement"] <= 1 and 0 <= result["acceptance_T1"] <= 1 and result["cost_ratio"] > 0
 
 
@@ -241,3 +245,23 @@ def test_shipped_default_draft_is_small_loaded_by_default_and_agrees_with_the_ta
     )
     metrics = match_metrics(pair.target.model, pair.draft.model, examples)
     assert metrics["agreement"] >= AGREEMENT_FLOOR and metrics["acceptance_T1"] >= ACCEPTANCE_FLOOR
+
+
+def test_eval_draft_defaults_to_held_out_prompts_and_honours_limit(tmp_path, capsys):
+    lm = target()
+    model_dir = tmp_path / "target"
+    lm.model.save_pretrained(model_dir)
+    lm.tokenizer.save_pretrained(model_dir)
+    argv = ["eval-draft", "--target", str(model_dir), "--dtype", "fp32", "--draft", "layers:1"]
+    assert main([*argv, "--limit", "3", "--max-new-tokens", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["prompts"] == 3
+
+
+def test_shipped_draft_knows_its_training_prompts():
+    from smcsd_ppl.bench.datasets import load_prompts
+    from smcsd_ppl.distill import builtin_prompts
+    from smcsd_ppl.distill.overlap import training_overlap
+    from smcsd_ppl.drafts import SHIPPED_DRAFT
+
+    assert training_overlap(SHIPPED_DRAFT, builtin_prompts()) > 500  # the builtin set is training data
+    assert training_overlap(SHIPPED_DRAFT, [p.text for p in load_prompts("short_answer")]) == 0

@@ -151,3 +151,22 @@ def test_block_parser():
         ["smcsd", "a", "--b", "1"],
         ["pip", "x"],
     ]
+
+
+def test_cli_page_holds_the_current_reference():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("docs_hooks", ROOT / "docs_hooks.py")
+    docs_hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(docs_hooks)
+    page = (ROOT / "docs" / "cli.md").read_text(encoding="utf-8")
+    assert "## smcsd generate" in page  # readable without building the site
+    assert docs_hooks.with_reference(page) == page, "run: python docs_hooks.py"
+
+
+def test_readme_date_regex_accepts_only_real_months_and_days():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    pattern = re.search(r'RegexConstraint\(\s*r"([^"]+)"', readme)[1]
+    assert re.fullmatch(pattern, "1969-07-20")
+    for bad in ("1986-26-22", "1969-00-10", "1969-07-32", "1969-7-20"):
+        assert not re.fullmatch(pattern, bad), bad

@@ -86,7 +86,10 @@ def _from_records(rows: Iterable[dict], default_category: str) -> list[Prompt]:
     prompts, seen = [], set()
     for i, row in enumerate(rows):
         if "turns" in row:  # Spec-Bench / MT-bench
-            pid, text = row.get("question_id", i), row["turns"][0]
+            turns = row["turns"]
+            if not isinstance(turns, list) or not turns:
+                raise ValueError(f"record {i} has no turns (expected a list of at least one prompt)")
+            pid, text = row.get("question_id", i), turns[0]
             cat = row.get("category", default_category)
             prompt = Prompt(str(pid), text, "mt_bench" if cat in _MT_BENCH else cat)
         elif "question" in row and "answer" in row:  # GSM8K

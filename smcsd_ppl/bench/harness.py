@@ -98,25 +98,62 @@ def record_key(record: dict) -> tuple:
 
 
 def read_records(path: str | Path) -> tuple[list[dict], int]:
-    """Records of a JSONL file and the byte length of its complete part.
+    """Records of a JSONL file and the byte length of its complete part, read line by line.
 
-    A last line cut short (a run killed mid-write) is ignored; a bad line elsewhere is an error.
+    A last line cut short (a run killed mid-write) is ignored; a bad line elsewhere, or a line
+    that is not a benchmark record, is an error.
     """
-    data = Path(path).read_bytes() if Path(path).exists() else b""
-    records, good, pos = [], 0, 0
-    lines = data.split(b"\n")
-    for i, line in enumerate(lines):
-        pos += len(line) + (i < len(lines) - 1)
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as err:
-            if any(rest.strip() for rest in lines[i + 1 :]):
-                raise ValueError(f"{path}: line {i + 1} is not valid JSON ({err.msg})") from err
-            break  # the truncated tail
-        good = pos
+    path = Path(path)
+    if not path.exists():
+        return [], 0
+    if not path.is_file():
+        raise ValueError(f"{path}: not a regular file")
+    records, good, pos, bad = [], 0, 0, None
+    with path.open("rb") as f:
+        for n, line in enumerate(f, 1):
+            pos += len(line)
+            if not line.strip():
+                continue
+            if bad is not None:
+                raise ValueError(f"{path}: line {bad[0]} is not valid JSON ({bad[1]})")
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                bad = (n, err.msg)  # the truncated tail, unless a line follows
+                continue
+            missing = [f for f in KEY_FIELDS if f not in record] if isinstance(record, dict) else KEY_FIELDS
+            if missing:
+                raise ValueError(
+                    f"{path}: line {n} is not a record of smcsd bench (no {missing[0]!r} field); "
+                    "give the file that smcsd bench wrote"
+                )
+            records.append(record)
+            good = pos
     return records, good
+
+
+def prompt_digest(prompt: Prompt) -> str:
+    """A short hash of a prompt's content (text and reference answer), stored in its records."""
+    return hashlib.sha256(json.dumps([prompt.text, prompt.answer]).encode()).hexdigest()[:16]
+
+
+def run_settings(pair: SMCSD, base: SMCConfig) -> dict:
+    """Every setting of a run that changes its records, beyond a record's own key."""
+    return {
+        "target": pair.target.name,
+        "draft": pair.draft.name,
+        "chat": pair.chat,
+        "max_new_tokens": base.max_new_tokens,
+        "base_seed": base.seed,
+        "ess_threshold": base.ess_threshold,
+        "resampling": base.resampling,
+        "alpha": base.alpha,
+        "selection": base.selection,
+        "ignore_eos": base.ignore_eos,
+        "device": str(pair.target_lm.device),
+        "dtype": str(next(pair.target_lm.model.parameters()).dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+    }
 
 
 def run_bench(
@@ -133,7 +170,10 @@ def run_bench(
 
     Records already in ``out_path`` (same key) are skipped, so a killed run resumes where it
     stopped; seeds come from the keys, so the resumed file holds the same records an
-    uninterrupted run writes (timings aside).
+    uninterrupted run writes (timings aside). Every record carries ``run_settings`` and a
+    digest of its prompt, and a file made with other settings or prompt texts is refused
+    (``ValueError``), never silently reused. The file is read line by line and written one
+    record at a time; it must be a regular file.
 
     Args:
         pair: the models.
@@ -154,9 +194,12 @@ def run_bench(
     settings = grid.settings()
     plan = [(s, p, r) for r in range(repeats) for p in prompts for s in settings]
     out_path = Path(out_path)
+    if out_path.exists() and not out_path.is_file():  # a device or pipe cannot be resumed from
+        raise ValueError(f"{out_path}: not a regular file; give the path of a JSONL file")
     out_path.parent.mkdir(parents=True, exist_ok=True)
     existing, good = read_records(out_path)
-    _check_compatible(existing, pair, grid.base)
+    settings = run_settings(pair, grid.base)
+    _check_compatible(existing, settings, prompts)
     done = {record_key(r): r for r in existing}
     out_path.touch()
     with out_path.open("r+b") as f:
@@ -173,7 +216,7 @@ def run_bench(
                 if warmup and method not in warmed:
                     _warm(pair, method, prompt, grid.config(n, k, t, 0))
                 warmed.add(method)
-                done[key] = _measure(pair, grid, key, prompt)
+                done[key] = _measure(pair, grid, key, prompt, settings)
                 f.write((json.dumps(done[key], ensure_ascii=False) + "\n").encode())
                 f.flush()
                 os.fsync(f.fileno())  # a record on disk survives a kill right after it
@@ -201,32 +244,33 @@ def _peak_rss_mb() -> float:
     return round(peak / (2**20 if sys.platform == "darwin" else 2**10), 1)
 
 
-def _check_compatible(existing: list[dict], pair: SMCSD, base: SMCConfig) -> None:
-    """Refuse to mix records of other models or budgets into one file."""
-    now = {"target": pair.target.name, "draft": pair.draft.name, "max_new_tokens": base.max_new_tokens}
+def _check_compatible(existing: list[dict], settings: dict, prompts: Sequence[Prompt]) -> None:
+    """Refuse to resume from records made with other settings or other prompt texts."""
     for r in existing:
-        for name, value in now.items():
+        for name, value in settings.items():
             if r.get(name) != value:
                 raise ValueError(
-                    f"the output file holds records with {name}={r.get(name)!r}, this run has {value!r}; "
-                    "use another --out file"
+                    f"the output file holds records made with {name}={r.get(name)!r}, this run has "
+                    f"{value!r}; records are resumed only under the same settings: use another --out file"
                 )
+    digests = {p.id: prompt_digest(p) for p in prompts}
+    for r in existing:
+        if r["prompt_id"] in digests and r.get("prompt_sha") != digests[r["prompt_id"]]:
+            raise ValueError(
+                f"prompt {r['prompt_id']!r} has another text or answer than in the output file's records "
+                "(the dataset changed); use another --out file"
+            )
 
 
-def _measure(pair: SMCSD, grid: Grid, key: tuple, prompt: Prompt) -> dict:
+def _measure(pair: SMCSD, grid: Grid, key: tuple, prompt: Prompt, settings: dict) -> dict:
     method, n, k, t, pid, rep = key
     seed = record_seed(key, grid.base.seed)
     config = grid.config(n, k, t, seed)
-    record = dict(zip(KEY_FIELDS, key)) | {
-        "category": prompt.category,
-        "seed": seed,
-        "target": pair.target.name,
-        "draft": pair.draft.name,
-        "max_new_tokens": config.max_new_tokens,
-        "device": str(pair.target_lm.device),
-        "dtype": str(next(pair.target_lm.model.parameters()).dtype).removeprefix("torch."),
-        "threads": torch.get_num_threads(),
-    }
+    record = (
+        dict(zip(KEY_FIELDS, key))
+        | {"category": prompt.category, "prompt_sha": prompt_digest(prompt), "seed": seed}
+        | settings
+    )
     cuda = pair.target_lm.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(pair.target_lm.device)

@@ -190,8 +190,12 @@ def greedy_examples(
     eos_ids: Sequence[int],
     max_new_tokens: int = 64,
     batch_size: int = 16,
+    on_progress: Callable[[int], None] | None = None,
 ) -> list[Example]:
-    """The target's greedy continuations of ``prompts`` as examples (no top-k: for evaluation)."""
+    """The target's greedy continuations of ``prompts`` as examples (no top-k: for evaluation).
+
+    ``on_progress`` is called with the number of prompts done after each batch.
+    """
     examples = []
     for first in range(0, len(prompts), batch_size):
         batch = [list(p) for p in prompts[first : first + batch_size]]
@@ -200,6 +204,8 @@ def greedy_examples(
         )
         empty = torch.zeros((0, 0))
         examples += [Example(torch.tensor(p + a), len(p), empty, empty) for p, a in zip(batch, answers) if a]
+        if on_progress is not None:
+            on_progress(first + len(batch))
     return examples
 
 

@@ -13,6 +13,7 @@ import torch
 
 from .. import smc
 from ..config import SMCConfig
+from ..potentials.constraints import allows
 from .engine import BlockEngine
 from .program import CycleBarrier, Runtime, SMCSDModel
 
@@ -53,7 +54,7 @@ class SMCResult:
         chosen: index of the selected particle, or -1 when none had positive weight.
         ess_trace: ESS before each cycle's resampling decision.
         n_resamples: resampling rounds.
-        message: why the result is empty, if it is.
+        message: why the result is empty or incomplete, if it is.
         collapsed: the ESS averaged under ``COLLAPSE_ESS_FRACTION`` of the particles: the
             draft is too far from the target at these settings.
         draft_lengths: with ``SMCConfig.cut``, the draft length of each cycle (0: the
@@ -282,4 +283,22 @@ def _result(pop: _Population, cfg: SMCConfig, g: torch.Generator) -> SMCResult:
     else:
         chosen = int(torch.multinomial(smc.normalize(log_w), 1, generator=g))
     best = outs[chosen]
-    return SMCResult(best.token_ids, best.text, log_z, outs, chosen, **stats)
+    msg = _cut_short(pop.particles[chosen])
+    return SMCResult(best.token_ids, best.text, log_z, outs, chosen, message=msg, **stats)
+
+
+def _cut_short(p: SMCSDModel) -> str:
+    """Say so when the budget ended a constrained output before the constraint was met."""
+    c, ids = p.constraint, p.token_ids
+    if c is None or p.runtime is None or len(ids) < p.runtime.max_new_tokens:
+        return ""
+    eos = p.runtime.engine.eos
+    if ids and ids[-1] in eos:
+        return ""
+    # Could it end here? Then the output satisfies the constraint (without EOS ids: ask it).
+    if allows(c, [[*ids, min(eos)]])[0] if eos else getattr(c, "is_complete", lambda _: True)(ids):
+        return ""
+    return (
+        f"incomplete: max_new_tokens ({p.runtime.max_new_tokens}) ran out before the constraint was "
+        "met; the text is only a prefix of a valid output (raise max_new_tokens)"
+    )

@@ -73,6 +73,12 @@ class RegexConstraint:
     def __init__(self, pattern: str, tokenizer, eos_token_ids: Sequence[int]) -> None:
         import interegular
 
+        wide = next((c for c in pattern if ord(c) > 127), None)
+        if wide is not None:  # it would match no byte, and the constraint would allow nothing
+            raise ValueError(
+                f"regex {pattern!r} holds the non-ASCII character {wide!r}: constraints match bytes, "
+                "where only '.' and negated classes cover non-ASCII text; write it with those"
+            )
         try:
             fsm = interegular.parse_pattern(pattern).to_fsm()
         except Exception as err:  # interegular raises its own parse errors

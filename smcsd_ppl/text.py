@@ -1,0 +1,27 @@
+"""Checks of user text shared by the API and the command line (standard library only)."""
+
+from __future__ import annotations
+
+
+def check_prompt(prompt: object) -> str:
+    """Return ``prompt`` if it is non-empty text that UTF-8 can encode, else raise ``ValueError``."""
+    if isinstance(prompt, (bytes, bytearray)):
+        raise ValueError(
+            "prompts must be text (str), got bytes; decode them first, e.g. data.decode('utf-8')"
+        )
+    if not isinstance(prompt, str):
+        raise ValueError(
+            f"prompts must be text (str), got {type(prompt).__name__}; "
+            "for token ids use SMCSD.run([SMCSDModel(ids)])"
+        )
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as err:
+        # A lone surrogate: in a command line, bytes that are not UTF-8.
+        raise ValueError(
+            f"the prompt is not valid Unicode text (character {err.start} is a lone surrogate "
+            f"{prompt[err.start]!r}; on a command line: bytes that are not UTF-8)"
+        ) from err
+    if not prompt.strip():
+        raise ValueError("the prompt is empty: give some text to continue")
+    return prompt

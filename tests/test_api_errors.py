@@ -1,0 +1,185 @@
+"""Bad input through the Python API: one clear ValueError, never a stray exception type."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tiny
+import torch
+
+from smcsd_ppl import SMCSD, SMCConfig, SMCSDModel, smc
+from smcsd_ppl.bench import Grid, Prompt, run_bench
+from smcsd_ppl.potentials import RegexConstraint, schema_to_regex
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield SMCSD(*tiny.pair())
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(
+    ("call", "needle"),
+    [
+        (lambda p: p.generate(b"Hi"), "got bytes"),
+        (lambda p: p.generate([]), "no prompts"),
+        (lambda p: p.generate("caf\udce9"), "lone surrogate"),
+        (lambda p: p.run([SMCSDModel([1, 10**9])]), "token ids must be integers in [0, "),
+        (lambda p: p.run([SMCSDModel([-1])]), "token ids must be integers in [0, "),
+        (lambda p: p.run([SMCSDModel([])]), "prompt is empty"),
+    ],
+    ids=["bytes", "empty list", "lone surrogate", "id over the vocabulary", "negative id", "no ids"],
+)
+def test_bad_prompts(pair, call, needle):
+    with pytest.raises(ValueError) as info:
+        call(pair)
+    assert needle in str(info.value) and type(info.value) is ValueError
+
+
+@pytest.mark.parametrize(
+    ("settings", "needle"),
+    [
+        (dict(seed=2**64), "seed must be at most"),
+        (dict(draft_temperature=0.001), "draft_temperature must be at least 0.01"),
+        (dict(target_temperature=1e-30), "target_temperature must be at least 0.01"),
+    ],
+)
+def test_config_bounds(settings, needle):
+    with pytest.raises(ValueError, match=needle):
+        SMCConfig(**settings)
+    SMCConfig(seed=2**63 - 1, draft_temperature=0.01, target_temperature=0.01)  # the bounds themselves
+
+
+@pytest.mark.parametrize(
+    "log_w",
+    [[1e31] * 4, [1e31, 1e31, -1e31, 0.0], [1e17, 1e17 + 16, 0.0], [-1e300, -1e300], [5e15, 5e15 + 1.0, 0.0]],
+)
+def test_ess_stays_in_one_to_n_for_huge_log_weights(log_w):
+    w = torch.tensor(log_w, dtype=torch.float64)
+    e = smc.ess(w)
+    assert 1.0 <= e <= len(log_w) and e == e
+    assert smc.normalize(w).sum().item() == pytest.approx(1.0, abs=1e-12)
+    if len(set(log_w)) == 1:
+        assert e == len(log_w)
+
+
+BAD_SCHEMAS = [
+    (False, "must be an object"),
+    ({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0}}}, "minimum"),
+    ({"type": "object", "properties": {"n": {"type": "number", "maximum": 9}}}, "maximum"),
+    ({"type": "object", "properties": {"s": {"type": "string", "pattern": "a+"}}}, "pattern"),
+    ({"type": "object", "properties": {"s": {"enum": []}}}, "enum must be a non-empty list"),
+    ({"type": "object", "properties": {"s": {"type": "string", "minLength": 5, "maxLength": 2}}}, "greater"),
+    ({"type": "object", "properties": {"s": {"type": "string", "maxLength": -1}}}, "maxLength must be"),
+    ({"type": "object", "properties": {"o": {"type": "object"}}}, "unsupported"),
+    ({"type": "object", "properties": {"n": {"type": "integer"}}, "minProperties": 2}, "minProperties"),
+]
+
+
+@pytest.mark.parametrize(("schema", "needle"), BAD_SCHEMAS, ids=[n for _, n in BAD_SCHEMAS])
+def test_schema_to_regex_refuses_what_it_cannot_enforce(schema, needle):
+    with pytest.raises(ValueError, match=needle):
+        schema_to_regex(schema)
+
+
+def test_schema_to_regex_keeps_annotations_and_const():
+    schema = {
+        "title": "t",
+        "type": "object",
+        "required": ["a"],
+        "properties": {"a": {"type": "string", "description": "d"}, "b": {"const": 3}},
+    }
+    assert schema_to_regex(schema).endswith(r"(3)[ ]?\}")
+
+
+def test_regex_with_a_non_ascii_literal_says_why(pair):
+    with pytest.raises(ValueError, match="non-ASCII character 'é'"):
+        RegexConstraint("é+", pair.tokenizer, pair.eos_token_ids)
+
+
+# --- benchmark files are bound to their settings ---------------------------------------------
+
+PROMPTS = [Prompt("a", "The quick brown fox", "story"), Prompt("b", "Once upon a time", "story")]
+BASE = SMCConfig(max_new_tokens=4)
+
+
+def test_bench_refuses_records_of_other_settings_or_prompt_texts(pair, tmp_path):
+    out = tmp_path / "r.jsonl"
+    grid = Grid(["ar", "smcsd"], (2,), (2,), (0.7,), BASE)
+    first = run_bench(pair, PROMPTS, grid, out, warmup=False)
+    assert {r["prompt_sha"] for r in first} and all(r["base_seed"] == 0 for r in first)
+    size = out.stat().st_size
+    changes = [
+        ("base_seed", dict(seed=5)),
+        ("ess_threshold", dict(ess_threshold=0.3)),
+        ("alpha", dict(alpha=2.0)),
+        ("resampling", dict(resampling="multinomial")),
+        ("ignore_eos", dict(ignore_eos=True)),
+        ("selection", dict(selection="argmax")),
+    ]
+    for field, change in changes:
+        other = dataclasses.replace(grid, base=dataclasses.replace(BASE, **change))
+        with pytest.raises(ValueError, match=f"made with {field}="):
+            run_bench(pair, PROMPTS, other, out, warmup=False)
+    with pytest.raises(ValueError, match="made with chat="):
+        run_bench(SMCSD(pair.target, pair.draft, chat=False), PROMPTS, grid, out, warmup=False)
+    half = SMCSD(*tiny.pair(dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="made with dtype="):
+        run_bench(half, PROMPTS, grid, out, warmup=False)
+    edited = [PROMPTS[0], Prompt("b", "Twice upon a time", "story")]
+    with pytest.raises(ValueError, match="prompt 'b' has another text"):
+        run_bench(pair, edited, grid, out, warmup=False)
+    assert out.stat().st_size == size  # nothing written by a refused run
+    assert len(run_bench(pair, PROMPTS, grid, out)) == len(first)  # the same settings resume
+
+
+def test_bench_cli_counts_failures_and_fails_when_all_fail(pair, tmp_path):
+    model_dir = tmp_path / "target"
+    pair.target.model.save_pretrained(model_dir)
+    pair.target.tokenizer.save_pretrained(model_dir)
+    data = tmp_path / "long.jsonl"
+    data.write_text(json.dumps({"id": "long", "prompt": "the fox " * 400}) + "\n")
+    out = tmp_path / "r.jsonl"
+    cmd = [sys.executable, "-m", "smcsd_ppl", "bench", "--dataset", str(data), "--out", str(out)]
+    cmd += ["--target", str(model_dir), "--draft", "layers:1", "--dtype", "fp32", "--threads", "1"]
+    cmd += ["--methods", "ar", "--max-new-tokens", "4"]
+    env = {"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 1, run.stderr
+    last = run.stderr.strip().splitlines()[-1]
+    assert "1 records (1 failed)" in last and "Traceback" not in run.stderr
+    assert "context" in run.stderr  # the first failure's reason is shown
+
+
+def test_a_constrained_output_cut_by_the_budget_says_it_is_incomplete(pair):
+    cfg = SMCConfig(n_particles=2, block_size=2, max_new_tokens=3)
+    words = RegexConstraint("[a-z]+( [a-z]+){9}", pair.tokenizer, pair.eos_token_ids)
+    [out] = pair.run([SMCSDModel("The quick brown fox", words)], cfg)
+    assert out.text and out.message.startswith("incomplete: max_new_tokens (3) ran out")
+    anything = RegexConstraint("[a-z ]*", pair.tokenizer, pair.eos_token_ids)  # every prefix is complete
+    [out] = pair.run([SMCSDModel("The quick brown fox", anything)], cfg)
+    assert out.message == ""
+
+
+def test_generate_reads_standard_input_and_json_has_the_message(pair, tmp_path):
+    model_dir = tmp_path / "target"
+    pair.target.model.save_pretrained(model_dir)
+    pair.target.tokenizer.save_pretrained(model_dir)
+    cmd = [sys.executable, "-m", "smcsd_ppl", "generate", "-", "--json", "--max-new-tokens", "3"]
+    cmd += ["--target", str(model_dir), "--draft", "layers:1", "--dtype", "fp32", "--threads", "1"]
+    env = {"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+    run = subprocess.run(
+        cmd, input="The quick brown fox", capture_output=True, text=True, env=env, timeout=300
+    )
+    assert run.returncode == 0, run.stderr
+    record = json.loads(run.stdout)
+    assert "message" in record and 1 <= record["new_tokens"] <= 3

@@ -1,0 +1,210 @@
+"""A user's mistakes get a one-line error (exit 2, no traceback), before any model loads.
+
+The command-line cases run the real entry point in a subprocess, as a user does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def smcsd(*args, stdin: bytes = b"", env: dict | None = None, timeout: float = 120):
+    """Run ``python -m smcsd_ppl ARGS``; returns (exit status, stdout, stderr, seconds)."""
+    base = os.environ | {"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    start = time.perf_counter()
+    run = subprocess.run(
+        [sys.executable, "-m", "smcsd_ppl", *args],
+        input=stdin,
+        capture_output=True,
+        env=base | (env or {}),
+        timeout=timeout,
+        cwd=ROOT,
+    )
+    err = run.stderr.decode("utf-8", "replace")
+    return run.returncode, run.stdout.decode("utf-8", "replace"), err, time.perf_counter() - start
+
+
+def assert_one_line_error(code: int, err: str, needle: str) -> None:
+    assert code == 2, err
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.startswith("smcsd: error: ")]
+    assert len(lines) == 1 and needle in lines[0], err
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("inputs")
+    (d / "data.jsonl").write_text(json.dumps({"prompt": "Hello there", "id": "a"}) + "\n")
+    (d / "empty_turns.jsonl").write_text(json.dumps({"question_id": 1, "turns": []}) + "\n")
+    (d / "a_file").write_text("not a directory\n")
+    (d / "not_a_model").mkdir()
+    return d
+
+
+BENCH = ["bench", "--methods", "ar", "--limit", "1", "--dataset", "{d}/data.jsonl"]
+TURNS = ["bench", "--dataset", "{d}/empty_turns.jsonl", "--out", "{d}/o.jsonl"]
+
+# (name, arguments with {d} for the inputs folder, standard input, what the message must say)
+CASES = [
+    ("non-UTF-8 prompt", ["generate", b"caf\xe9"], b"", "not valid Unicode"),
+    ("empty prompt", ["generate", "   "], b"", "the prompt is empty"),
+    ("empty standard input", ["generate", "-"], b"", "the prompt is empty"),
+    ("non-UTF-8 standard input", ["generate", "-"], b"caf\xe9", "standard input is not UTF-8"),
+    ("seed too large", ["generate", "Hi", "--seed", str(2**64)], b"", "seed must be at most"),
+    ("temperature too low", ["generate", "Hi", "--target-temperature", "1e-30"], b"", "at least 0.01"),
+    ("threads above the cores", ["generate", "Hi", "--threads", "100000"], b"", "--threads must be between"),
+    ("bench out is a device", [*BENCH, "--out", "/dev/full"], b"", "not a regular file"),
+    ("bench out is a directory", [*BENCH, "--out", "{d}"], b"", "not a regular file"),
+    ("bench out under a file", [*BENCH, "--out", "{d}/a_file/r.jsonl"], b"", "is not a directory"),
+    ("Spec-Bench record without turns", TURNS, b"", "has no turns"),
+    ("report on a dataset file", ["report", "{d}/data.jsonl", "--out-dir", "{d}/rep"], b"", "not a record"),
+    (
+        "report out-dir under a file",
+        ["report", "{d}/data.jsonl", "--out-dir", "{d}/a_file/r"],
+        b"",
+        "not a dir",
+    ),
+    (
+        "distill out under a file",
+        ["distill", "--prompts", "{d}/data.jsonl", "--out", "{d}/a_file/r"],
+        b"",
+        "not a",
+    ),
+    ("eval-draft limit 0", ["eval-draft", "--limit", "0"], b"", "--limit must be >= 1"),
+]
+
+
+def _argv(args, d):
+    return [a.replace("{d}", str(d)) if isinstance(a, str) else a for a in args]
+
+
+@pytest.mark.parametrize(("name", "args", "stdin", "needle"), CASES, ids=[c[0] for c in CASES])
+def test_cli_user_error_is_one_line_before_loading(files, name, args, stdin, needle):
+    code, out, err, seconds = smcsd(*_argv(args, files), stdin=stdin, timeout=60)
+    assert_one_line_error(code, err, needle)
+    assert "loading" not in err  # refused before any model loads
+    assert out == ""
+
+
+def test_a_directory_that_holds_no_model_is_named_so(files):
+    code, out, err, _ = smcsd("generate", "Hi", "--target", f"{files}/not_a_model", timeout=60)
+    assert_one_line_error(code, err, "is a directory but holds no model")
+    assert "sentencepiece" not in err and "hub" not in err.split("error:")[1].split("give")[0]
+
+
+def test_bench_to_a_pipe_refuses_instead_of_hanging(files):
+    code, out, err, _ = smcsd(
+        *_argv([*BENCH, "--out", "/dev/stdout"], files), timeout=60
+    )  # stdout is a pipe here, as in `... | cat`
+    assert_one_line_error(code, err, "not a regular file")
+
+
+def test_unknown_hub_id_fails_fast_when_no_hub_answers():
+    # Without HF_HUB_OFFLINE, the hub client would retry for about a minute.
+    env = {"HF_HUB_OFFLINE": "", "HF_ENDPOINT": "http://127.0.0.1:9"}  # port 9 (discard) is closed
+    code, _, err, seconds = smcsd("generate", "Hi", "--target", "nobody/no-such-model", env=env, timeout=120)
+    assert_one_line_error(code, err, "the model hub is not reachable")
+    assert seconds < 30
+
+
+def test_help_is_fast_and_imports_no_torch():
+    times = []
+    for _ in range(5):
+        code, out, err, seconds = smcsd("--help")
+        assert code == 0 and "generate" in out
+        times.append(seconds)
+    assert statistics.median(times) < 1.5, times
+    heavy = "{'torch', 'transformers', 'llamppl'}"
+    probe = f"import sys, smcsd_ppl, smcsd_ppl.cli; print(sorted({heavy} & set(sys.modules)))"
+    run = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        env=os.environ | {"PYTHONPATH": str(ROOT)},
+    )
+    assert run.stdout.strip() == "[]", run.stderr
+
+
+def test_lazy_exports_still_work():
+    import smcsd_ppl
+
+    for name in smcsd_ppl.__all__:
+        assert getattr(smcsd_ppl, name).__name__ == name
+    with pytest.raises(AttributeError):
+        smcsd_ppl.nothing_here  # noqa: B018
+
+
+def test_every_option_shows_its_default():
+    import argparse
+
+    from smcsd_ppl.cli import build_parser
+    from smcsd_ppl.cli_util import HelpFormatter
+
+    parser = build_parser()
+    subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    missing = []
+    for name, sub in subs.items():
+        fmt = HelpFormatter(name)
+        for action in sub._actions:
+            if not action.option_strings or action.default in (None, False, argparse.SUPPRESS):
+                continue
+            text = fmt._expand_help(action) if action.help else ""
+            if str(action.default) not in text:
+                missing.append(f"{name} {action.option_strings[-1]}")
+    assert not missing
+
+
+def test_the_parser_lists_every_registered_method():
+    from smcsd_ppl.cli import METHOD_SUMMARIES
+    from smcsd_ppl.cli_compare import CONSTRAINED_METHODS
+    from smcsd_ppl.compare import METHODS as CC_METHODS
+    from smcsd_ppl.methods import METHODS
+
+    assert METHOD_SUMMARIES == {m.name: m.summary for m in METHODS.values()}
+    assert CONSTRAINED_METHODS == tuple(CC_METHODS)
+
+
+@pytest.mark.parametrize(
+    ("error", "line"),
+    [
+        (PermissionError(13, "Permission denied", "/root/r.jsonl"), "/root/r.jsonl: Permission denied"),
+        (IsADirectoryError(21, "Is a directory", "runs"), "runs: Is a directory"),
+        (FileExistsError(17, "File exists", "runs/a", None, "runs/b"), "runs/a -> runs/b: File exists"),
+        (
+            UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte"),
+            "'utf-8' codec can't decode byte 0xff in position 0: invalid start byte",
+        ),
+        (ValueError("two\nlines"), "two lines"),
+    ],
+    ids=["permission", "directory", "exists", "unicode", "multi-line"],
+)
+def test_main_turns_any_user_error_into_one_line(monkeypatch, capsys, error, line):
+    from smcsd_ppl import cli
+
+    def fail(_args):
+        raise error
+
+    monkeypatch.setattr(cli, "_report", fail)
+    assert cli.main(["report", "r.jsonl"]) == 2
+    assert capsys.readouterr().err == f"smcsd: error: {line}\n"
+
+
+def test_a_bug_keeps_its_traceback(monkeypatch):
+    from smcsd_ppl import cli
+
+    def bug(_args):
+        raise KeyError("not a user mistake")
+
+    monkeypatch.setattr(cli, "_report", bug)
+    with pytest.raises(KeyError):
+        cli.main(["report", "r.jsonl"])
