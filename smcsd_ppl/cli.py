@@ -16,19 +16,21 @@ from .cli_util import (
     check_output_file,
     check_threads,
     csv,
+    cut_value,
     err,
     progress,
     read_prompt,
     status,
     user_error,
 )
-from .config import RESAMPLING_SCHEMES, SELECTIONS, SMCConfig
+from .config import DIVERGENCE_NAMES, RESAMPLING_SCHEMES, SELECTIONS, SMCConfig
 from .text import check_prompt
 
 # The registry's names and summaries, kept here so that building the parser imports no torch;
 # a test checks that they match smcsd_ppl.methods.METHODS.
 METHOD_SUMMARIES = {
     "smcsd": "SMC speculative decoding (N particles x K-token blocks)",
+    "smcsd_paper": "the paper's SMC-SD: whole K-token blocks, fixed N and K (no cut)",
     "sd": "exact speculative sampling (Leviathan et al.)",
     "ar": "autoregressive sampling from the target",
     "easd": "speculative sampling with EASD's entropy-aware rejection (not exact)",
@@ -102,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--seed", type=int, default=0, help="base seed (each record's seed derives from it)")
     bench.add_argument("--ignore-eos", action="store_true", help="always emit --max-new-tokens tokens")
     bench.add_argument(
+        "--cut", type=cut_value, default=SMCConfig.cut, help="the smcsd rows' quality cut ('off': none)"
+    )
+    bench.add_argument(
         "--out",
         required=True,
         help="JSONL file of records; an existing one is resumed if it was made with the same settings",
@@ -119,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .cli_compare import add_parser as add_compare
 
     add_compare(sub, _model_args)
+    from .cli_fidelity import add_parser as add_fidelity
+
+    add_fidelity(sub, _model_args)
     from .cli_distill import add_parsers
 
     add_parsers(sub, _model_args)
@@ -149,19 +157,39 @@ def _model_args(p: argparse.ArgumentParser, *, draft: bool = True) -> None:
 
 
 def _smc_args(p: argparse.ArgumentParser) -> None:
+    d = SMCConfig()  # one set of defaults for the API and the command line
     g = p.add_argument_group("sampling")
-    g.add_argument("-n", "--particles", type=int, default=8, help="N particles")
-    g.add_argument("-k", "--block-size", type=int, default=8, help="K drafted tokens per cycle")
-    g.add_argument("--ess-threshold", type=float, default=0.5, help="resample when ESS < this x N")
-    g.add_argument("--resampling", choices=RESAMPLING_SCHEMES, default="systematic", help="resampling scheme")
-    g.add_argument("--draft-temperature", type=float, default=0.7, help="T_d, at least 0.01")
-    g.add_argument("--target-temperature", type=float, default=0.7, help="T_t, at least 0.01")
-    g.add_argument("--alpha", type=float, default=1.0, help="power on the target")
+    g.add_argument("-n", "--particles", type=int, default=d.n_particles, help="N particles")
     g.add_argument(
-        "--selection", choices=SELECTIONS, default="sample", help="how the output particle is chosen"
+        "-k", "--block-size", type=int, default=d.block_size, help="K, most drafted tokens per cycle"
     )
-    g.add_argument("--max-new-tokens", type=int, default=128, help="generation budget")
-    g.add_argument("--seed", type=int, default=0, help="seed of the run")
+    g.add_argument(
+        "--cut",
+        type=cut_value,
+        default=d.cut,
+        help="quality floor: cut a block where D(p || q) exceeds this (adapts drafting, down to the "
+        "target alone); 'off' runs the paper's algorithm",
+    )
+    g.add_argument(
+        "--cut-divergence",
+        choices=DIVERGENCE_NAMES,
+        default=d.cut_divergence,
+        help="the divergence --cut bounds",
+    )
+    g.add_argument(
+        "--ess-threshold", type=float, default=d.ess_threshold, help="resample when ESS < this x N"
+    )
+    g.add_argument("--resampling", choices=RESAMPLING_SCHEMES, default=d.resampling, help="resampling scheme")
+    g.add_argument("--draft-temperature", type=float, default=d.draft_temperature, help="T_d, at least 0.01")
+    g.add_argument(
+        "--target-temperature", type=float, default=d.target_temperature, help="T_t, at least 0.01"
+    )
+    g.add_argument("--alpha", type=float, default=d.alpha, help="power on the target")
+    g.add_argument(
+        "--selection", choices=SELECTIONS, default=d.selection, help="how the output particle is chosen"
+    )
+    g.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="generation budget")
+    g.add_argument("--seed", type=int, default=d.seed, help="seed of the run")
     g.add_argument("--ignore-eos", action="store_true", help="always emit --max-new-tokens tokens")
 
 
@@ -178,6 +206,8 @@ def _config(args: argparse.Namespace) -> SMCConfig:
         max_new_tokens=args.max_new_tokens,
         seed=args.seed,
         ignore_eos=args.ignore_eos,
+        cut=args.cut,
+        cut_divergence=args.cut_divergence,
     )
 
 
@@ -241,8 +271,9 @@ def _generate(args: argparse.Namespace) -> int:
         "overhead_fraction": round(s.overhead_fraction, 3),
         "message": out.message,
     }
-    if out.method == "smcsd":
+    if out.log_z is not None:  # an SMC-SD run
         record |= {"n_resamples": out.n_resamples, "mean_ess": out.mean_ess, "log_z": out.log_z}
+        record |= {"collapsed": out.collapsed, "draft_lengths": out.draft_lengths}
     if out.acceptance is not None:
         record["acceptance"] = round(out.acceptance, 3)
     if args.json:
@@ -255,13 +286,31 @@ def _generate(args: argparse.Namespace) -> int:
         f"[{out.method}] {record['new_tokens']} tokens in {s.seconds:.2f} s = "
         f"{s.tokens_per_second:.1f} tok/s, {s.tokens_per_target_call:.2f} tokens/target call"
     )
-    if out.method == "smcsd":
-        ess = f"{out.mean_ess:.2f}/{config.n_particles}"
+    if out.log_z is not None:
+        ess = f"{out.mean_ess:.2f}/{config.n_particles}" if out.mean_ess is not None else "n/a"
         line += f", {out.n_resamples} resamples, mean ESS {ess}, log Z {out.log_z:.2f}"
+        line += _drafting(out.draft_lengths)
     if out.acceptance is not None:
         line += f", acceptance (accepted/drafted tokens) {out.acceptance:.2f}"
     err(line)
+    if out.collapsed:
+        err(
+            f"warning: the draft is too far from the target at these settings (mean ESS {ess}): the "
+            "output follows the draft more than the target; use --cut 0.3, a smaller --block-size, "
+            "more --particles or a closer --draft"
+        )
     return 0
+
+
+def _drafting(lengths: list[int]) -> str:
+    """How the quality cut's schedule drafted, in a few words ('' for the paper's algorithm)."""
+    if not lengths:
+        return ""
+    if not any(lengths):
+        return ", target alone (the draft does not pay here)"
+    if lengths[-1] == 0:
+        return f", target alone after {lengths.index(0)} drafting cycle(s)"
+    return f", draft lengths {min(lengths)}-{max(lengths)}"
 
 
 def _speed(args: argparse.Namespace) -> int:
@@ -307,6 +356,7 @@ def _bench(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         seed=args.seed,
         ignore_eos=args.ignore_eos,
+        cut=args.cut,
     )
     grid = Grid(
         csv(args.methods, str, "--methods"),

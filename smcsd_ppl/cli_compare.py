@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .cli_util import check_threads, csv, progress
+from .cli_util import check_threads, csv, cut_value, progress
 
 # The names of smcsd_ppl.compare.METHODS, kept here so that building the parser imports no
 # torch; a test checks that they match.
@@ -38,6 +38,7 @@ def add_parser(sub, model_args) -> None:
     cc.add_argument("--max-new-tokens", type=int, default=32, help="generation budget per run")
     cc.add_argument("--repeats", type=int, default=1, help="runs per task and method (medians reported)")
     cc.add_argument("--seed", type=int, default=0, help="seed of every run")
+    cc.add_argument("--cut", type=cut_value, default=0.3, help="SMC-SD's quality cut ('off': none)")
     cc.set_defaults(run=_compare_constrained)
 
 
@@ -72,6 +73,7 @@ def _compare_constrained(args: argparse.Namespace) -> int:
             temperature=args.temperature,
             seed=args.seed,
             repeats=args.repeats,
+            cut=args.cut,
             on_run=tick,
         )
     print(

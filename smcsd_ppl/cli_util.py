@@ -131,3 +131,13 @@ def progress(total: int, unit: str):
             bar.update(max(0, min(n, total) - bar.n))
 
         yield update
+
+
+def cut_value(text: str) -> float | None:
+    """``--cut``'s value: a number, or ``off`` for the paper's uncut algorithm."""
+    if text.strip().lower() in ("off", "none"):
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'off', got {text!r}") from None

@@ -69,9 +69,12 @@ class Constrained(SMCSDModel):
 class Twisted(SMCSDModel):
     """Twists towards outputs with many 2s; the final target must not change."""
 
+    twists = 0
+
     async def step(self):
         await self.extend()
         if not self.finished:
+            Twisted.twists += 1
             self.twist(0.7 * self.token_ids.count(2) - 0.3)
 
 
@@ -98,7 +101,11 @@ def z_weighted(results):
 @pytest.mark.parametrize("mode", ["proposal", "critic"])
 @pytest.mark.parametrize("program", [Constrained, Twisted])
 def test_constrained_smcsd_is_properly_weighted(mode, program):
-    target, results = run(program, mode, RUNS[mode], seed=11, n_particles=3, block_size=2, ess_threshold=0.7)
+    # K = 1: particles live for two or more cycles within the horizon, so twists act.
+    Twisted.twists = 0
+    k = 1 if program is Twisted else 2
+    target, results = run(program, mode, RUNS[mode], seed=11, n_particles=3, block_size=k, ess_threshold=0.7)
+    assert program is not Twisted or Twisted.twists > RUNS[mode]
     exact, z = constrained_target(target)
     assert 0.05 < z < 0.95  # the constraint matters
     for r in results:  # every weighted particle satisfies the constraint

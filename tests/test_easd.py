@@ -51,7 +51,9 @@ def test_veto_fires_and_never_returns_the_drafted_token():
     # the top-2 sets agree (q = p): the rule vetoes d_1 of every block.
     rule = EASDConfig(tau_q=1.0, tau_p=1.0, top_n=2, overlap=0.5)
     for seed in range(20):
-        cfg = SMCConfig(block_size=3, max_new_tokens=8, draft_temperature=1.0, target_temperature=1.0, seed=seed)
+        cfg = SMCConfig(
+            block_size=3, max_new_tokens=8, draft_temperature=1.0, target_temperature=1.0, seed=seed
+        )
         eng = BlockEngine(target, draft, [], cfg)  # no EOS: every run lasts 7 cycles
         blocks = []
         draft_blocks = eng.draft_blocks

@@ -150,6 +150,8 @@ def run_settings(pair: SMCSD, base: SMCConfig) -> dict:
         "alpha": base.alpha,
         "selection": base.selection,
         "ignore_eos": base.ignore_eos,
+        "cut": base.cut,  # smcsd_paper rows run without it whatever it is
+        "cut_divergence": base.cut_divergence,
         "device": str(pair.target_lm.device),
         "dtype": str(next(pair.target_lm.model.parameters()).dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),

@@ -16,6 +16,7 @@ from ..config import SMCConfig
 from ..potentials.constraints import allows
 from .engine import BlockEngine
 from .program import CycleBarrier, Runtime, SMCSDModel
+from .schedule import DraftSchedule
 
 # A request whose ESS averages under this share of its particles is flagged as collapsed:
 # its output is then close to the best of a few draft samples, not a target sample.
