@@ -57,7 +57,7 @@ def total_variation(p: dict, q: dict) -> float:
 
 
 # The settings the exact tests were written for: the paper's algorithm (no cut), T_t = 1.
-PAPER = dict(n_particles=4, block_size=4, target_temperature=1.0, cut=None)
+PAPER = dict(n_particles=4, block_size=4, draft_temperature=0.7, target_temperature=1.0, cut=None)
 
 
 def engine(target: MockLM, draft: MockLM, **cfg) -> BlockEngine:

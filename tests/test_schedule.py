@@ -1,0 +1,116 @@
+"""Adaptive drafting: the draft length a request picks, and what a pair remembers of its draft."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import tiny
+import torch
+from helpers import engine
+from test_cut_exact import models
+
+from smcsd_ppl import SMCSD, SMCConfig
+from smcsd_ppl.backends.hf import HFBatchedLM
+from smcsd_ppl.backends.mock import MockLM
+from smcsd_ppl.bench.fidelity import MixedDraft
+from smcsd_ppl.inference.program import SMCSDModel
+from smcsd_ppl.inference.schedule import REPROBE_EVERY, DraftRecord, DraftSchedule, best_length
+from smcsd_ppl.inference.smc import run_smc_sd
+
+
+def test_best_length_follows_the_pass_rate_and_the_cost():
+    assert best_length(1.0, 0.4, 8) == 8  # a draft the cut never stops: the longest block
+    assert best_length(0.0, 0.4, 8) == 0  # one it always stops: the target alone
+    assert best_length(0.2, 0.4, 8) == 0
+    assert 0 < best_length(0.8, 0.4, 8) < 8
+    assert best_length(0.8, 0.05, 8) > best_length(0.8, 0.4, 8)  # cheaper drafts draft further
+
+
+def test_a_plain_request_probes_with_one_particle_then_drafts_with_n_or_decodes_alone():
+    good = DraftSchedule(8, 6, plain=True, cost=0.4)
+    assert (good.next_length(), good.n_particles()) == (4, 1)
+    good.observe([4], [False])
+    assert (good.next_length(), good.n_particles()) == (8, 6)
+    weak = DraftSchedule(8, 6, plain=True, cost=0.4)
+    weak.next_length()
+    weak.observe([0], [True])
+    assert (weak.next_length(), weak.n_particles()) == (0, 1)
+    assert weak.alone and weak.next_length() == 0
+    program = DraftSchedule(8, 6, plain=False, cost=0.4)  # conditions need every particle
+    assert (program.next_length(), program.n_particles()) == (4, 6)
+
+
+def test_the_record_starts_later_requests_alone_and_probes_again_every_few():
+    record = DraftRecord()
+    first = record.schedule(8, 4, True, 0.4)
+    first.next_length()
+    first.observe([0, 0], [True, True])
+    record.update(first)
+    starts = [record.schedule(8, 4, True, 0.4).planned_length() for _ in range(2 * REPROBE_EVERY + 2)]
+    assert starts.count(4) == 2 and set(starts) == {0, 4}  # alone, with a probe every few requests
+
+
+def test_requests_known_to_decode_alone_skip_the_draft_entirely():
+    target, draft = models()
+    eng = engine(target, draft, max_new_tokens=6, n_particles=4, block_size=2, cut=0.25)
+    eng.record = DraftRecord(passed=0.0, failed=50.0)  # a draft known not to pay
+    before = draft.stats.calls
+    results = run_smc_sd([SMCSDModel([1, 2]) for _ in range(3)], eng)
+    assert draft.stats.calls == before  # not even prefilled
+    assert any(r.draft_lengths for r in results) and not any(any(r.draft_lengths) for r in results)
+    assert all(len(r.particles) == 1 for r in results if r.draft_lengths)  # one particle decodes
+
+
+def test_with_the_target_as_draft_the_cut_never_fires_and_target_calls_match_the_paper():
+    target, _ = models()
+    calls = {}
+    for cut in (0.05, None):
+        eng = engine(
+            target,
+            MockLM(table=target.table.clone()),
+            max_new_tokens=12,
+            n_particles=3,
+            block_size=3,
+            draft_temperature=1.0,
+            cut=cut,
+            seed=1,
+        )
+        eng.record = DraftRecord(passed=8.0)  # the pair has seen this draft before
+        target.stats.reset()
+        results = run_smc_sd([SMCSDModel([1, 2]) for _ in range(8)], eng)
+        calls[cut] = target.stats.calls
+        if cut is not None:
+            assert all(set(r.draft_lengths) <= {3} for r in results) and any(r.draft_lengths for r in results)
+    assert calls[0.05] == calls[None]
+
+
+def test_a_mixture_draft_is_the_target_at_lam_1_and_the_draft_at_lam_0():
+    target_model, draft_model = tiny.llama(seed=0), tiny.llama(seed=5, layers=1)
+    ids = torch.tensor([[1, 2, 3]])
+    for lam, reference in ((1.0, target_model), (0.0, draft_model)):
+        mixed = MixedDraft(HFBatchedLM(target_model), HFBatchedLM(draft_model), lam, 0.7)
+        out = mixed.prefill([[5, 6]])
+        ext = mixed.extend(ids)
+        with torch.inference_mode():
+            ref = reference(torch.tensor([[5, 6, 1, 2, 3]])).logits.float()
+        torch.testing.assert_close(torch.softmax(out / 0.7, -1), torch.softmax(ref[:, 1] / 0.7, -1))
+        torch.testing.assert_close(torch.softmax(ext / 0.7, -1), torch.softmax(ref[:, 2:] / 0.7, -1))
+    with pytest.raises(ValueError, match="lam"):
+        MixedDraft(HFBatchedLM(target_model), HFBatchedLM(draft_model), 1.5, 0.7)
+
+
+def test_the_fidelity_map_runs_end_to_end():
+    from smcsd_ppl.bench.datasets import Prompt
+    from smcsd_ppl.bench.fidelity import fidelity_map
+
+    pair = SMCSD(*tiny.pair())
+    prompts = [
+        Prompt("a", "the quick brown fox", "misc", "dog"),
+        Prompt("b", "once upon a time", "misc", "girl"),
+    ]
+    base = dataclasses.replace(SMCConfig(), max_new_tokens=6, n_particles=2, block_size=2)
+    points = fidelity_map(pair, prompts, [(1.0, 2, 2, 0.3), (0.0, 2, 2, None)], base)
+    assert [p.lam for p in points] == [1.0, 0.0]
+    assert points[0].agreement == 1.0 and 0 <= points[1].agreement <= 1
+    assert all(p.tokens_per_target_call > 0 for p in points)
