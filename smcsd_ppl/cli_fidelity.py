@@ -18,13 +18,15 @@ def add_parser(sub, model_args) -> None:
     )
     model_args(fid)
     fid.add_argument("--dataset", default="short_answer", help="a dataset with reference answers")
-    fid.add_argument("--limit", type=int, default=40, help="at most this many prompts")
+    fid.add_argument("--limit", type=int, default=None, help="at most this many prompts")
+    fid.add_argument("--per-category", type=int, default=5, help="at most this many prompts per category")
     fid.add_argument(
         "--lams", default="0,0.5,0.8,0.95", help="comma-separated mixture weights of the target in the draft"
     )
     fid.add_argument("--particles", default="8", help="comma-separated N values")
     fid.add_argument("--block-sizes", default="8", help="comma-separated K values")
     fid.add_argument("--cuts", default="off,0.3", help="comma-separated cut thresholds ('off': none)")
+    fid.add_argument("--cut-divergence", default="tv", help="the divergence the cuts bound: tv, renyi2, kl")
     fid.add_argument("--temperature", type=float, default=0.7, help="T_d = T_t")
     fid.add_argument("--max-new-tokens", type=int, default=24, help="generation budget per prompt")
     fid.add_argument("--seed", type=int, default=0, help="seed of every run")
@@ -50,8 +52,9 @@ def _fidelity(args: argparse.Namespace) -> int:
         target_temperature=args.temperature,
         max_new_tokens=args.max_new_tokens,
         seed=args.seed,
+        cut_divergence=args.cut_divergence,
     )
-    prompts = [p for p in load_prompts(args.dataset, limit=args.limit) if p.answer]
+    prompts = [p for p in load_prompts(args.dataset, limit=args.limit, per_category=args.per_category) if p.answer]
     if not prompts:
         raise ValueError(f"{args.dataset} has no prompts with reference answers")
     check_output_file(args.out, "--out")
@@ -60,7 +63,7 @@ def _fidelity(args: argparse.Namespace) -> int:
 
     pair = _load(args)
     print("| lam | agreement | N | K | cut | accuracy | tokens/target call | mean ESS/N | collapsed |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")  # cut: the threshold on --cut-divergence
     with progress(len(cells), "cells") as bar, open(args.out, "a") as out:
         done = [0]
 

@@ -77,6 +77,7 @@ class MapPoint:
     n_particles: int
     block_size: int
     cut: float | None
+    divergence: str
     accuracy: float
     tokens_per_target_call: float
     mean_ess_fraction: float
@@ -126,6 +127,7 @@ def map_point(
         config.n_particles,
         config.block_size,
         config.cut,
+        config.cut_divergence,
         correct / n,
         tokens / max(1, calls),
         sum(ess) / max(1, len(ess)),
