@@ -7,13 +7,14 @@ import dataclasses
 import pytest
 import tiny
 import torch
-from helpers import engine
+from helpers import PAPER, engine
 from test_cut_exact import models
 
 from smcsd_ppl import SMCSD, SMCConfig
 from smcsd_ppl.backends.hf import HFBatchedLM
 from smcsd_ppl.backends.mock import MockLM
 from smcsd_ppl.bench.fidelity import MixedDraft
+from smcsd_ppl.inference.engine import BlockEngine
 from smcsd_ppl.inference.program import SMCSDModel
 from smcsd_ppl.inference.schedule import REPROBE_EVERY, DraftRecord, DraftSchedule, best_length
 from smcsd_ppl.inference.smc import run_smc_sd
@@ -114,3 +115,18 @@ def test_the_fidelity_map_runs_end_to_end():
     assert [p.lam for p in points] == [1.0, 0.0]
     assert points[0].agreement == 1.0 and 0 <= points[1].agreement <= 1
     assert all(p.tokens_per_target_call > 0 for p in points)
+
+
+def test_a_collapsed_request_says_so():
+    # 8 tokens, no EOS, a draft unrelated to the target: whole blocks leave one particle a cycle.
+    target, far = MockLM(8, seed=0, scale=2.0), MockLM(8, seed=1, scale=2.0)
+    flags = {}
+    for cut in (None, 0.25):
+        config = SMCConfig(
+            **{**PAPER, "max_new_tokens": 16, "n_particles": 8, "draft_temperature": 1.0, "cut": cut}
+        )
+        eng = BlockEngine(target, far, [], config, DraftRecord(passed=8.0))  # starts drafting at once
+        results = run_smc_sd([SMCSDModel([1, 2]) for _ in range(20)], eng)
+        flags[cut] = sum(r.collapsed for r in results)
+    assert flags[None] >= 15  # the paper's algorithm collapses, and says so
+    assert flags[0.25] == 0  # the cut soon leaves such a draft out
