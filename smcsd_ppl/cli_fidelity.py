@@ -54,7 +54,9 @@ def _fidelity(args: argparse.Namespace) -> int:
         seed=args.seed,
         cut_divergence=args.cut_divergence,
     )
-    prompts = [p for p in load_prompts(args.dataset, limit=args.limit, per_category=args.per_category) if p.answer]
+    prompts = [
+        p for p in load_prompts(args.dataset, limit=args.limit, per_category=args.per_category) if p.answer
+    ]
     if not prompts:
         raise ValueError(f"{args.dataset} has no prompts with reference answers")
     check_output_file(args.out, "--out")

@@ -162,7 +162,7 @@ class BlockEngine:
     def start(
         self,
         prompts: Sequence[Sequence[int]],
-        copies: int,
+        copies: int | Sequence[int],
         constraints: Sequence[Constraint | None] | None = None,
         *,
         draft: bool = True,
@@ -170,7 +170,7 @@ class BlockEngine:
         """Prefill both models, draw each request's first token x0 from the target.
 
         Returns x0 per prompt and its log-normalizer (nonzero only when alpha != 1).
-        Rows are then ``copies`` consecutive forks of each prompt. ``draft=False`` leaves
+        Rows are then ``copies`` (or ``copies[i]``) consecutive forks of each prompt. ``draft=False`` leaves
         the draft out, for runs whose requests all decode with the target alone.
         """
         logits = self.target.prefill(prompts)  # [B, V]
@@ -193,6 +193,7 @@ class BlockEngine:
             if not torch.isfinite(log_z0).all():
                 raise ValueError("the constraint allows no first token: no output can satisfy it")
         x0 = sample_tokens(power, 1.0, self.g)
+        copies = torch.as_tensor(copies, device=self.device)  # one count for all, or one per prompt
         rows = torch.arange(len(prompts), device=self.device).repeat_interleave(copies)
         self.target.fork(rows)
         if draft:

@@ -125,21 +125,23 @@ async def smc_sd(
         else None
         for p in programs
     ]
-    drafting = any(s is None or s.planned_length() > 0 for s in schedules)
-    x0, log_z0 = engine.start(prompts, cfg.n_particles, [p.constraint for p in programs], draft=drafting)
-    pops = []
+    plans = [(None, cfg.n_particles) if s is None else (s.next_length(), s.n_particles()) for s in schedules]
+    drafting = any(length != 0 for length, _ in plans)
+    constraints = [p.constraint for p in programs]
+    x0, log_z0 = engine.start(prompts, [n for _, n in plans], constraints, draft=drafting)
+    pops, row = [], 0
     for i, program in enumerate(programs):
         program.runtime = runtime
-        particles = [copy.deepcopy(program) for _ in range(cfg.n_particles)]
-        for j, p in enumerate(particles):
-            p.row, p.token_ids = i * cfg.n_particles + j, [x0[i]]
+        particles = [copy.deepcopy(program) for _ in range(plans[i][1])]
+        for p in particles:
+            p.row, p.token_ids, p.draft_limit = row, [x0[i]], plans[i][0]
+            row += 1
             if x0[i] in engine.eos or cfg.max_new_tokens == 1:
                 p.finish()
+        if schedules[i] is not None and all(p.finished for p in particles):
+            schedules[i].lengths.clear()  # no cycle will run
         pops.append(_Population(particles, log_z=log_z0[i], schedule=schedules[i]))
     await asyncio.gather(*(p.start() for pop in pops for p in pop.particles))
-    for pop in pops:
-        _adapt(pop, engine.g_cpu)
-    _pack_rows(pops, engine)
 
     cycle = 0
     while any(not p.done_stepping() for pop in pops for p in pop.particles):
