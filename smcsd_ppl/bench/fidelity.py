@@ -33,7 +33,9 @@ class MixedDraft:
         self.target, self.draft, self.lam, self.t_d = target, draft, lam, draft_temperature
         self.vocab_size, self.device, self.stats = draft.vocab_size, draft.device, draft.stats
         self.max_length = min(target.max_length, draft.max_length)
-        self.n_params = target.n_params + draft.n_params
+        # Priced as the draft alone: the map asks what a draft of this agreement at the draft's
+        # cost would do; the target forward inside the mixture is a device of the map only.
+        self.n_params = draft.n_params
         self.bytes_per_token = target.bytes_per_token + draft.bytes_per_token
         self.max_cache_bytes = min(target.max_cache_bytes, draft.max_cache_bytes)
         self.name = f"mixture draft (lam {lam})"
