@@ -11,19 +11,39 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
 
 
-@dataclass
 class ForwardStats:
-    """Counts and wall time of a backend's model forwards."""
+    """Counts and wall time of a backend's model forwards.
 
-    calls: int = 0
-    seconds: float = 0.0
-    tokens: int = 0  # rows x new positions fed, holes included
+    On CUDA a forward's time is a pair of events read only when ``seconds`` is read
+    (after a run), so timing never makes the host wait inside a cycle.
+    """
+
+    def __init__(self, calls: int = 0, seconds: float = 0.0, tokens: int = 0) -> None:
+        self.calls, self.tokens = calls, tokens  # tokens: rows x new positions fed, holes included
+        self._seconds = seconds
+        self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    @property
+    def seconds(self) -> float:
+        """Time spent in forwards (settles pending CUDA events: a sync, so read it after a run)."""
+        if self._pending:
+            self._pending[-1][1].synchronize()
+            self._seconds += sum(start.elapsed_time(end) for start, end in self._pending) / 1000
+            self._pending.clear()
+        return self._seconds
+
+    @seconds.setter
+    def seconds(self, value: float) -> None:
+        self._pending.clear()
+        self._seconds = value
+
+    def __repr__(self) -> str:
+        return f"ForwardStats(calls={self.calls}, seconds={self.seconds:.4f}, tokens={self.tokens})"
 
     def reset(self) -> None:
         """Zero the counters."""
@@ -134,21 +154,27 @@ class RowMask:
 
 
 class Timer:
-    """Adds a block's wall time to ``ForwardStats`` (synchronizing CUDA first)."""
+    """Adds a block's time to ``ForwardStats``: CUDA events on CUDA (no sync), else the wall clock."""
 
     def __init__(self, stats: ForwardStats, device: torch.device, tokens: int) -> None:
         self.stats, self.device, self.tokens = stats, device, tokens
+        self.events = None
 
     def __enter__(self) -> Timer:
+        if self.device.type == "cuda":
+            self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self.events[0].record()
         self.start = time.perf_counter()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
         self.stats.calls += 1
         self.stats.tokens += self.tokens
-        self.stats.seconds += time.perf_counter() - self.start
+        if self.events is not None:
+            self.events[1].record()
+            self.stats._pending.append(self.events)
+        else:
+            self.stats.seconds += time.perf_counter() - self.start
 
 
 def check_prompts(prompts: Sequence[Sequence[int]], max_length: int) -> None:
@@ -167,3 +193,17 @@ def check_logits(logits: torch.Tensor, what: str) -> torch.Tensor:
     if torch.isnan(logits).any():
         raise ValueError(f"{what} produced NaN logits (try dtype=float32, or check the weights)")
     return logits
+
+
+def check_finite(*backends: BatchedLM) -> None:
+    """Raise if a backend produced NaN logits since its last check: one host read for all.
+
+    Backends that keep a device-side ``nonfinite`` flag (``HFBatchedLM``) are checked
+    here, once per cycle, instead of syncing on every forward; others check themselves.
+    """
+    flagged = [lm for lm in backends if isinstance(getattr(lm, "nonfinite", None), torch.Tensor)]
+    if flagged and any(
+        torch.stack([lm.nonfinite.to(flagged[0].nonfinite.device) for lm in flagged]).tolist()
+    ):
+        for lm in flagged:
+            lm.check_finite()

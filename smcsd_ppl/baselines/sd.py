@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..backends.base import check_finite
 from ..inference.engine import BlockEngine, DraftedBlock
 from ..spec import speculative_accept
 
@@ -74,6 +75,7 @@ def settle(
     those rows, in that order.
     """
     cfg = engine.config
+    check_finite(engine.target, engine.draft)  # once per cycle, not per forward
     kept, nexts, going = [], [], []
     for i, (b, m, t) in enumerate(zip(blocks, n_acc, nxt)):
         out = outs[i]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..backends.base import BatchedLM
+from ..backends.base import BatchedLM, check_finite
 from ..config import SMCConfig
 from ..potentials.constraints import Constraint
 from ..spec import block_log_weights, pick, power_log_normalizer, sample_probs, sample_tokens
@@ -337,6 +337,8 @@ class BlockEngine:
         log_w = block_log_weights(token_logp, draft_logq, kept.cpu(), bonus_log_z, has_bonus, c.alpha)
         # A dead block, or a row that must go on but has no allowed bonus token: zero weight.
         log_w = log_w.masked_fill(dead | (going & ~has_bonus), -math.inf).tolist()
+        if any(math.isnan(w) for w in log_w):  # NaN logits show here, already on the host
+            check_finite(self.target, self.draft)
         out, nexts = [], []
         for i, b in enumerate(blocks):
             nxt = bonus[i] if has_bonus[i] else None
