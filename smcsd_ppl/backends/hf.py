@@ -196,7 +196,7 @@ class HFBatchedLM:
         ids, valid = ids.to(self.device, non_blocking=True), valid.to(self.device, non_blocking=True)
         self.tree_width = 0
         dest, positions, allowed = plan(self.lengths, valid, width)
-        self.cache.dest, self.cache.width = dest, width
+        self.cache.plan(dest, width)
         self.lengths = self.lengths + valid.sum(1)
         self.bound = bound
         kwargs = {

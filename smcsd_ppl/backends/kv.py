@@ -44,11 +44,11 @@ class RowLayer(CacheLayerMixin):
         """Scatter the new states ``[R, heads, T, dim]`` to their columns; return the first ``width``."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        dest = self.owner.dest[:, None, :, None]  # [R, 1, T, 1]
-        self.keys.scatter_(2, dest.expand(-1, key_states.shape[1], -1, key_states.shape[-1]), key_states)
-        self.values.scatter_(
-            2, dest.expand(-1, value_states.shape[1], -1, value_states.shape[-1]), value_states
-        )
+        # index_put_ on [R, C, heads, dim] views writes only the new tokens (scatter_ on CPU
+        # copied the whole buffer).
+        rows, dest = self.owner.rows, self.owner.dest  # [R, 1], [R, T]
+        self.keys.transpose(1, 2).index_put_((rows, dest), key_states.transpose(1, 2))
+        self.values.transpose(1, 2).index_put_((rows, dest), value_states.transpose(1, 2))
         width = self.owner.width
         return self.keys[:, :, :width], self.values[:, :, :width]
 
@@ -72,7 +72,13 @@ class RowCache(Cache):
         super().__init__(layers=[])
         self.capacity = capacity
         self.dest: torch.Tensor | None = None  # [R, T] column of each fed token
+        self.rows: torch.Tensor | None = None  # [R, 1] row index, broadcast against dest
         self.width = 0
+
+    def plan(self, dest: torch.Tensor, width: int) -> None:
+        """Where the next forward writes (``dest [R, T]``) and how many columns it reads."""
+        self.dest, self.width = dest, width
+        self.rows = torch.arange(dest.shape[0], device=dest.device)[:, None]
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """Write one layer's new states (layers are created on first use)."""

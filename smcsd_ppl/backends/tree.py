@@ -84,7 +84,7 @@ def _tree_forward(
         ) from err
     dest, allowed = kv.tree_plan(lm.lengths, anc, width)
     mask = kv.attention_mask(allowed, lm.model)
-    lm.cache.dest, lm.cache.width = dest, width
+    lm.cache.plan(dest, width)
     lm.tree_width = t  # the nodes sit after each row's tokens until keep_path
     with Timer(lm.stats, lm.device, r * t), torch.inference_mode():
         out = lm.model(
