@@ -115,11 +115,17 @@ class BlockEngine:
                 f"draft vocabulary ({draft.vocab_size}) differs from the target's ({target.vocab_size}); "
                 "SMC-SD needs a draft that shares the target's tokenizer"
             )
+        devices = {str(getattr(lm, "device", "cpu")) for lm in (target, draft)}
+        if len(devices) > 1:
+            raise ValueError(f"draft and target are on different devices {sorted(devices)}: use one device")
         self.target, self.draft, self.config = target, draft, config
         self.eos = set(int(e) for e in eos_token_ids)
         self.device = getattr(target, "device", torch.device("cpu"))
         self.g = torch.Generator(device=self.device).manual_seed(config.seed)
         self.g_cpu = torch.Generator().manual_seed(config.seed + 1)
+        # Whether drafting may read the device each step to stop once every row has ended:
+        # free on a CPU, a sync on an accelerator (tests turn it off to count the latter's reads).
+        self.early_stop_reads = self.device.type == "cpu"
         self.target_pending: list[list[int]] = []
         self.draft_pending: list[list[int]] = []
         self.features = bool(getattr(draft, "needs_features", False))
@@ -218,7 +224,7 @@ class BlockEngine:
         eos = torch.tensor(sorted(self.eos), dtype=torch.long, device=self.device)
         longest = max(budgets, default=k)
         # Masks already bring every step to the host; on a CPU the check is free anyway.
-        host_checks = self.device.type == "cpu" or bool(masking.items)
+        host_checks = self.early_stop_reads or bool(masking.items)
         for j in range(k):
             allowed = masking.next_masks(drafts)  # proposal-mode rows sample allowed tokens only
             if masking.dead_at:
@@ -393,7 +399,7 @@ class BlockEngine:
         if rows == list(range(self.n_rows)):
             return
         if rows:
-            index = torch.tensor(rows, device=self.device)
+            index = torch.tensor(rows)  # on the host: backends then know the rows without a read
             self.target.fork(index)
             self.draft.fork(index)
         self.target_pending = [list(self.target_pending[r]) for r in rows]
