@@ -1,10 +1,10 @@
-"""The batched LM protocol and the row bookkeeping its implementations share.
+"""The batched LM protocol, forward statistics and checks every backend shares.
 
 A backend holds R rows (all particles of all requests, in the batch dimension)
-of one model's state. Rows have a common physical length; positions that hold
-no real token (left padding, a rejected draft, a block cut short) are *holes*,
-masked out of attention and skipped by position ids, so rows of different
-logical lengths share one rectangular cache.
+of one model's state. Positions fed without a real token (left padding, rows that
+sit a step out) are *holes*: invisible to every later token and skipped by
+position ids. ``HFBatchedLM`` never keeps them (``backends.kv``); the mock keeps
+them in a rectangular history tracked by ``RowMask``.
 """
 
 from __future__ import annotations
@@ -81,14 +81,14 @@ class BatchedLM(Protocol):
         """
 
     def fork(self, rows: torch.Tensor) -> None:
-        """Keep rows ``rows [R']`` in that order (duplicates allowed): one gather on dim 0."""
+        """Keep rows ``rows [R']`` in order (duplicates allowed); indices on the host spare a sync."""
 
     def drop_tail(self, n: torch.Tensor) -> None:
-        """Turn the last ``n[r]`` real positions of each row into holes (rejected tokens)."""
+        """Forget the last ``n[r]`` real tokens of each row (rejected or cut drafts)."""
 
 
 class RowMask:
-    """Which physical positions of each row are real tokens, and their position ids."""
+    """Which physical positions of each row are real tokens (the mock backend's bookkeeping)."""
 
     def __init__(self, valid: torch.Tensor) -> None:
         self.valid = valid  # [R, L] bool
@@ -98,11 +98,6 @@ class RowMask:
     def length(self) -> int:
         """Physical columns per row."""
         return self.valid.shape[1]
-
-    def new_positions(self, valid_new: torch.Tensor) -> torch.Tensor:
-        """Position ids ``[R, T]`` for appended tokens; holes reuse the next free id."""
-        before = torch.cumsum(valid_new.long(), 1) - valid_new.long()
-        return self.n_real[:, None] + before
 
     def append(self, valid_new: torch.Tensor) -> None:
         """Record appended positions ``[R, T]``."""
@@ -126,12 +121,6 @@ class RowMask:
         self.valid = self.valid & ~drop
         self.n_real = self.n_real - n
 
-    def trailing_holes(self) -> int:
-        """Physical columns at the end that are holes in every row (safe to crop)."""
-        any_real = self.valid.any(0)
-        real_cols = torch.nonzero(any_real)
-        return self.length if real_cols.numel() == 0 else self.length - 1 - int(real_cols[-1])
-
     def wasteful(self) -> bool:
         """Holes take more than half the columns (SD rows that rejected different amounts)."""
         return self.length > 2 * int(self.n_real.max()) + 16
@@ -146,11 +135,6 @@ class RowMask:
         order = torch.argsort((~self.valid).to(torch.uint8), dim=1, stable=True)[:, :width]
         self.valid = torch.arange(width, device=self.valid.device)[None, :] < self.n_real[:, None]
         return order
-
-    def crop(self, n: int) -> None:
-        """Remove the last ``n`` physical columns."""
-        if n:
-            self.valid = self.valid[:, : self.length - n]
 
 
 class Timer:
