@@ -10,7 +10,7 @@ import pytest
 import torch
 from tiny import MAX_POSITIONS, llama
 
-from smcsd_ppl.backends import hf
+from smcsd_ppl.backends import hf, kv
 from smcsd_ppl.backends.hf import HFBatchedLM
 
 ATOL, RTOL = 1e-4, 1e-4
@@ -300,3 +300,25 @@ def test_extend_over_a_vocabulary_subset_returns_those_logits(model, plain_head)
     part = lm.extend(tokens, vocab=vocab)
     assert part.shape == (len(PROMPTS), 3, len(vocab))
     torch.testing.assert_close(part, full[..., vocab], atol=ATOL, rtol=RTOL)
+
+
+def test_indices_on_the_device_keep_logits_exact(model, monkeypatch):
+    # Masks, fork rows and drop counts that live on an accelerator are never read: the
+    # backend then keeps only upper bounds of the row lengths, and must stay exact.
+    lm = HFBatchedLM(model)
+    lm.prefill(PROMPTS)  # host bookkeeping first: exact, unequal row lengths
+    monkeypatch.setattr(kv, "on_host", lambda t: False)
+    tokens = block(len(PROMPTS), 4, seed=13)
+    valid = torch.tensor([[1, 0, 1, 1], [0, 1, 1, 1], [1, 1, 1, 1], [0, 0, 0, 1]], dtype=torch.bool)
+    lm.extend(tokens, valid)
+    seqs = [p + tokens[i][valid[i]].tolist() for i, p in enumerate(PROMPTS)]
+    lm.fork(torch.tensor([3, 3, 0, 2]))
+    seqs = [seqs[r] for r in (3, 3, 0, 2)]
+    more = block(4, 3, seed=14)
+    lm.extend(more)
+    lm.drop_tail(torch.tensor([2, 0, 1, 3]))
+    seqs = [s + more[i, : 3 - d].tolist() for i, (s, d) in enumerate(zip(seqs, (2, 0, 1, 3)))]
+    assert all(b >= n for b, n in zip(lm.bound, lm.lengths.tolist()))
+    out = lm.extend(torch.tensor([[1], [2], [3], [4]]))
+    for i, s in enumerate(seqs):
+        torch.testing.assert_close(out[i], scratch(model, s + [i + 1], 1), atol=ATOL, rtol=RTOL)

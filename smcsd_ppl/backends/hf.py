@@ -8,8 +8,9 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedModel
 
+from . import kv
 from .base import ForwardStats, Timer, check_prompts
-from .kv import RowCache, attention_mask, host_counts, plan
+from .kv import RowCache, attention_mask, plan
 
 DEFAULT_CACHE_BUDGET = 8 * 2**30  # bytes of KV cache one backend may hold
 HEADROOM = 256  # columns allocated past the first forward's need (a typical generation)
@@ -128,7 +129,7 @@ class HFBatchedLM:
         """Keep rows ``rows [R']`` in order (duplicates allowed); copies rows, in place when it can."""
         if rows.numel() == 0:
             raise ValueError(f"{self.name}: fork() needs at least one row")
-        host = rows.tolist() if rows.device.type == "cpu" else None
+        host = rows.tolist() if kv.on_host(rows) else None
         rows = rows.to(self.device, non_blocking=True)
         used = max(self.bound, default=0)
         self.tree_width = 0
@@ -140,7 +141,7 @@ class HFBatchedLM:
     @torch.inference_mode()
     def drop_tail(self, n: torch.Tensor) -> None:
         """Forget the last ``n[r]`` real tokens of each row: its write position moves back."""
-        if n.device.type == "cpu":
+        if kv.on_host(n):
             drop = n.tolist()
             if any(d > b for d, b in zip(drop, self.bound)) or min(drop, default=0) < 0:
                 raise ValueError(f"{self.name}: cannot drop {drop} tokens from rows holding {self.bound}")
@@ -185,7 +186,7 @@ class HFBatchedLM:
             raise ValueError(f"{self.name}: this model {what}")
         if features is not None and features.shape[:2] != ids.shape:
             raise ValueError(f"{self.name}: features must be [{r}, {t}, H], got {list(features.shape)}")
-        bound = [b + c for b, c in zip(self.bound, host_counts(valid, r, t))]
+        bound = [b + c for b, c in zip(self.bound, kv.host_counts(valid, r, t))]
         if max(bound, default=0) > self.max_length:
             raise ValueError(
                 f"{self.name}: sequence would reach {max(bound)} tokens; "

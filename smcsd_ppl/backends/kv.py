@@ -178,10 +178,11 @@ def attention_mask(allowed: torch.Tensor, model: torch.nn.Module) -> torch.Tenso
     raise ValueError(f"the batched backend needs attn_implementation 'sdpa' or 'eager', not {impl!r}")
 
 
-def host_counts(valid: torch.Tensor | None, rows: int, t: int) -> list[int]:
+def on_host(t: torch.Tensor) -> bool:
+    """Whether reading ``t`` is free (it lives in host memory); otherwise it would be a sync."""
+    return t.device.type == "cpu"
+
+
+def host_counts(valid: torch.Tensor, rows: int, t: int) -> list[int]:
     """Real tokens per row when ``valid`` is on the host; else ``t`` (an upper bound, no read)."""
-    if valid is None:
-        return [t] * rows
-    if valid.device.type == "cpu":
-        return valid.sum(1).tolist()
-    return [t] * rows
+    return valid.sum(1).tolist() if on_host(valid) else [t] * rows

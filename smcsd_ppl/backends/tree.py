@@ -147,7 +147,7 @@ def keep_path(lm: BatchedLM, keep: torch.Tensor) -> None:
 def _keep_in_cache(lm: HFBatchedLM, keep: torch.Tensor) -> None:
     """Move each row's kept nodes to its next columns, in order; the row grows by their number."""
     r, t = keep.shape
-    host_n = keep.sum(1).tolist() if keep.device.type == "cpu" else [t] * r
+    host_n = keep.sum(1).tolist() if kv.on_host(keep) else [t] * r
     keep = keep.to(lm.device, non_blocking=True)
     order = torch.argsort((~keep).to(torch.uint8), dim=1, stable=True)  # [R, T] kept first
     cols = lm.lengths[:, None] + order  # where each node is now
