@@ -215,6 +215,19 @@ def test_kv_budget_raises_before_the_forward(model):
         HFBatchedLM(model, max_cache_bytes=1).prefill([[1, 2]])
 
 
+def test_fork_to_more_rows_stays_within_the_budget(model):
+    budget = lm_bytes(model, rows=2, positions=8)
+    lm = HFBatchedLM(model, max_cache_bytes=budget)
+    lm.prefill([[1, 2, 3]])
+    for rows in (2, 4):
+        lm.fork(torch.zeros(rows, dtype=torch.long))
+        assert lm.bytes_per_token * rows * lm.cache.capacity <= budget
+    out = lm.extend(torch.tensor([[4]] * 4))
+    torch.testing.assert_close(out[3], scratch(model, [1, 2, 3, 4], 1), atol=ATOL, rtol=RTOL)
+    with pytest.raises(ValueError, match="budget"):
+        lm.fork(torch.zeros(8, dtype=torch.long))  # 8 rows x 4 positions > 2 x 8
+
+
 def lm_bytes(model, rows, positions):
     return HFBatchedLM(model).bytes_per_token * rows * positions
 

@@ -133,7 +133,10 @@ class HFBatchedLM:
         rows = rows.to(self.device, non_blocking=True)
         used = max(self.bound, default=0)
         self.tree_width = 0
-        self.cache.fork(rows, host, used)
+        # More rows may not fit the old capacity within the budget: keep what fits.
+        capacity = min(self.cache.capacity, self._budget_columns(rows.numel()))
+        self._check_budget(rows.numel(), used)
+        self.cache.fork(rows, host, used, capacity)
         self.lengths = self.lengths.index_select(0, rows)
         # Rows given on the device cannot be read without a sync: every row gets the largest bound.
         self.bound = [self.bound[i] for i in host] if host is not None else [used] * rows.numel()
@@ -157,19 +160,23 @@ class HFBatchedLM:
 
     def reserve(self, rows: int, width: int) -> None:
         """Make room for ``width`` columns: double the capacity (within the byte budget) or refuse."""
-        if width <= self.cache.capacity:
-            return
-        budget_cols = self.max_cache_bytes // max(1, self.bytes_per_token * rows)
-        if width > budget_cols:
+        self._check_budget(rows, width)
+        if width > self.cache.capacity:
+            # Room for a typical generation after the prompt, then doubling: growth copies are amortised.
+            want = max(width + HEADROOM, 2 * self.cache.capacity)
+            self.cache.grow(min(want, self._budget_columns(rows)))
+
+    def _budget_columns(self, rows: int) -> int:
+        return self.max_cache_bytes // max(1, self.bytes_per_token * rows)
+
+    def _check_budget(self, rows: int, width: int) -> None:
+        if width > self._budget_columns(rows):
             raise ValueError(
                 f"{self.name}: KV cache would need {self.bytes_per_token * rows * width / 2**30:.2f} GiB for "
                 f"{rows} rows x {width} positions, over the budget of "
                 f"{self.max_cache_bytes / 2**30:.2f} GiB; "
                 "use fewer particles or tokens, or raise max_cache_bytes"
             )
-        # Room for a typical generation after the prompt, then doubling: growth copies are amortised.
-        want = max(width + HEADROOM, 2 * self.cache.capacity)
-        self.cache.grow(min(want, budget_cols))
 
     def _forward(
         self,

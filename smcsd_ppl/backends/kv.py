@@ -99,8 +99,11 @@ class RowCache(Cache):
             self.map(lambda t: torch.cat([t, t.new_zeros(*t.shape[:2], extra, t.shape[3])], 2))
             self.capacity = capacity
 
-    def fork(self, rows: torch.Tensor, host_rows: list[int] | None, used: int) -> None:
-        """Keep rows ``rows [R']`` in order; only the first ``used`` columns are copied."""
+    def fork(self, rows: torch.Tensor, host_rows: list[int] | None, used: int, capacity: int) -> None:
+        """Keep rows ``rows [R']`` in order; only the first ``used`` columns are copied.
+
+        A new row count reallocates at ``capacity`` columns; the same count copies in place.
+        """
         n_old = self.layers[0].keys.shape[0] if self.layers and self.layers[0].is_initialized else 0
         if host_rows is not None and len(host_rows) == n_old:
             moved = [(d, s) for d, s in enumerate(host_rows) if d != s]
@@ -113,7 +116,8 @@ class RowCache(Cache):
         elif len(rows) == n_old:
             self.map(lambda t: _copy_rows(t, torch.arange(n_old, device=t.device), rows, used))
         else:
-            self.map(lambda t: _gathered(t, rows, used))
+            self.map(lambda t: _gathered(t, rows, used, capacity))
+            self.capacity = capacity
 
 
 def _copy_rows(t: torch.Tensor, dest: torch.Tensor, src: torch.Tensor, used: int) -> torch.Tensor:
@@ -122,8 +126,8 @@ def _copy_rows(t: torch.Tensor, dest: torch.Tensor, src: torch.Tensor, used: int
     return t
 
 
-def _gathered(t: torch.Tensor, rows: torch.Tensor, used: int) -> torch.Tensor:
-    out = t.new_zeros(len(rows), *t.shape[1:])
+def _gathered(t: torch.Tensor, rows: torch.Tensor, used: int, capacity: int) -> torch.Tensor:
+    out = t.new_zeros(len(rows), t.shape[1], capacity, t.shape[3])
     out[:, :, :used] = t[:, :, :used].index_select(0, rows)
     return out
 
