@@ -161,6 +161,19 @@ class Timer:
             self.stats.seconds += time.perf_counter() - self.start
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device`` without making the host wait for the device's queue.
+
+    A plain copy from host memory to a GPU waits for every queued kernel, like a read.
+    A copy from pinned memory with ``non_blocking`` does not; the caching host allocator
+    keeps the pinned block alive until the copy is done. Tensors already on the device
+    (or any tensor on a CPU run) pass through.
+    """
+    if t.device == device or device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def check_prompts(prompts: Sequence[Sequence[int]], max_length: int) -> None:
     """Clear errors for empty or over-long prompts before any forward runs."""
     if len(prompts) == 0:

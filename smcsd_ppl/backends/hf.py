@@ -9,7 +9,7 @@ import torch
 from transformers import PreTrainedModel
 
 from . import kv
-from .base import ForwardStats, Timer, check_prompts
+from .base import ForwardStats, Timer, check_prompts, to_device
 from .kv import RowCache, attention_mask, plan
 
 DEFAULT_CACHE_BUDGET = 8 * 2**30  # bytes of KV cache one backend may hold
@@ -121,7 +121,7 @@ class HFBatchedLM:
             valid,
             last_only=False,
             features=features,
-            vocab=None if vocab is None else vocab.to(self.device, non_blocking=True),
+            vocab=None if vocab is None else to_device(vocab, self.device),
         )
 
     @torch.inference_mode()
@@ -130,7 +130,7 @@ class HFBatchedLM:
         if rows.numel() == 0:
             raise ValueError(f"{self.name}: fork() needs at least one row")
         host = rows.tolist() if kv.on_host(rows) else None
-        rows = rows.to(self.device, non_blocking=True)
+        rows = to_device(rows, self.device)
         used = max(self.bound, default=0)
         self.tree_width = 0
         # More rows may not fit the old capacity within the budget: keep what fits.
@@ -150,7 +150,7 @@ class HFBatchedLM:
                 raise ValueError(f"{self.name}: cannot drop {drop} tokens from rows holding {self.bound}")
             self.bound = [b - d for b, d in zip(self.bound, drop)]
         self.tree_width = 0
-        self.lengths = self.lengths - n.to(self.device, non_blocking=True)
+        self.lengths = self.lengths - to_device(n, self.device)
 
     def check_finite(self) -> None:
         """Raise if any forward since the last check produced NaN logits (one host read)."""
@@ -201,7 +201,7 @@ class HFBatchedLM:
             )
         width = max(self.bound, default=0) + t + self.tree_width
         self.reserve(r, width)
-        ids, valid = ids.to(self.device, non_blocking=True), valid.to(self.device, non_blocking=True)
+        ids, valid = to_device(ids, self.device), to_device(valid, self.device)
         self.tree_width = 0
         dest, positions, allowed = plan(self.lengths, valid, width)
         self.cache.plan(dest, width)

@@ -22,6 +22,8 @@ from collections.abc import Callable
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .base import to_device
+
 
 class RowLayer(CacheLayerMixin):
     """One layer's preallocated keys and values; writes go where the owning cache says."""
@@ -110,8 +112,8 @@ class RowCache(Cache):
             if not moved:
                 return
             # Resampling usually replaces a few rows: copy only those, in place.
-            dest = torch.tensor([d for d, _ in moved]).to(rows.device, non_blocking=True)
-            src = torch.tensor([s for _, s in moved]).to(rows.device, non_blocking=True)
+            dest = to_device(torch.tensor([d for d, _ in moved]), rows.device)
+            src = to_device(torch.tensor([s for _, s in moved]), rows.device)
             self.map(lambda t: _copy_rows(t, dest, src, used))
         elif len(rows) == n_old:
             self.map(lambda t: _copy_rows(t, torch.arange(n_old, device=t.device), rows, used))

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from . import kv
-from .base import BatchedLM, Timer
+from .base import BatchedLM, Timer, to_device
 from .hf import HFBatchedLM
 
 
@@ -148,7 +148,7 @@ def _keep_in_cache(lm: HFBatchedLM, keep: torch.Tensor) -> None:
     """Move each row's kept nodes to its next columns, in order; the row grows by their number."""
     r, t = keep.shape
     host_n = keep.sum(1).tolist() if kv.on_host(keep) else [t] * r
-    keep = keep.to(lm.device, non_blocking=True)
+    keep = to_device(keep, lm.device)
     order = torch.argsort((~keep).to(torch.uint8), dim=1, stable=True)  # [R, T] kept first
     cols = lm.lengths[:, None] + order  # where each node is now
     dest = lm.lengths[:, None] + torch.arange(t, device=lm.device)[None, :]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..backends.base import BatchedLM, check_finite
+from ..backends.base import BatchedLM, check_finite, to_device
 from ..config import SMCConfig
 from ..potentials.constraints import Constraint
 from ..spec import block_log_weights, pick, power_log_normalizer, sample_probs, sample_tokens
@@ -103,7 +103,7 @@ def pad_left(seqs: Sequence[Sequence[int]], device: torch.device) -> tuple[torch
         if s:
             ids[i, width - len(s) :] = torch.tensor(list(s), dtype=torch.long)
             valid[i, width - len(s) :] = True
-    return ids.to(device), valid.to(device)
+    return to_device(ids, device), to_device(valid, device)  # no wait for the device's queue
 
 
 class BlockEngine:
