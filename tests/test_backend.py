@@ -10,6 +10,7 @@ import pytest
 import torch
 from tiny import MAX_POSITIONS, llama
 
+from smcsd_ppl.backends import hf, kv
 from smcsd_ppl.backends.hf import HFBatchedLM
 
 ATOL, RTOL = 1e-4, 1e-4
@@ -120,7 +121,7 @@ def test_holes_inside_a_block_are_invisible(model):
         torch.testing.assert_close(
             nxt[i], scratch(model, p + real + more[i].tolist(), 2), atol=ATOL, rtol=RTOL
         )
-    assert lm.rows.n_real.tolist() == [len(p) + int(v.sum()) + 2 for p, v in zip(PROMPTS, valid)]
+    assert lm.lengths.tolist() == [len(p) + int(v.sum()) + 2 for p, v in zip(PROMPTS, valid)]
 
 
 def test_drop_tail_forgets_rejected_tokens(model):
@@ -137,31 +138,43 @@ def test_drop_tail_forgets_rejected_tokens(model):
         torch.testing.assert_close(out[i], scratch(model, seq, 3), atol=ATOL, rtol=RTOL)
 
 
-def test_trailing_holes_are_cropped_from_the_cache(model):
+def test_drop_tail_rewinds_the_write_position_without_copies(model):
+    # Many cycles of extend + drop_tail reuse the same columns: the cache never grows or moves.
     lm = HFBatchedLM(model)
     lm.prefill(PROMPTS)
-    width = lm.rows.length
-    lm.extend(block(len(PROMPTS), 3, seed=7))
-    assert lm.rows.length == width + 3
-    lm.drop_tail(torch.tensor([2, 3, 2, 2]))  # the last two columns are holes in every row
-    assert lm.rows.length == width + 1
-    assert all(layer.keys.shape[2] == width + 1 for layer in lm.cache.layers)
-    lm.drop_tail(torch.tensor([1, 0, 1, 1]))
-    assert lm.rows.length == width
-    # a block fed with a trailing hole column keeps it until the next drop_tail or fork
-    lm.extend(block(len(PROMPTS), 2, seed=8), torch.tensor([[True, False]] * len(PROMPTS)))
-    assert lm.rows.length == width + 2
-    lm.fork(torch.arange(len(PROMPTS)))
-    assert lm.rows.length == width + 1
-    assert all(layer.keys.shape[2] == width + 1 for layer in lm.cache.layers)
-    lm.extend(block(len(PROMPTS), 2, seed=9), torch.tensor([[True, False]] * len(PROMPTS)))
-    lm.drop_tail(torch.zeros(len(PROMPTS), dtype=torch.long))
-    assert lm.rows.length == width + 2
-    assert all(layer.keys.shape[2] == width + 2 for layer in lm.cache.layers)
+    capacity, ptr = lm.cache.capacity, lm.cache.layers[0].keys.data_ptr()
+    seqs = [list(p) for p in PROMPTS]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(12):
+        tokens = torch.randint(1, 300, (len(PROMPTS), 5), generator=g)
+        lm.extend(tokens)
+        keep = [1, 3, 0, 5]
+        lm.drop_tail(torch.tensor([5 - k for k in keep]))
+        for s, row, k in zip(seqs, tokens.tolist(), keep):
+            s += row[:k]
+    assert lm.lengths.tolist() == [len(s) for s in seqs] == lm.bound
+    assert lm.cache.capacity == capacity and lm.cache.layers[0].keys.data_ptr() == ptr
+    out = lm.extend(torch.tensor([[3], [4], [5], [6]]))
+    for i, s in enumerate(seqs):
+        torch.testing.assert_close(out[i], scratch(model, s + [3 + i], 1), atol=ATOL, rtol=RTOL)
 
 
-def test_compaction_on_fork_keeps_logits_exact(model):
-    # Mostly-hole blocks make the cache wasteful; the next fork squeezes each row's holes out.
+def test_capacity_doubles_when_a_forward_needs_more(model, monkeypatch):
+    monkeypatch.setattr(hf, "HEADROOM", 2)
+    lm = HFBatchedLM(model)
+    lm.prefill(PROMPTS)
+    first = lm.cache.capacity
+    assert first == max(len(p) for p in PROMPTS) + 2
+    tokens = block(len(PROMPTS), 4, seed=12)
+    out = lm.extend(tokens)
+    assert lm.cache.capacity == 2 * first
+    for i, p in enumerate(PROMPTS):
+        torch.testing.assert_close(out[i], scratch(model, p + tokens[i].tolist(), 4), atol=ATOL, rtol=RTOL)
+
+
+def test_mostly_hole_blocks_leave_no_holes_behind(model):
+    # Holes are written past each row's end and overwritten next time: forks and later
+    # forwards see only real tokens, and the row lengths count real tokens only.
     lm = HFBatchedLM(model)
     lm.prefill(PROMPTS)
     t = 40
@@ -171,13 +184,10 @@ def test_compaction_on_fork_keeps_logits_exact(model):
     for r, cols in keep.items():
         valid[r, cols] = True
     lm.extend(tokens, valid)
-    assert lm.rows.wasteful()
     rows = torch.tensor([3, 1, 1, 0, 2])
     lm.fork(rows)
     real = [PROMPTS[r] + tokens[r][valid[r]].tolist() for r in range(len(PROMPTS))]
-    longest = max(len(real[r]) for r in rows.tolist())
-    assert lm.rows.length == longest  # holes only at row ends, then cropped
-    assert all(layer.keys.shape[2] == longest for layer in lm.cache.layers)
+    assert lm.lengths.tolist() == [len(real[r]) for r in rows.tolist()] == lm.bound
     more = block(len(rows), 3, seed=11)
     holes = torch.tensor([[True, False, True]] * len(rows))
     out = lm.extend(more, holes)
@@ -203,6 +213,19 @@ def test_kv_budget_raises_before_the_forward(model):
     assert lm.stats.calls == calls  # refused before running the model
     with pytest.raises(ValueError, match="budget"):
         HFBatchedLM(model, max_cache_bytes=1).prefill([[1, 2]])
+
+
+def test_fork_to_more_rows_stays_within_the_budget(model):
+    budget = lm_bytes(model, rows=2, positions=8)
+    lm = HFBatchedLM(model, max_cache_bytes=budget)
+    lm.prefill([[1, 2, 3]])
+    for rows in (2, 4):
+        lm.fork(torch.zeros(rows, dtype=torch.long))
+        assert lm.bytes_per_token * rows * lm.cache.capacity <= budget
+    out = lm.extend(torch.tensor([[4]] * 4))
+    torch.testing.assert_close(out[3], scratch(model, [1, 2, 3, 4], 1), atol=ATOL, rtol=RTOL)
+    with pytest.raises(ValueError, match="budget"):
+        lm.fork(torch.zeros(8, dtype=torch.long))  # 8 rows x 4 positions > 2 x 8
 
 
 def lm_bytes(model, rows, positions):
@@ -238,20 +261,24 @@ def test_bad_extend_shape_raises(model):
         lm.extend(torch.ones(3, 1, dtype=torch.long))
 
 
-def test_nan_logits_raise():
+def test_nan_logits_raise_at_the_next_check():
     broken = llama(seed=0)
     broken.lm_head.weight.fill_(float("nan"))
     lm = HFBatchedLM(broken, name="target")
+    lm.prefill([[1, 2, 3]])  # no host read per forward: the flag waits for check_finite
     with pytest.raises(ValueError, match="NaN") as err:
-        lm.prefill([[1, 2, 3]])
+        lm.check_finite()
     assert "target" in str(err.value)
 
     model = llama(seed=0)
     lm = HFBatchedLM(model, name="draft")
     lm.prefill([[1, 2, 3]])
-    model.lm_head.weight[7].fill_(float("nan"))  # breaks after prefill: extend must catch it
+    lm.check_finite()
+    model.lm_head.weight[7].fill_(float("nan"))  # breaks after prefill: the flag must catch it
+    lm.extend(torch.ones(1, 2, dtype=torch.long))
     with pytest.raises(ValueError, match="NaN"):
-        lm.extend(torch.ones(1, 2, dtype=torch.long))
+        lm.check_finite()
+    lm.check_finite()  # the flag was reset by the check that raised
 
 
 def test_bf16_fused_block_matches_token_by_token():
@@ -286,3 +313,25 @@ def test_extend_over_a_vocabulary_subset_returns_those_logits(model, plain_head)
     part = lm.extend(tokens, vocab=vocab)
     assert part.shape == (len(PROMPTS), 3, len(vocab))
     torch.testing.assert_close(part, full[..., vocab], atol=ATOL, rtol=RTOL)
+
+
+def test_indices_on_the_device_keep_logits_exact(model, monkeypatch):
+    # Masks, fork rows and drop counts that live on an accelerator are never read: the
+    # backend then keeps only upper bounds of the row lengths, and must stay exact.
+    lm = HFBatchedLM(model)
+    lm.prefill(PROMPTS)  # host bookkeeping first: exact, unequal row lengths
+    monkeypatch.setattr(kv, "on_host", lambda t: False)
+    tokens = block(len(PROMPTS), 4, seed=13)
+    valid = torch.tensor([[1, 0, 1, 1], [0, 1, 1, 1], [1, 1, 1, 1], [0, 0, 0, 1]], dtype=torch.bool)
+    lm.extend(tokens, valid)
+    seqs = [p + tokens[i][valid[i]].tolist() for i, p in enumerate(PROMPTS)]
+    lm.fork(torch.tensor([3, 3, 0, 2]))
+    seqs = [seqs[r] for r in (3, 3, 0, 2)]
+    more = block(4, 3, seed=14)
+    lm.extend(more)
+    lm.drop_tail(torch.tensor([2, 0, 1, 3]))
+    seqs = [s + more[i, : 3 - d].tolist() for i, (s, d) in enumerate(zip(seqs, (2, 0, 1, 3)))]
+    assert all(b >= n for b, n in zip(lm.bound, lm.lengths.tolist()))
+    out = lm.extend(torch.tensor([[1], [2], [3], [4]]))
+    for i, s in enumerate(seqs):
+        torch.testing.assert_close(out[i], scratch(model, s + [i + 1], 1), atol=ATOL, rtol=RTOL)

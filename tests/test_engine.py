@@ -533,3 +533,20 @@ def test_drafting_over_the_allowed_tokens_only_changes_nothing(smcsd, monkeypatc
         torch.testing.assert_close(a.draft_logq, b.draft_logq, atol=1e-5, rtol=1e-5)
         if keep_probs:
             torch.testing.assert_close(a.draft_probs, b.draft_probs, atol=1e-6, rtol=1e-5)
+
+
+def test_draft_on_another_device_raises():
+    draft = MockLM(5, seed=1)
+    draft.device = torch.device("meta")
+    with pytest.raises(ValueError, match="different devices"):
+        engine(MockLM(5), draft)
+
+
+def test_nan_logits_during_autoregressive_sampling_raise():
+    target, draft = tiny.pair()
+    smc = SMCSD(target, draft)
+    handle = nan_after_prefill(target.model)
+    with pytest.raises(ValueError, match="NaN") as err:
+        smc.generate(PROMPTS, method="ar", config=cfg())
+    assert "target" in str(err.value)
+    handle.remove()

@@ -116,7 +116,7 @@ def test_tree_logits_equal_paths_from_scratch_and_keep_path(attn):
     out = lm.extend(torch.tensor([[3], [4]]))[:, -1]
     for r, nxt in enumerate((3, 4)):
         torch.testing.assert_close(out[r], scratch(model, seqs[r] + [nxt]), atol=1e-4, rtol=1e-4)
-    assert lm.rows.n_real.tolist() == [len(s) + 1 for s in seqs]
+    assert lm.lengths.tolist() == [len(s) + 1 for s in seqs]
 
 
 def test_tree_errors():

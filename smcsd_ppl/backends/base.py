@@ -1,29 +1,49 @@
-"""The batched LM protocol and the row bookkeeping its implementations share.
+"""The batched LM protocol, forward statistics and checks every backend shares.
 
 A backend holds R rows (all particles of all requests, in the batch dimension)
-of one model's state. Rows have a common physical length; positions that hold
-no real token (left padding, a rejected draft, a block cut short) are *holes*,
-masked out of attention and skipped by position ids, so rows of different
-logical lengths share one rectangular cache.
+of one model's state. Positions fed without a real token (left padding, rows that
+sit a step out) are *holes*: invisible to every later token and skipped by
+position ids. ``HFBatchedLM`` never keeps them (``backends.kv``); the mock keeps
+them in a rectangular history tracked by ``RowMask``.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
 
 
-@dataclass
 class ForwardStats:
-    """Counts and wall time of a backend's model forwards."""
+    """Counts and wall time of a backend's model forwards.
 
-    calls: int = 0
-    seconds: float = 0.0
-    tokens: int = 0  # rows x new positions fed, holes included
+    On CUDA a forward's time is a pair of events read only when ``seconds`` is read
+    (after a run), so timing never makes the host wait inside a cycle.
+    """
+
+    def __init__(self, calls: int = 0, seconds: float = 0.0, tokens: int = 0) -> None:
+        self.calls, self.tokens = calls, tokens  # tokens: rows x new positions fed, holes included
+        self._seconds = seconds
+        self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    @property
+    def seconds(self) -> float:
+        """Time spent in forwards (settles pending CUDA events: a sync, so read it after a run)."""
+        if self._pending:
+            self._pending[-1][1].synchronize()
+            self._seconds += sum(start.elapsed_time(end) for start, end in self._pending) / 1000
+            self._pending.clear()
+        return self._seconds
+
+    @seconds.setter
+    def seconds(self, value: float) -> None:
+        self._pending.clear()
+        self._seconds = value
+
+    def __repr__(self) -> str:
+        return f"ForwardStats(calls={self.calls}, seconds={self.seconds:.4f}, tokens={self.tokens})"
 
     def reset(self) -> None:
         """Zero the counters."""
@@ -61,14 +81,14 @@ class BatchedLM(Protocol):
         """
 
     def fork(self, rows: torch.Tensor) -> None:
-        """Keep rows ``rows [R']`` in that order (duplicates allowed): one gather on dim 0."""
+        """Keep rows ``rows [R']`` in order (duplicates allowed); indices on the host spare a sync."""
 
     def drop_tail(self, n: torch.Tensor) -> None:
-        """Turn the last ``n[r]`` real positions of each row into holes (rejected tokens)."""
+        """Forget the last ``n[r]`` real tokens of each row (rejected or cut drafts)."""
 
 
 class RowMask:
-    """Which physical positions of each row are real tokens, and their position ids."""
+    """Which physical positions of each row are real tokens (the mock backend's bookkeeping)."""
 
     def __init__(self, valid: torch.Tensor) -> None:
         self.valid = valid  # [R, L] bool
@@ -78,11 +98,6 @@ class RowMask:
     def length(self) -> int:
         """Physical columns per row."""
         return self.valid.shape[1]
-
-    def new_positions(self, valid_new: torch.Tensor) -> torch.Tensor:
-        """Position ids ``[R, T]`` for appended tokens; holes reuse the next free id."""
-        before = torch.cumsum(valid_new.long(), 1) - valid_new.long()
-        return self.n_real[:, None] + before
 
     def append(self, valid_new: torch.Tensor) -> None:
         """Record appended positions ``[R, T]``."""
@@ -106,12 +121,6 @@ class RowMask:
         self.valid = self.valid & ~drop
         self.n_real = self.n_real - n
 
-    def trailing_holes(self) -> int:
-        """Physical columns at the end that are holes in every row (safe to crop)."""
-        any_real = self.valid.any(0)
-        real_cols = torch.nonzero(any_real)
-        return self.length if real_cols.numel() == 0 else self.length - 1 - int(real_cols[-1])
-
     def wasteful(self) -> bool:
         """Holes take more than half the columns (SD rows that rejected different amounts)."""
         return self.length > 2 * int(self.n_real.max()) + 16
@@ -127,28 +136,42 @@ class RowMask:
         self.valid = torch.arange(width, device=self.valid.device)[None, :] < self.n_real[:, None]
         return order
 
-    def crop(self, n: int) -> None:
-        """Remove the last ``n`` physical columns."""
-        if n:
-            self.valid = self.valid[:, : self.length - n]
-
 
 class Timer:
-    """Adds a block's wall time to ``ForwardStats`` (synchronizing CUDA first)."""
+    """Adds a block's time to ``ForwardStats``: CUDA events on CUDA (no sync), else the wall clock."""
 
     def __init__(self, stats: ForwardStats, device: torch.device, tokens: int) -> None:
         self.stats, self.device, self.tokens = stats, device, tokens
+        self.events = None
 
     def __enter__(self) -> Timer:
+        if self.device.type == "cuda":
+            self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self.events[0].record()
         self.start = time.perf_counter()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
         self.stats.calls += 1
         self.stats.tokens += self.tokens
-        self.stats.seconds += time.perf_counter() - self.start
+        if self.events is not None:
+            self.events[1].record()
+            self.stats._pending.append(self.events)
+        else:
+            self.stats.seconds += time.perf_counter() - self.start
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device`` without making the host wait for the device's queue.
+
+    A plain copy from host memory to a GPU waits for every queued kernel, like a read.
+    A copy from pinned memory with ``non_blocking`` does not; the caching host allocator
+    keeps the pinned block alive until the copy is done. Tensors already on the device
+    (or any tensor on a CPU run) pass through.
+    """
+    if t.device == device or device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def check_prompts(prompts: Sequence[Sequence[int]], max_length: int) -> None:
@@ -167,3 +190,17 @@ def check_logits(logits: torch.Tensor, what: str) -> torch.Tensor:
     if torch.isnan(logits).any():
         raise ValueError(f"{what} produced NaN logits (try dtype=float32, or check the weights)")
     return logits
+
+
+def check_finite(*backends: BatchedLM) -> None:
+    """Raise if a backend produced NaN logits since its last check: one host read for all.
+
+    Backends that keep a device-side ``nonfinite`` flag (``HFBatchedLM``) are checked
+    here, once per cycle, instead of syncing on every forward; others check themselves.
+    """
+    flagged = [lm for lm in backends if isinstance(getattr(lm, "nonfinite", None), torch.Tensor)]
+    if flagged and any(
+        torch.stack([lm.nonfinite.to(flagged[0].nonfinite.device) for lm in flagged]).tolist()
+    ):
+        for lm in flagged:
+            lm.check_finite()

@@ -1,4 +1,4 @@
-"""Batched backend over any Hugging Face causal LM with a KV cache per row."""
+"""Batched backend over any Hugging Face causal LM with a preallocated KV cache per row."""
 
 from __future__ import annotations
 
@@ -6,15 +6,22 @@ import inspect
 from collections.abc import Sequence
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
-from .base import ForwardStats, RowMask, Timer, check_logits, check_prompts
+from . import kv
+from .base import ForwardStats, Timer, check_prompts, to_device
+from .kv import RowCache, attention_mask, plan
 
 DEFAULT_CACHE_BUDGET = 8 * 2**30  # bytes of KV cache one backend may hold
+HEADROOM = 256  # columns allocated past the first forward's need (a typical generation)
 
 
 class HFBatchedLM:
-    """Rows of one HF model's KV cache; particles live in the batch dimension.
+    """Rows of one HF model's preallocated KV cache; particles live in the batch dimension.
+
+    Row lengths live on the device (``lengths``) for masks and position ids; the host
+    keeps an upper bound per row (exact whenever the caller's masks are on the host),
+    enough to size forwards without reading the device.
 
     Args:
         model: a causal LM in eval mode (any device and dtype).
@@ -39,8 +46,11 @@ class HFBatchedLM:
         self.n_params = sum(p.numel() for p in model.parameters())  # what a forward reads
         self.stats = ForwardStats()
         self.cache_kw = _cache_keyword(model)
-        self.cache: DynamicCache | None = None
-        self.rows = RowMask(torch.zeros(0, 0, dtype=torch.bool, device=self.device))
+        self.cache: RowCache | None = None
+        self.lengths = torch.zeros(0, dtype=torch.long, device=self.device)  # [R] real tokens per row
+        self.bound: list[int] = []  # per row, >= lengths (host; exact when masks come from the host)
+        self.nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)  # NaN seen since last check
+        self.tree_width = 0  # columns of an unsettled extend_tree (keep_path settles them)
         # A feature draft reads the target's hidden states with its tokens; a target
         # serving one keeps the hidden states of its last forward (`keep_hidden`).
         self.needs_features = bool(getattr(model, "needs_features", False))
@@ -56,7 +66,7 @@ class HFBatchedLM:
     @property
     def n_rows(self) -> int:
         """Rows currently held."""
-        return self.rows.valid.shape[0]
+        return len(self.bound)
 
     def prefill(
         self, prompts: Sequence[Sequence[int]], features: Sequence[torch.Tensor] | None = None
@@ -68,8 +78,8 @@ class HFBatchedLM:
         """
         check_prompts(prompts, self.max_length)
         width = max(len(p) for p in prompts)
-        ids = torch.zeros(len(prompts), width, dtype=torch.long, device=self.device)
-        valid = torch.zeros(len(prompts), width, dtype=torch.bool, device=self.device)
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        valid = torch.zeros(len(prompts), width, dtype=torch.bool)
         for i, p in enumerate(prompts):  # left padding keeps every row's last token in the last column
             ids[i, width - len(p) :] = torch.tensor(list(p), dtype=torch.long)
             valid[i, width - len(p) :] = True
@@ -78,8 +88,11 @@ class HFBatchedLM:
             feats = torch.zeros(len(prompts), width, features[0].shape[-1], device=self.device)
             for i, f in enumerate(features):
                 feats[i, width - len(f) :] = f
-        self.cache = DynamicCache()
-        self.rows = RowMask(torch.zeros(len(prompts), 0, dtype=torch.bool, device=self.device))
+        self.cache = RowCache(0)
+        self.lengths = torch.zeros(len(prompts), dtype=torch.long, device=self.device)
+        self.bound = [0] * len(prompts)
+        self.nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)
+        self.tree_width = 0
         return self._forward(ids, valid, last_only=True, features=feats)[:, -1]
 
     def extend(
@@ -101,55 +114,70 @@ class HFBatchedLM:
         if tokens.dim() != 2 or tokens.shape[0] != self.n_rows:
             raise ValueError(f"{self.name}: tokens must be [{self.n_rows}, T], got {list(tokens.shape)}")
         if valid is None:
-            valid = torch.ones_like(tokens, dtype=torch.bool)
+            valid = torch.ones(tokens.shape, dtype=torch.bool)
         if features is not None:
             features = features.to(self.device)
         return self._forward(
-            tokens.to(self.device),
-            valid.to(self.device),
+            tokens,
+            valid,
             last_only=False,
             features=features,
-            vocab=None if vocab is None else vocab.to(self.device),
+            vocab=None if vocab is None else to_device(vocab, self.device),
         )
 
+    @torch.inference_mode()
     def fork(self, rows: torch.Tensor) -> None:
-        """Keep rows ``rows [R']`` in order: one ``index_select`` per cache tensor."""
-        rows = rows.to(self.device)
+        """Keep rows ``rows [R']`` in order (duplicates allowed); copies rows, in place when it can."""
         if rows.numel() == 0:
             raise ValueError(f"{self.name}: fork() needs at least one row")
-        same_shape = rows.numel() == self.n_rows
-        moved = rows != torch.arange(self.n_rows, device=self.device) if same_shape else None
-        self.rows.gather(rows)
-        if moved is not None and int(moved.sum()) * 2 < self.n_rows:
-            # Resampling usually replaces a few rows: copy only those, in place.
-            dest, src = torch.nonzero(moved)[:, 0], rows[moved]
-            with torch.inference_mode():
-                self.map_cache(lambda t: t.index_copy_(0, dest, t.index_select(0, src)))
-        else:
-            self.map_cache(lambda t: t.index_select(0, rows))
-        self._crop_holes()
+        host = rows.tolist() if kv.on_host(rows) else None
+        rows = to_device(rows, self.device)
+        used = max(self.bound, default=0)
+        self.tree_width = 0
+        # More rows may not fit the old capacity within the budget: keep what fits.
+        capacity = min(self.cache.capacity, self._budget_columns(rows.numel()))
+        self._check_budget(rows.numel(), used)
+        self.cache.fork(rows, host, used, capacity)
+        self.lengths = self.lengths.index_select(0, rows)
+        # Rows given on the device cannot be read without a sync: every row gets the largest bound.
+        self.bound = [self.bound[i] for i in host] if host is not None else [used] * rows.numel()
 
+    @torch.inference_mode()
     def drop_tail(self, n: torch.Tensor) -> None:
-        """Turn the last ``n[r]`` real positions of each row into holes."""
-        self.rows.drop_tail(n.to(self.device))
-        self._crop_holes()
+        """Forget the last ``n[r]`` real tokens of each row: its write position moves back."""
+        if kv.on_host(n):
+            drop = n.tolist()
+            if any(d > b for d, b in zip(drop, self.bound)) or min(drop, default=0) < 0:
+                raise ValueError(f"{self.name}: cannot drop {drop} tokens from rows holding {self.bound}")
+            self.bound = [b - d for b, d in zip(self.bound, drop)]
+        self.tree_width = 0
+        self.lengths = self.lengths - to_device(n, self.device)
 
-    def _crop_holes(self) -> None:
-        if self.rows.wasteful():  # gather real positions to the front, per row
-            index = self.rows.compaction()
-            self.map_cache(
-                lambda t: t.gather(2, index[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3]))
+    def check_finite(self) -> None:
+        """Raise if any forward since the last check produced NaN logits (one host read)."""
+        bad, self.nonfinite = bool(self.nonfinite), torch.zeros_like(self.nonfinite)
+        if bad:
+            raise ValueError(f"{self.name} produced NaN logits (try dtype=float32, or check the weights)")
+
+    def reserve(self, rows: int, width: int) -> None:
+        """Make room for ``width`` columns: double the capacity (within the byte budget) or refuse."""
+        self._check_budget(rows, width)
+        if width > self.cache.capacity:
+            # Room for a typical generation after the prompt, then doubling: growth copies are amortised.
+            want = max(width + HEADROOM, 2 * self.cache.capacity)
+            self.cache.grow(min(want, self._budget_columns(rows)))
+
+    def _budget_columns(self, rows: int) -> int:
+        return self.max_cache_bytes // max(1, self.bytes_per_token * rows)
+
+    def _check_budget(self, rows: int, width: int) -> None:
+        if width > self._budget_columns(rows):
+            raise ValueError(
+                f"{self.name}: KV cache would need {self.bytes_per_token * rows * width / 2**30:.2f} GiB for "
+                f"{rows} rows x {width} positions, over the budget of "
+                f"{self.max_cache_bytes / 2**30:.2f} GiB; "
+                "use fewer particles or tokens, or raise max_cache_bytes"
             )
-        n = self.rows.trailing_holes()
-        if n:
-            self.rows.crop(n)
-            self.map_cache(lambda t: t[:, :, : t.shape[2] - n])
-
-    def map_cache(self, fn) -> None:
-        """Apply ``fn`` to every layer's key and value tensors ``[R, heads, L, head_dim]``."""
-        for layer in self.cache.layers:
-            if getattr(layer, "keys", None) is not None and layer.keys.numel():
-                layer.keys, layer.values = fn(layer.keys), fn(layer.values)
 
     def _forward(
         self,
@@ -166,44 +194,53 @@ class HFBatchedLM:
             raise ValueError(f"{self.name}: this model {what}")
         if features is not None and features.shape[:2] != ids.shape:
             raise ValueError(f"{self.name}: features must be [{r}, {t}, H], got {list(features.shape)}")
-        need = int(self.rows.n_real.max()) + t if r else t
-        if need > self.max_length:
+        bound = [b + c for b, c in zip(self.bound, kv.host_counts(valid, r, t))]
+        if max(bound, default=0) > self.max_length:
             raise ValueError(
-                f"{self.name}: sequence would reach {need} tokens; the model's context is {self.max_length}"
+                f"{self.name}: sequence would reach {max(bound)} tokens; "
+                f"the model's context is {self.max_length}"
             )
-        cache_bytes = self.bytes_per_token * r * (self.rows.length + t)
-        if cache_bytes > self.max_cache_bytes:
-            raise ValueError(
-                f"{self.name}: KV cache would need {cache_bytes / 2**30:.2f} GiB for {r} rows x "
-                f"{self.rows.length + t} positions, over the budget of "
-                f"{self.max_cache_bytes / 2**30:.2f} GiB; "
-                "use fewer particles or tokens, or raise max_cache_bytes"
-            )
-        positions = self.rows.new_positions(valid)
-        self.rows.append(valid)
-        kwargs = {"attention_mask": self.rows.valid.long(), "position_ids": positions, "use_cache": True}
+        width = max(self.bound, default=0) + t + self.tree_width
+        self.reserve(r, width)
+        ids, valid = to_device(ids, self.device), to_device(valid, self.device)
+        self.tree_width = 0
+        dest, positions, allowed = plan(self.lengths, valid, width)
+        self.cache.plan(dest, width)
+        self.lengths = self.lengths + valid.sum(1)
+        self.bound = bound
+        kwargs = {
+            "attention_mask": attention_mask(allowed, self.model),
+            "position_ids": positions,
+            "use_cache": True,
+        }
         with Timer(self.stats, self.device, r * t), torch.inference_mode():
-            if features is not None:
-                kwargs[self.decoder_cache_kw] = self.cache
-                hidden = self.model.hidden(ids, features, **kwargs)
-            elif self.keep_hidden or (vocab is not None and self._plain_head()):
-                kwargs[self.decoder_cache_kw] = self.cache
-                hidden = self.model.get_decoder()(input_ids=ids, **kwargs).last_hidden_state
-            else:
-                kwargs[self.cache_kw] = self.cache
-                # An index tensor, not the int 1: HF's slice hidden[:, -1:] keeps the strides
-                # of the whole sequence, and torch's CPU linear then takes a path that copies
-                # the LM head per row (measured ~30x slower); indexing gives a fresh tensor.
-                keep = torch.tensor([t - 1], device=self.device) if last_only else 0
-                out = self.model(input_ids=ids, logits_to_keep=keep, **kwargs)
-                self.last_hidden = None
-                logits = out.logits if vocab is None else out.logits.index_select(-1, vocab)
-                return check_logits(logits.float(), self.name)
-            self.last_hidden = hidden if self.keep_hidden else None
-            if last_only:
-                hidden = hidden.index_select(1, torch.tensor([t - 1], device=self.device))  # see above
-            logits = _head(self.model.get_output_embeddings(), hidden, vocab)
-        return check_logits(logits.float(), self.name)
+            logits = self._logits(ids, kwargs, last_only, features, vocab)
+            self.nonfinite |= torch.isnan(logits).any()
+        return logits
+
+    def _logits(self, ids, kwargs, last_only, features, vocab) -> torch.Tensor:
+        """The forward itself: float32 logits ``[R, T or 1, V or U]``."""
+        t = ids.shape[1]
+        if features is not None:
+            kwargs[self.decoder_cache_kw] = self.cache
+            hidden = self.model.hidden(ids, features, **kwargs)
+        elif self.keep_hidden or (vocab is not None and self._plain_head()):
+            kwargs[self.decoder_cache_kw] = self.cache
+            hidden = self.model.get_decoder()(input_ids=ids, **kwargs).last_hidden_state
+        else:
+            kwargs[self.cache_kw] = self.cache
+            # An index tensor, not the int 1: HF's slice hidden[:, -1:] keeps the strides
+            # of the whole sequence, and torch's CPU linear then takes a path that copies
+            # the LM head per row (measured ~30x slower); indexing gives a fresh tensor.
+            keep = torch.tensor([t - 1], device=self.device) if last_only else 0
+            out = self.model(input_ids=ids, logits_to_keep=keep, **kwargs)
+            self.last_hidden = None
+            logits = out.logits if vocab is None else out.logits.index_select(-1, vocab)
+            return logits.float()
+        self.last_hidden = hidden if self.keep_hidden else None
+        if last_only:
+            hidden = hidden.index_select(1, torch.tensor([t - 1], device=self.device))  # see above
+        return _head(self.model.get_output_embeddings(), hidden, vocab).float()
 
     def _plain_head(self) -> bool:
         """Whether the logits are the LM head applied to the decoder's output, as in Llama.

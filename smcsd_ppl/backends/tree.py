@@ -5,11 +5,11 @@ A tree of T nodes per row is given by ``tokens [R, T]`` and ``parents [R, T]``
 Each node attends to its row's real prefix and to its own ancestors, at position
 id ``n_real + depth``, so its logits equal those of its root-to-node path fed
 alone. Afterwards ``keep_path`` keeps one root-to-node path per row (moved to the
-front of the tree's columns) and turns the rest into holes the backend crops.
+front of the tree's columns); the rest is forgotten.
 
-On ``HFBatchedLM`` the forward takes a custom 4D mask: transformers 5.24's
-``masking_utils`` returns any 4D mask as-is; SDPA reads a bool mask (True =
-attend), eager attention an additive float one. The mock LM (any backend with
+On ``HFBatchedLM`` the nodes are written after each row's tokens in its
+preallocated cache and the forward takes a custom 4D mask (``backends.kv``):
+transformers 5.24's ``masking_utils`` returns any 4D mask as-is. The mock LM (any backend with
 ``next_logits``) is served by exact path enumeration, so the decoding loops
 built on this module can be checked by enumeration too.
 """
@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import BatchedLM, Timer, check_logits
+from . import kv
+from .base import BatchedLM, Timer, to_device
 from .hf import HFBatchedLM
 
 
@@ -54,7 +55,7 @@ def extend_tree(
     """
     if tokens.dim() != 2 or tokens.shape != parents.shape or tokens.shape[0] != lm.n_rows:
         raise ValueError(f"tokens and parents must both be [{lm.n_rows}, T], got {list(tokens.shape)}")
-    device = lm.rows.valid.device
+    device = lm.device
     tokens, parents = tokens.to(device), parents.to(device)
     valid = torch.ones_like(tokens, dtype=torch.bool) if valid is None else valid.to(device)
     anc = ancestors(parents, valid)  # [R, T, T]
@@ -72,32 +73,30 @@ def _tree_forward(
     if lm.cache is None:
         raise ValueError(f"{lm.name}: extend_tree() before prefill()")
     r, t = tokens.shape
-    if int((lm.rows.n_real + depth.max(1).values).max()) + 1 > lm.max_length:
+    if max(lm.bound, default=0) + t > lm.max_length:
         raise ValueError(f"{lm.name}: the tree would pass the model's context of {lm.max_length}")
-    if lm.bytes_per_token * r * (lm.rows.length + t) > lm.max_cache_bytes:
-        raise ValueError(f"{lm.name}: KV cache for the tree would pass max_cache_bytes; use a smaller tree")
-    prefix = lm.rows.valid[:, None, :].expand(r, t, -1)
-    allowed = torch.cat([prefix, anc], 2)[:, None]  # [R, 1, T, L + T]
-    impl = getattr(lm.model.config, "_attn_implementation", "sdpa")
-    if impl == "eager":
-        dtype = next(lm.model.parameters()).dtype
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    elif impl == "sdpa":
-        mask = allowed
-    else:
-        raise ValueError(f"tree attention needs attn_implementation 'sdpa' or 'eager', not {impl!r}")
-    positions = lm.rows.n_real[:, None] + depth
-    lm.rows.append(torch.zeros_like(tokens, dtype=torch.bool))  # holes until keep_path
+    width = max(lm.bound, default=0) + t
+    try:
+        lm.reserve(r, width)
+    except ValueError as err:
+        raise ValueError(
+            f"{lm.name}: KV cache for the tree would pass max_cache_bytes; use a smaller tree"
+        ) from err
+    dest, allowed = kv.tree_plan(lm.lengths, anc, width)
+    mask = kv.attention_mask(allowed, lm.model)
+    lm.cache.plan(dest, width)
+    lm.tree_width = t  # the nodes sit after each row's tokens until keep_path
     with Timer(lm.stats, lm.device, r * t), torch.inference_mode():
         out = lm.model(
             input_ids=tokens,
             attention_mask=mask,
-            position_ids=positions,
+            position_ids=lm.lengths[:, None] + depth,
             use_cache=True,
             **{lm.cache_kw: lm.cache},
         )
-    return check_logits(out.logits.float(), lm.name)
+        logits = out.logits.float()
+        lm.nonfinite |= torch.isnan(logits).any()
+    return logits
 
 
 def _enumerated(lm, tokens: torch.Tensor, anc: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -120,32 +119,46 @@ def keep_path(lm: BatchedLM, keep: torch.Tensor) -> None:
     """Keep the tree nodes ``keep [R, T]`` (a root-to-node path per row, possibly empty).
 
     The kept nodes move to the front of the tree's columns in index order (an
-    ancestor precedes its descendants, so positions stay consecutive); the other
-    columns become holes, and the backend crops or compacts them as usual.
+    ancestor precedes its descendants, so positions stay consecutive) and join the
+    row; the other nodes are forgotten.
     """
     r, t = keep.shape
+    if isinstance(lm, HFBatchedLM):
+        if r != lm.n_rows or t != lm.tree_width:
+            raise ValueError("keep_path() must directly follow extend_tree() with the same tree width")
+        _keep_in_cache(lm, keep)
+        return
     if t > lm.rows.length or r != lm.n_rows:
         raise ValueError(f"keep must be [{lm.n_rows}, T<={lm.rows.length}], got {list(keep.shape)}")
-    keep = keep.to(lm.rows.valid.device)
     if bool(lm.rows.valid[:, -t:].any()):
         raise ValueError("keep_path() must directly follow extend_tree() with the same tree width")
     order = torch.argsort((~keep).to(torch.uint8), dim=1, stable=True)  # [R, T] kept first
     n = keep.sum(1)
     start = lm.rows.length - t
-
-    def move(x: torch.Tensor, dim: int) -> torch.Tensor:
-        shape = [1] * x.dim()
-        shape[0], shape[dim] = r, t
-        index = order.view(shape).expand(*x.shape[:dim], t, *x.shape[dim + 1 :])
-        tail = x.narrow(dim, start, t).gather(dim, index)
-        return torch.cat([x.narrow(dim, 0, start), tail], dim)
-
-    with torch.inference_mode():
-        if isinstance(lm, HFBatchedLM):
-            lm.map_cache(lambda x: move(x, 2))  # [R, heads, L, head_dim]
-        else:
-            lm.history = move(lm.history, 1)
-    kept_cols = torch.arange(t, device=keep.device)[None, :] < n[:, None]
+    tail = lm.history[:, start:].gather(1, order)
+    lm.history = torch.cat([lm.history[:, :start], tail], 1)
+    kept_cols = torch.arange(t)[None, :] < n[:, None]
     lm.rows.valid = torch.cat([lm.rows.valid[:, :start], kept_cols], 1)
     lm.rows.n_real = lm.rows.n_real + n
-    lm.drop_tail(torch.zeros(r, dtype=torch.long))  # dropping nothing lets the backend crop holes
+    lm.drop_tail(torch.zeros(r, dtype=torch.long))  # dropping nothing lets the backend compact holes
+
+
+@torch.inference_mode()
+def _keep_in_cache(lm: HFBatchedLM, keep: torch.Tensor) -> None:
+    """Move each row's kept nodes to its next columns, in order; the row grows by their number."""
+    r, t = keep.shape
+    host_n = keep.sum(1).tolist() if kv.on_host(keep) else [t] * r
+    keep = to_device(keep, lm.device)
+    order = torch.argsort((~keep).to(torch.uint8), dim=1, stable=True)  # [R, T] kept first
+    cols = lm.lengths[:, None] + order  # where each node is now
+    dest = lm.lengths[:, None] + torch.arange(t, device=lm.device)[None, :]
+
+    def move(x: torch.Tensor) -> torch.Tensor:
+        shape = (r, x.shape[1], t, x.shape[3])
+        nodes = x.gather(2, cols[:, None, :, None].expand(shape))
+        return x.scatter_(2, dest[:, None, :, None].expand(shape), nodes)
+
+    lm.cache.map(move)
+    lm.lengths = lm.lengths + keep.sum(1)
+    lm.bound = [b + n for b, n in zip(lm.bound, host_n)]
+    lm.tree_width = 0

@@ -7,8 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..backends.base import BatchedLM
+from ..backends.base import BatchedLM, check_finite
 from ..spec import sample_tokens
+
+NAN_CHECK_EVERY = 16  # forwards between checks for NaN logits (each check is a host read)
 
 
 @dataclass
@@ -49,6 +51,8 @@ def autoregressive(
                 keep.append(i)
         if on_step is not None:
             on_step(max(len(o) for o in outs))
+        if not keep or calls % NAN_CHECK_EVERY == 0:  # NaN logits end the run a few tokens late
+            check_finite(target)
         if not keep:
             return TokenRun(outs, calls)
         if len(keep) < len(rows):

@@ -112,7 +112,7 @@ def racer_generate(
         trees = [
             drafter.build_draft_tree(contexts[r], budget, max_new_tokens - len(outs[r]) - 1) for r in rows
         ]
-        tokens, parents, valid = _pack(trees, target.rows.valid.device)
+        tokens, parents, valid = _pack(trees, target.device)
         logits = extend_tree(target, tokens, parents, valid)  # [R, T, V]
         calls += 1
         choice = _choose(logits.flatten(0, 1), temperature, g).view(tokens.shape)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..backends.base import check_finite
 from ..inference.engine import BlockEngine, DraftedBlock
 from ..spec import speculative_accept
 
@@ -52,10 +53,11 @@ def speculative_sampling(
         draft_probs = torch.stack([b.draft_probs for b in blocks])  # [R, K, V]
         tokens = torch.tensor([b.tokens for b in blocks], device=draft_probs.device)
         n_acc, nxt = speculative_accept(target_probs, draft_probs, tokens, engine.g)
+        n_acc, nxt = torch.stack([n_acc, nxt]).tolist()  # one host read for both
         calls += 1
         drafted += sum(b.kept for b in blocks)
-        accepted += sum(min(n, b.kept) for b, n in zip(blocks, n_acc.tolist()))
-        going = settle(engine, blocks, n_acc.tolist(), nxt.tolist(), [outs[r] for r in rows])
+        accepted += sum(min(n, b.kept) for b, n in zip(blocks, n_acc))
+        going = settle(engine, blocks, n_acc, nxt, [outs[r] for r in rows])
         rows = [rows[i] for i in going]
         if on_step is not None:
             on_step(max(len(o) for o in outs))
@@ -74,6 +76,7 @@ def settle(
     those rows, in that order.
     """
     cfg = engine.config
+    check_finite(engine.target, engine.draft)  # once per cycle, not per forward
     kept, nexts, going = [], [], []
     for i, (b, m, t) in enumerate(zip(blocks, n_acc, nxt)):
         out = outs[i]

@@ -61,6 +61,7 @@ class Masking:
         ]
         self.dead_at: dict[int, int] = {}  # request index -> position where nothing was allowed
         self.position = 0  # of the token the latest masks are for
+        self.host_drafted: list[list[int]] = []  # drafted tokens per step, read once each
 
     def next_masks(self, drafted: list[torch.Tensor]) -> dict[int, torch.Tensor]:
         """Allowed tokens ``[V]`` (bool) at the next position of each live row, by request.
@@ -71,7 +72,10 @@ class Masking:
         live = [(i, r, c) for i, r, c in self.items if i not in self.dead_at]
         if not live:
             return {}
-        contexts = [(c.constraint, c.context + tuple(int(d[r]) for d in drafted)) for _, r, c in live]
+        for d in drafted[len(self.host_drafted) :]:  # one host read per step, not per element
+            self.host_drafted.append(d.tolist())
+        steps = self.host_drafted[: len(drafted)]
+        contexts = [(c.constraint, c.context + tuple(d[r] for d in steps)) for _, r, c in live]
         masks = _masks(contexts)
         out = {}
         for (i, _, _), mask, some in zip(live, masks, _nonempty(masks)):

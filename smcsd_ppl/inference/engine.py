@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..backends.base import BatchedLM
+from ..backends.base import BatchedLM, check_finite, to_device
 from ..config import SMCConfig
 from ..potentials.constraints import Constraint
 from ..spec import (
@@ -113,7 +113,7 @@ def pad_left(seqs: Sequence[Sequence[int]], device: torch.device) -> tuple[torch
         if s:
             ids[i, width - len(s) :] = torch.tensor(list(s), dtype=torch.long)
             valid[i, width - len(s) :] = True
-    return ids.to(device), valid.to(device)
+    return to_device(ids, device), to_device(valid, device)  # no wait for the device's queue
 
 
 class BlockEngine:
@@ -132,6 +132,9 @@ class BlockEngine:
                 f"draft vocabulary ({draft.vocab_size}) differs from the target's ({target.vocab_size}); "
                 "SMC-SD needs a draft that shares the target's tokenizer"
             )
+        devices = {str(getattr(lm, "device", "cpu")) for lm in (target, draft)}
+        if len(devices) > 1:
+            raise ValueError(f"draft and target are on different devices {sorted(devices)}: use one device")
         self.target, self.draft, self.config = target, draft, config
         self.record = record if record is not None else DraftRecord()  # the draft's history, for cuts
         self.draft_ready = False  # the draft holds the rows (start() may skip it)
@@ -139,6 +142,9 @@ class BlockEngine:
         self.device = getattr(target, "device", torch.device("cpu"))
         self.g = torch.Generator(device=self.device).manual_seed(config.seed)
         self.g_cpu = torch.Generator().manual_seed(config.seed + 1)
+        # Whether drafting may read the device each step to stop once every row has ended:
+        # free on a CPU, a sync on an accelerator (tests turn it off to count the latter's reads).
+        self.early_stop_reads = self.device.type == "cpu"
         self.target_pending: list[list[int]] = []
         self.draft_pending: list[list[int]] = []
         # One drafted position's cost relative to a target step, for adaptive drafting.
@@ -256,7 +262,7 @@ class BlockEngine:
         eos = torch.tensor(sorted(self.eos), dtype=torch.long, device=self.device)
         longest = max(min(b, n) for b, n in zip(budgets, limits))
         # Masks already bring every step to the host; on a CPU the check is free anyway.
-        host_checks = self.device.type == "cpu" or bool(masking.items)
+        host_checks = self.early_stop_reads or bool(masking.items)
         for j in range(k):
             allowed = masking.next_masks(drafts)  # proposal-mode rows sample allowed tokens only
             if masking.dead_at:
@@ -377,6 +383,8 @@ class BlockEngine:
         log_w = block_log_weights(token_logp, draft_logq, kept.cpu(), bonus_log_z, has_bonus, c.alpha)
         # A dead block, or a row that must go on but has no allowed bonus token: zero weight.
         log_w = log_w.masked_fill(dead | (going & ~has_bonus), -math.inf).tolist()
+        if any(math.isnan(w) for w in log_w):  # NaN logits show here, already on the host
+            check_finite(self.target, self.draft)
         out, nexts = [], []
         for i, b in enumerate(blocks):
             nxt = bonus[i] if has_bonus[i] else None
@@ -451,7 +459,7 @@ class BlockEngine:
         if rows == list(range(self.n_rows)):
             return
         if rows:
-            index = torch.tensor(rows, device=self.device)
+            index = torch.tensor(rows)  # on the host: backends then know the rows without a read
             self.target.fork(index)
             if self.draft_ready:
                 self.draft.fork(index)

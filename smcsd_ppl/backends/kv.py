@@ -1,0 +1,194 @@
+"""A preallocated KV cache with one write position per row.
+
+Every layer holds keys and values ``[R, heads, C, head_dim]`` allocated ahead of time
+(capacity C, grown by doubling when a forward needs more). Row r's real tokens fill
+columns ``[0, length[r])`` in order, so rows never hold holes:
+
+- a forward writes each row's real tokens at ``length[r], length[r] + 1, ...`` and its
+  holes (left padding, rows that sit a step out) after them, where the next forward
+  overwrites them;
+- dropping a row's tail moves ``length[r]`` back; nothing is copied;
+- a fork copies rows (in place when the row count stays).
+
+Attention reads columns ``[0, width)`` through one 4D mask per forward (shared by all
+layers), built on the device from the lengths: no per-forward host read, no
+``torch.cat`` of the whole cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .base import to_device
+
+
+class RowLayer(CacheLayerMixin):
+    """One layer's preallocated keys and values; writes go where the owning cache says."""
+
+    is_sliding = False
+
+    def __init__(self, owner: RowCache) -> None:
+        super().__init__()
+        self.owner = owner
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Allocate zeroed buffers at the owner's capacity (zeros: masked columns stay finite)."""
+        r, heads, _, dim = key_states.shape
+        self.keys = key_states.new_zeros(r, heads, self.owner.capacity, dim)
+        self.values = value_states.new_zeros(r, heads, self.owner.capacity, value_states.shape[-1])
+        self.device = key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Scatter the new states ``[R, heads, T, dim]`` to their columns; return the first ``width``."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        # index_put_ on [R, C, heads, dim] views writes only the new tokens (scatter_ on CPU
+        # copied the whole buffer).
+        rows, dest = self.owner.rows, self.owner.dest  # [R, 1], [R, T]
+        self.keys.transpose(1, 2).index_put_((rows, dest), key_states.transpose(1, 2))
+        self.values.transpose(1, 2).index_put_((rows, dest), value_states.transpose(1, 2))
+        width = self.owner.width
+        return self.keys[:, :, :width], self.values[:, :, :width]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """Columns attention reads (the mask is always given in 4D, so this is informative)."""
+        return self.owner.width, 0
+
+    def get_seq_length(self) -> int:
+        """Columns attention reads."""
+        return self.owner.width
+
+    def get_max_length(self) -> int:
+        """The preallocated capacity."""
+        return self.owner.capacity
+
+
+class RowCache(Cache):
+    """Layers of ``RowLayer``; ``dest`` and ``width`` are set by the backend before each forward."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(layers=[])
+        self.capacity = capacity
+        self.dest: torch.Tensor | None = None  # [R, T] column of each fed token
+        self.rows: torch.Tensor | None = None  # [R, 1] row index, broadcast against dest
+        self.width = 0
+
+    def plan(self, dest: torch.Tensor, width: int) -> None:
+        """Where the next forward writes (``dest [R, T]``) and how many columns it reads."""
+        self.dest, self.width = dest, width
+        self.rows = torch.arange(dest.shape[0], device=dest.device)[:, None]
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        """Write one layer's new states (layers are created on first use)."""
+        while len(self.layers) <= layer_idx:
+            self.layers.append(RowLayer(self))
+        return self.layers[layer_idx].update(key_states, value_states)
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Replace every allocated key and value buffer ``[R, heads, C, dim]`` by ``fn`` of it."""
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.keys, layer.values = fn(layer.keys), fn(layer.values)
+
+    def grow(self, capacity: int) -> None:
+        """Enlarge every buffer to ``capacity`` columns (one copy; amortised by doubling)."""
+        extra = capacity - self.capacity
+        if extra > 0:
+            self.map(lambda t: torch.cat([t, t.new_zeros(*t.shape[:2], extra, t.shape[3])], 2))
+            self.capacity = capacity
+
+    def fork(self, rows: torch.Tensor, host_rows: list[int] | None, used: int, capacity: int) -> None:
+        """Keep rows ``rows [R']`` in order; only the first ``used`` columns are copied.
+
+        A new row count reallocates at ``capacity`` columns; the same count copies in place.
+        """
+        n_old = self.layers[0].keys.shape[0] if self.layers and self.layers[0].is_initialized else 0
+        if host_rows is not None and len(host_rows) == n_old:
+            moved = [(d, s) for d, s in enumerate(host_rows) if d != s]
+            if not moved:
+                return
+            # Resampling usually replaces a few rows: copy only those, in place.
+            dest = to_device(torch.tensor([d for d, _ in moved]), rows.device)
+            src = to_device(torch.tensor([s for _, s in moved]), rows.device)
+            self.map(lambda t: _copy_rows(t, dest, src, used))
+        elif len(rows) == n_old:
+            self.map(lambda t: _copy_rows(t, torch.arange(n_old, device=t.device), rows, used))
+        else:
+            self.map(lambda t: _gathered(t, rows, used, capacity))
+            self.capacity = capacity
+
+
+def _copy_rows(t: torch.Tensor, dest: torch.Tensor, src: torch.Tensor, used: int) -> torch.Tensor:
+    head = t[:, :, :used]
+    head.index_copy_(0, dest, head.index_select(0, src))
+    return t
+
+
+def _gathered(t: torch.Tensor, rows: torch.Tensor, used: int, capacity: int) -> torch.Tensor:
+    out = t.new_zeros(len(rows), t.shape[1], capacity, t.shape[3])
+    out[:, :, :used] = t[:, :, :used].index_select(0, rows)
+    return out
+
+
+def plan(
+    length: torch.Tensor,  # [R] real tokens each row holds
+    valid: torch.Tensor,  # [R, T] False = hole
+    width: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where a forward's tokens go and what they see.
+
+    Returns ``dest [R, T]`` (cache column of each token: real tokens packed after the
+    row's last real one, holes after those), ``positions [R, T]`` (holes reuse the next
+    free id) and ``allowed [R, 1, T, width]`` (True = attend): a real token sees its
+    row's real prefix, the earlier real tokens of the block and itself; a hole sees
+    only itself, so no row of the softmax is empty.
+    """
+    v = valid.long()
+    before = v.cumsum(1) - v
+    holes_before = (1 - v).cumsum(1) - (1 - v)
+    start = length[:, None]
+    dest = torch.where(valid, start + before, start + v.sum(1, keepdim=True) + holes_before)
+    cols = torch.arange(width, device=valid.device)[None, None, :]
+    sees = torch.where(valid[:, :, None], cols <= dest[:, :, None], cols == dest[:, :, None])
+    return dest, start + before, sees[:, None]
+
+
+def tree_plan(
+    length: torch.Tensor,  # [R]
+    anc: torch.Tensor,  # [R, T, T] node j is node i or an ancestor of it
+    width: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dest [R, T]`` and ``allowed [R, 1, T, width]`` for a token tree written after each row."""
+    r, t = anc.shape[:2]
+    dest = length[:, None] + torch.arange(t, device=anc.device)[None, :]
+    cols = torch.arange(width, device=anc.device)
+    prefix = (cols[None, :] < length[:, None])[:, None, :].expand(r, t, width)
+    allowed = prefix.clone()
+    allowed.scatter_(2, dest[:, None, :].expand(r, t, t), anc)  # a node sees its ancestors' columns
+    return dest, allowed[:, None]
+
+
+def attention_mask(allowed: torch.Tensor, model: torch.nn.Module) -> torch.Tensor:
+    """The 4D mask the model's attention takes: bool for SDPA, additive float for eager."""
+    impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
+    if impl == "sdpa":
+        return allowed
+    if impl == "eager":
+        dtype = next(model.parameters()).dtype
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+        return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    raise ValueError(f"the batched backend needs attn_implementation 'sdpa' or 'eager', not {impl!r}")
+
+
+def on_host(t: torch.Tensor) -> bool:
+    """Whether reading ``t`` is free (it lives in host memory); otherwise it would be a sync."""
+    return t.device.type == "cpu"
+
+
+def host_counts(valid: torch.Tensor, rows: int, t: int) -> list[int]:
+    """Real tokens per row when ``valid`` is on the host; else ``t`` (an upper bound, no read)."""
+    return valid.sum(1).tolist() if on_host(valid) else [t] * rows

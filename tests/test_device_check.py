@@ -1,0 +1,35 @@
+"""The one-shot device check runs on the CPU with tiny shapes, so it cannot rot."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from smcsd_ppl import device_check
+
+
+def test_device_check_prints_one_json_report(capsys):
+    code = device_check.main(["--tiny", "--device", "cpu", "--repeats", "1", "--max-new-tokens", "24"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["equivalence_ok"]
+    assert set(report["equivalence_max_rel_err"]) == {"left_padding", "holes", "fork", "drop_tail", "tree"}
+    assert set(report["methods"]) == set(device_check.TIMED)
+    assert report["methods"]["ar"]["tokens_per_target_call"] == 1.0
+    assert report["methods"]["smcsd"]["tokens_per_target_call"] > 1.0
+    assert report["methods"]["ar"]["host_reads_per_cycle"] == 1.0
+    assert report["forward_ms"]["8x9"] > 0 and report["peak_memory_bytes"] > 0
+
+
+def test_equivalence_catches_a_backend_that_lets_holes_show(monkeypatch):
+    # A mask that lets every token see every written column (holes and stale tails included).
+    real_plan = device_check.HFBatchedLM.__init__.__globals__["plan"]
+
+    def leaky(length, valid, width):
+        dest, positions, allowed = real_plan(length, valid, width)
+        return dest, positions, torch.ones_like(allowed)
+
+    monkeypatch.setitem(device_check.HFBatchedLM.__init__.__globals__, "plan", leaky)
+    model = device_check.build("tiny-target", 512, "cpu", seed=0).model
+    errors = device_check.equivalence(model, 512)
+    assert max(errors.values()) > device_check.BF16_TOL

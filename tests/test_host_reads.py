@@ -1,0 +1,104 @@
+"""Host reads per cycle: the syncs an accelerator would pay, counted on the CPU.
+
+``backends.syncs.HostReads`` follows values from the models' weights through every
+torch op and counts the reads of such values by the host (``.tolist()``, ``.item()``,
+``bool()``, ``.cpu()``, data-dependent shapes). The engine's early stop on EOS reads
+the device each drafting step on a CPU only (where it is free); it is turned off here
+so the counts are those of the accelerator path.
+
+Budgets (reads per cycle = between two target forwards):
+- AR: 1 (the sampled tokens), 2 on every 16th token (the NaN flag);
+- exact SD: 4 (drafted tokens, their log q, the accept verdicts, the NaN flags);
+- SMC-SD: 4 (drafted tokens and log q; target log p and the bonus tokens);
+- constrained SMC-SD: those 4, one for the bonus restriction, and 4 per drafting step
+  (the drafted tokens, mirrored on the host once per step for the constraint; the
+  per-row mass check; which rows still draft; the early stop), not one per row and
+  drafted token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import tiny
+import torch
+
+from smcsd_ppl.backends.syncs import HostReads, reads_per_cycle
+from smcsd_ppl.config import SMCConfig
+from smcsd_ppl.generate import SMCSD
+from smcsd_ppl.inference.program import SMCSDModel
+from smcsd_ppl.inference.smc import run_smc_sd
+
+K = 4
+CFG = SMCConfig(n_particles=8, block_size=K, max_new_tokens=24, ignore_eos=True, seed=0)
+BUDGET = {"sd": 4, "smcsd": 4}
+
+
+@pytest.fixture(scope="module")
+def smc():
+    target, draft = tiny.pair()
+    pair = SMCSD(target, draft)
+    engine = pair.engine
+
+    def accelerator_engine(config):
+        eng = engine(config)
+        eng.early_stop_reads = False
+        return eng
+
+    pair.engine = accelerator_engine
+    return pair
+
+
+def counted(smc, run) -> list[int]:
+    with reads_per_cycle(smc.target_lm, [smc.target.model, smc.draft.model]) as counts:
+        run()
+    assert len(counts) >= 4, "too few cycles to judge"
+    return counts[1:]  # the first includes the setup (prefill, first token, forks)
+
+
+def test_autoregressive_reads_the_tokens_once_per_token(smc):
+    counts = counted(smc, lambda: smc.generate("The quick brown fox", method="ar", config=CFG))
+    assert max(counts) <= 2
+    assert sum(c > 1 for c in counts) <= len(counts) // 16 + 1, counts
+
+
+@pytest.mark.parametrize("method", ["sd", "smcsd"])
+def test_speculative_cycles_stay_within_budget(smc, method):
+    counts = counted(smc, lambda: smc.generate("The quick brown fox", method=method, config=CFG))
+    assert max(counts) <= BUDGET[method], counts
+
+
+class EvenTokens:
+    """Allows even token ids only (any context)."""
+
+    def next_mask(self, contexts):
+        mask = torch.zeros(len(contexts), len(tiny.tokenizer()), dtype=torch.bool)
+        mask[:, ::2] = True
+        return mask
+
+
+def test_constrained_drafting_reads_once_per_step(smc):
+    cfg = dataclasses.replace(CFG, n_particles=4)
+    programs = [SMCSDModel([5, 6, 7], constraint=EvenTokens())]
+    counts = counted(smc, lambda: run_smc_sd(programs, smc.engine(cfg)))
+    assert max(counts) <= BUDGET["smcsd"] + 1 + 4 * K, counts
+
+
+def test_counter_sees_reads_of_model_outputs_only():
+    model = tiny.llama(layers=1)
+    host = torch.tensor([1, 2, 3])
+    with HostReads([model]) as mode:
+        logits = model(host[None]).logits
+        host.tolist(), int(host[0])  # host data: free
+        assert mode.count == 0
+        top = logits[0, -1].argmax()
+        int(top), logits.cpu(), bool((logits > 0).any()), torch.nonzero(logits[0, 0] > 0)
+        assert mode.count == 4
+        copy = logits.cpu()  # once on the host, reading it is free
+        copy.tolist()
+        assert mode.count == 5
+        buf = torch.zeros(3)
+        buf[0] = logits[0, 0, 0]  # writing a model value taints the buffer
+        buf.tolist()
+        assert mode.count == 6
