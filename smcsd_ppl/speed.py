@@ -11,7 +11,7 @@ from .baselines.hf import hf_generate
 from .config import SMCConfig
 from .generate import SMCSD
 
-SPEED_METHODS = ("hf_generate", "ar", "sd", "smcsd")
+SPEED_METHODS = ("hf_generate", "ar", "sd", "smcsd", "smcsd_paper")
 
 
 @dataclass
