@@ -71,6 +71,20 @@ class SMCSD:
         t = load_model(target, device=device, dtype=dtype)
         return cls(t, resolve_draft(draft, t, device=device, dtype=dtype), **kwargs)
 
+    def calibrate(self, prompt: str, config: SMCConfig | None = None) -> DraftRecord:
+        """Learn how far this draft pays from one request, then stop learning.
+
+        SMC-SD with the quality cut starts each request from what earlier requests saw of
+        the draft, so outputs depend on what ran before. After ``calibrate`` every request
+        starts from this one's evidence, so runs are reproducible whatever their order.
+        """
+        self.draft_record = DraftRecord()
+        config = config or SMCConfig()
+        if config.cut is not None:
+            self.generate(prompt, config=config)
+        self.draft_record.frozen = True
+        return self.draft_record
+
     def encode(self, prompt: str) -> list[int]:
         """Token ids of a text prompt (chat template applied for instruct models)."""
         return encode_prompt(self.tokenizer, prompt, chat=self.chat)

@@ -212,6 +212,7 @@ def run_bench(
                 f.write(b"\n")
         f.seek(0, os.SEEK_END)
         results, warmed = [], set()
+        _calibrate(pair, grid, prompts)
         for i, ((method, n, k, t), prompt, rep) in enumerate(plan):
             key = (method, n, k, t, prompt.id, rep)
             if key not in done:
@@ -226,6 +227,20 @@ def run_bench(
             if on_record is not None:
                 on_record(done[key], i + 1, len(plan))
     return results
+
+
+def _calibrate(pair: SMCSD, grid: Grid, prompts: Sequence[Prompt]) -> None:
+    """Learn the draft once, from the first prompt and particle setting, then freeze it.
+
+    A resumed run must write the records an uninterrupted one would: SMC-SD requests must
+    not depend on which records ran before them in this process.
+    """
+    particle = [(n, k, t) for name, n, k, t in grid.settings() if registry.get(name).particles]
+    if particle and prompts:
+        try:
+            pair.calibrate(prompts[0].text, grid.config(*particle[0], 0))
+        except ValueError:
+            pair.draft_record.frozen = True  # the measured calls record the error
 
 
 def _warm(pair: SMCSD, method: str, prompt: Prompt, config: SMCConfig) -> None:

@@ -62,6 +62,7 @@ class DraftRecord:
     passed: float = 0.0
     failed: float = 0.0
     alone_since_probe: int = 0
+    frozen: bool = False  # stop learning: every request then starts alike, whatever ran before
 
     def schedule(self, block_size: int, particles: int, plain: bool, cost: float) -> DraftSchedule:
         """A new request's schedule, starting from this record (or probing afresh)."""
@@ -71,7 +72,7 @@ class DraftRecord:
             return fresh
         scale = min(1.0, PRIOR_POSITIONS / seen)
         prior = DraftSchedule(block_size, particles, plain, cost, self.passed * scale, self.failed * scale)
-        if prior.planned_length() > 0:
+        if prior.planned_length() > 0 or self.frozen:
             return prior
         self.alone_since_probe += 1
         if self.alone_since_probe > REPROBE_EVERY:
@@ -80,7 +81,9 @@ class DraftRecord:
         return prior
 
     def update(self, schedule: DraftSchedule) -> None:
-        """Add what a finished request's own cycles saw."""
+        """Add what a finished request's own cycles saw (unless frozen)."""
+        if self.frozen:
+            return
         self.passed = MEMORY * self.passed + schedule.passed - schedule.prior_passed
         self.failed = MEMORY * self.failed + schedule.failed - schedule.prior_failed
 
