@@ -105,7 +105,7 @@ def test_constrained_smcsd_is_properly_weighted(mode, program):
     Twisted.twists = 0
     k = 1 if program is Twisted else 2
     target, results = run(program, mode, RUNS[mode], seed=11, n_particles=3, block_size=k, ess_threshold=0.7)
-    assert program is not Twisted or Twisted.twists > RUNS[mode]
+    assert program is not Twisted or Twisted.twists > RUNS[mode] // 4  # the twist acted, often
     exact, z = constrained_target(target)
     assert 0.05 < z < 0.95  # the constraint matters
     for r in results:  # every weighted particle satisfies the constraint
