@@ -38,7 +38,12 @@ def add_parser(sub, model_args) -> None:
     cc.add_argument("--max-new-tokens", type=int, default=32, help="generation budget per run")
     cc.add_argument("--repeats", type=int, default=1, help="runs per task and method (medians reported)")
     cc.add_argument("--seed", type=int, default=0, help="seed of every run")
-    cc.add_argument("--cut", type=cut_value, default=0.3, help="SMC-SD's quality cut ('off': none)")
+    cc.add_argument(
+        "--cut",
+        type=cut_value,
+        default=None,
+        help="SMC-SD's quality cut (default off: the paper's algorithm)",
+    )
     cc.set_defaults(run=_compare_constrained)
 
 

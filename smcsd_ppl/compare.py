@@ -24,7 +24,6 @@ import torch
 
 from .baselines import steering
 from .baselines.steering import SteeringRecord, TaskConstraint
-from .config import SMCConfig
 
 
 @dataclass(frozen=True)
@@ -121,7 +120,7 @@ def compare_constrained(
     temperature: float = 0.7,
     seed: int = 0,
     repeats: int = 1,
-    cut: float | None = SMCConfig.cut,
+    cut: float | None = None,
     on_run: Callable[[str, str, SteeringRecord], None] | None = None,
 ) -> list[CompareRow]:
     """Run every method on every task ``repeats`` times, interleaved; one row per (task, method)."""

@@ -42,7 +42,15 @@ def eos_smcsd():
 
 
 def cfg(**kw):
-    base = dict(n_particles=4, block_size=3, max_new_tokens=10, seed=0, target_temperature=1.0, cut=None)
+    base = dict(
+        n_particles=4,
+        block_size=3,
+        max_new_tokens=10,
+        seed=0,
+        draft_temperature=0.7,
+        target_temperature=1.0,
+        cut=None,
+    )
     return SMCConfig(**(base | kw))
 
 
@@ -95,7 +103,7 @@ def test_forward_counts_of_the_baselines(smcsd, block_lengths):
 def test_forward_counts_with_the_mock_backend():
     target, draft = MockLM(5, seed=0), MockLM(5, seed=1)
     cycles = []
-    config = SMCConfig(n_particles=4, block_size=3, max_new_tokens=10, seed=0)
+    config = SMCConfig(n_particles=4, block_size=3, max_new_tokens=10, seed=0, cut=None)
     eng = BlockEngine(target, draft, [], config)  # no EOS: every particle runs to the budget
     res = run_smc_sd(
         [SMCSDModel([1, 2]), SMCSDModel([3]), SMCSDModel([0, 4, 1])], eng, on_cycle=cycles.append

@@ -275,6 +275,7 @@ def genlm_smc(
 
 
 def _smcsd(pair, program, task, name, *, n_particles, max_new_tokens, temperature, seed, block_size, **cfg):
+    cfg.setdefault("cut", None)  # the paper's algorithm unless asked: filtering needs all N particles
     config = SMCConfig(
         n_particles=n_particles,
         block_size=block_size,

@@ -442,7 +442,8 @@ class BlockEngine:
                 self.draft_pending[b.row] = self.draft_pending[b.row] + b.tokens[b.fed : n] + tail
             if nxt is not None:
                 drop_t[b.row] = k - n
-                drop_d[b.row] = k - 1 if states is not None else max(0, b.fed - n)
+                # A feature draft read its fed tokens with predicted states: all are dropped.
+                drop_d[b.row] = b.fed if states is not None else max(0, b.fed - n)
         self._drop(self.target, drop_t)
         self._drop(self.draft, drop_d)
 
