@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 from helpers import EOS, engine, exact_target, total_variation
-from test_constraints_exact import NoOneZero, satisfies
+from test_constraints_exact import NoOneZero, Twisted, satisfies
 
 import smcsd_ppl.inference.engine as engine_module
 from smcsd_ppl.backends.mock import MockLM
@@ -32,18 +32,6 @@ def models(rare_eos: bool = False):
         for lm in (target, draft):
             lm.table[..., EOS] -= 2.5
     return target, draft
-
-
-class Twisted(SMCSDModel):
-    """Twists towards outputs with many 2s; the final target must not change."""
-
-    twists = 0
-
-    async def step(self):
-        await self.extend()
-        if not self.finished:
-            Twisted.twists += 1
-            self.twist(0.7 * self.token_ids.count(2) - 0.3)
 
 
 def pooled(results):
