@@ -46,7 +46,9 @@ def test_assistant_config_is_restored(pair):
 @pytest.mark.parametrize("method", ["hf_assisted", "hf_prompt_lookup"])
 def test_seeded_determinism(pair, method):
     def run(seed):
-        cfg = SMCConfig(max_new_tokens=6, block_size=2, seed=seed)
+        cfg = SMCConfig(
+            max_new_tokens=6, block_size=2, seed=seed, draft_temperature=1.0, target_temperature=1.0
+        )
         return pair.generate(PROMPTS[1], method=method, config=cfg).token_ids
 
     state = torch.random.get_rng_state()
