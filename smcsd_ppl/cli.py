@@ -124,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .cli_compare import add_parser as add_compare
 
     add_compare(sub, _model_args)
+    from .cli_device import add_parser as add_device_check
+
+    add_device_check(sub)
     from .cli_fidelity import add_parser as add_fidelity
 
     add_fidelity(sub, _model_args)

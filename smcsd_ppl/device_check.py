@@ -1,10 +1,10 @@
 """One-shot device check: backend equivalence in bf16, then AR / SD / SMC-SD side by side.
 
-``python -m smcsd_ppl.device_check [--tiny] [--device cuda] [--compile]`` builds
+``smcsd device-check [--tiny] [--device cuda] [--compile]`` (``check`` here) builds
 random-weight Llamas of realistic shapes (an 8B target and a 1B draft; tiny ones with
 ``--tiny`` or on a CPU), checks the batched backend against plain forwards on the
 device (left padding, holes, fork, drop_tail, a token tree), times ``model.generate()``,
-AR, exact SD and SMC-SD (N=8, K=8, 128 tokens, EOS ignored) and prints one JSON object.
+AR, exact SD and SMC-SD (N=8, K=8, 128 tokens, EOS ignored) and returns one report.
 SMC-SD's speed does not depend on how well random models agree, so no weights are needed;
 acceptance and quality figures of random models mean nothing and are not reported.
 On one H200 the full-size check is sized to finish in well under six minutes.
@@ -12,9 +12,7 @@ On one H200 the full-size check is sized to finish in well under six minutes.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import resource
 import statistics
 import time
@@ -227,28 +225,24 @@ def timings(pair: SMCSD, prompt: list[int], config: SMCConfig, repeats: int) -> 
     return out
 
 
-def parse(argv: list[str] | None) -> argparse.Namespace:
-    """Command-line options."""
-    p = argparse.ArgumentParser(prog="python -m smcsd_ppl.device_check", description=__doc__.split("\n")[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--tiny", action="store_true", help="tiny shapes (the default on a CPU)")
-    p.add_argument("--compile", action="store_true", help="also time with torch.compile'd models")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--prompt-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per method (medians)")
-    return p.parse_args(argv)
-
-
-def check(args: argparse.Namespace) -> dict:
-    """Run the whole check; the report as a dict."""
+def check(
+    device: str | None = None,
+    *,
+    tiny: bool = False,
+    compile: bool = False,
+    max_new_tokens: int = 128,
+    prompt_tokens: int = 128,
+    repeats: int = 3,
+) -> dict:
+    """Run the whole check (on CUDA when there is one, else tiny on the CPU); the report as a dict."""
     start = time.perf_counter()
-    device = torch.device(args.device)
-    tiny = args.tiny or device.type == "cpu"
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    tiny = tiny or device.type == "cpu"
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     vocab = 512 if tiny else VOCAB_8B
-    target = build("tiny-target" if tiny else "8b", vocab, args.device, seed=0)
-    draft = build("tiny-draft" if tiny else "1b", vocab, args.device, seed=1)
+    target = build("tiny-target" if tiny else "8b", vocab, str(device), seed=0)
+    draft = build("tiny-draft" if tiny else "1b", vocab, str(device), seed=1)
     report = {"device": _device_name(device), "shapes": "tiny" if tiny else "8b target / 1b draft"}
     report["dtype"] = "bfloat16"
     errors = equivalence(target.model, vocab)
@@ -256,14 +250,12 @@ def check(args: argparse.Namespace) -> dict:
     report["equivalence_ok"] = all(v <= BF16_TOL for v in errors.values())
     report["forward_ms"] = forward_ms(target.model, device)
     pair = SMCSD(target, draft, chat=False)
-    prompt = torch.randint(
-        3, vocab, (args.prompt_tokens,), generator=torch.Generator().manual_seed(0)
-    ).tolist()
-    config = SMCConfig(n_particles=8, block_size=8, max_new_tokens=args.max_new_tokens, ignore_eos=True)
-    report["config"] = {"n": 8, "k": 8, "max_new_tokens": args.max_new_tokens, "prompt_tokens": len(prompt)}
-    report["methods"] = timings(pair, prompt, config, args.repeats)
-    if args.compile:
-        report["compiled"] = _compiled(pair, prompt, config, args.repeats)
+    prompt = torch.randint(3, vocab, (prompt_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
+    config = SMCConfig(n_particles=8, block_size=8, max_new_tokens=max_new_tokens, ignore_eos=True)
+    report["config"] = {"n": 8, "k": 8, "max_new_tokens": max_new_tokens, "prompt_tokens": len(prompt)}
+    report["methods"] = timings(pair, prompt, config, repeats)
+    if compile:
+        report["compiled"] = _compiled(pair, prompt, config, repeats)
     report["peak_memory_bytes"] = _peak_memory(device)
     report["seconds"] = round(time.perf_counter() - start, 1)
     return report
@@ -287,14 +279,3 @@ def _peak_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # the process's peak RSS
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run the check and print its JSON report; 0 when the equivalence checks pass."""
-    report = check(parse(argv))
-    print(json.dumps(report))
-    return 0 if report["equivalence_ok"] else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

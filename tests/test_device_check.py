@@ -7,10 +7,11 @@ import json
 import torch
 
 from smcsd_ppl import device_check
+from smcsd_ppl.cli import main
 
 
 def test_device_check_prints_one_json_report(capsys):
-    code = device_check.main(["--tiny", "--device", "cpu", "--repeats", "1", "--max-new-tokens", "24"])
+    code = main(["device-check", "--tiny", "--device", "cpu", "--repeats", "1", "--max-new-tokens", "24"])
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and report["equivalence_ok"]
     assert set(report["equivalence_max_rel_err"]) == {"left_padding", "holes", "fork", "drop_tail", "tree"}
