@@ -12,16 +12,16 @@ from typing import TYPE_CHECKING
 # public name -> the submodule that defines it
 _EXPORTS = {
     "SMCConfig": "config",
-    "SMCSD": "generate",
+    "SMCSD": "api",
     "Generation": "results",
     "RunStats": "results",
     "BlockEngine": "inference.engine",
     "SMCSDModel": "inference.program",
-    "SMCResult": "inference.smc",
-    "smc_sd": "inference.smc",
-    "run_smc_sd": "inference.smc",
-    "LoadedModel": "models",
-    "load_model": "models",
+    "SMCResult": "inference.loop",
+    "smc_sd": "inference.loop",
+    "run_smc_sd": "inference.loop",
+    "LoadedModel": "models.loading",
+    "load_model": "models.loading",
 }
 
 __all__ = [  # noqa: RUF022 (the order of _EXPORTS)
@@ -39,11 +39,11 @@ __all__ = [  # noqa: RUF022 (the order of _EXPORTS)
 ]
 
 if TYPE_CHECKING:
+    from .api import SMCSD
     from .config import SMCConfig
-    from .generate import SMCSD
     from .inference.engine import BlockEngine
+    from .inference.loop import SMCResult, run_smc_sd, smc_sd
     from .inference.program import SMCSDModel
-    from .inference.smc import SMCResult, run_smc_sd, smc_sd
     from .models import LoadedModel, load_model
     from .results import Generation, RunStats
 

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .inference.smc import ParticleOut
+
+@dataclass
+class ParticleOut:
+    """A finished particle."""
+
+    token_ids: list[int]
+    text: str
+    log_weight: float
 
 
 @dataclass

@@ -9,8 +9,8 @@ import torch
 from helpers import EOS, engine, exact_target, total_variation
 
 from smcsd_ppl.backends.mock import MockLM
+from smcsd_ppl.inference.loop import run_smc_sd
 from smcsd_ppl.inference.program import SMCSDModel
-from smcsd_ppl.inference.smc import run_smc_sd
 
 V, H, PROMPT = 4, 4, [1, 2]
 # Runs and distance bound: a correct sampler's Z-weighted estimate lies ~0.04-0.06 (TV)

@@ -15,8 +15,8 @@ from test_constraints_exact import NoOneZero, Twisted, satisfies
 
 import smcsd_ppl.inference.engine as engine_module
 from smcsd_ppl.backends.mock import MockLM
+from smcsd_ppl.inference.loop import run_smc_sd
 from smcsd_ppl.inference.program import SMCSDModel
-from smcsd_ppl.inference.smc import run_smc_sd
 from smcsd_ppl.spec import pick
 
 V = 4

@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from smcsd_ppl import device_check
+from smcsd_ppl.bench import device_check
 from smcsd_ppl.cli import main
 
 

@@ -10,13 +10,13 @@ import torch
 from tiny import TEXT, llama, tokenizer
 
 from smcsd_ppl import SMCSD, SMCConfig
+from smcsd_ppl.api import encode_prompt
 from smcsd_ppl.cli import main
 from smcsd_ppl.distill import DistillConfig, collect, distill, forward_cost, load_examples, match_metrics
 from smcsd_ppl.distill.data import greedy_examples
-from smcsd_ppl.drafts import MANIFEST, draft_modules, is_draft_dir, load_draft, resolve_draft, student
-from smcsd_ppl.feature_draft import feature_student
-from smcsd_ppl.generate import encode_prompt
 from smcsd_ppl.models import LoadedModel
+from smcsd_ppl.models.drafts import MANIFEST, draft_modules, is_draft_dir, load_draft, resolve_draft, student
+from smcsd_ppl.models.feature_draft import feature_student
 
 PROMPTS = [line.strip() for line in TEXT.splitlines() if line.strip()]
 
@@ -234,7 +234,7 @@ def own_weights_of(draft_dir, model_dir) -> torch.Tensor:
 @pytest.mark.slow
 def test_shipped_default_draft_is_small_loaded_by_default_and_agrees_with_the_target():
     from smcsd_ppl.bench.datasets import load_prompts
-    from smcsd_ppl.drafts import SHIPPED_DRAFT, WEIGHTS
+    from smcsd_ppl.models.drafts import SHIPPED_DRAFT, WEIGHTS
 
     assert (SHIPPED_DRAFT / WEIGHTS).stat().st_size <= 40 * 2**20
     pair = SMCSD.load()
@@ -261,7 +261,7 @@ def test_shipped_draft_knows_its_training_prompts():
     from smcsd_ppl.bench.datasets import load_prompts
     from smcsd_ppl.distill import builtin_prompts
     from smcsd_ppl.distill.overlap import training_overlap
-    from smcsd_ppl.drafts import SHIPPED_DRAFT
+    from smcsd_ppl.models.drafts import SHIPPED_DRAFT
 
     assert training_overlap(SHIPPED_DRAFT, builtin_prompts()) > 500  # the builtin set is training data
     assert training_overlap(SHIPPED_DRAFT, [p.text for p in load_prompts("short_answer")]) == 0

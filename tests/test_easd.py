@@ -11,11 +11,11 @@ from helpers import chi_square_pvalue, engine, exact_target
 from test_exact import PROMPT, H, models
 
 from smcsd_ppl.backends.mock import MockLM
-from smcsd_ppl.baselines.easd import EASDConfig, easd_sampling
-from smcsd_ppl.baselines.sd import speculative_sampling
 from smcsd_ppl.config import SMCConfig
 from smcsd_ppl.inference.engine import BlockEngine
-from smcsd_ppl.spec_easd import easd_accept, entropy, topn_overlap, uncertain_agreement
+from smcsd_ppl.methods.easd import EASDConfig, easd_sampling
+from smcsd_ppl.methods.sd import speculative_sampling
+from smcsd_ppl.spec.easd import easd_accept, entropy, topn_overlap, uncertain_agreement
 
 OFF = [EASDConfig(enabled=False), EASDConfig(tau_q=math.inf, tau_p=math.inf)]
 
@@ -104,7 +104,7 @@ def test_rule_math():
 def test_registered_runner_on_tiny_llamas():
     import tiny
 
-    from smcsd_ppl.generate import SMCSD
+    from smcsd_ppl.api import SMCSD
 
     pair = SMCSD(*tiny.pair())
     outs = pair.generate(

@@ -15,12 +15,12 @@ import tiny
 import torch
 from helpers import EOS, engine
 
+from smcsd_ppl.api import SMCSD
 from smcsd_ppl.backends.mock import MockLM
 from smcsd_ppl.config import SMCConfig
-from smcsd_ppl.generate import SMCSD
 from smcsd_ppl.inference.engine import BlockEngine
+from smcsd_ppl.inference.loop import run_smc_sd
 from smcsd_ppl.inference.program import SMCSDModel
-from smcsd_ppl.inference.smc import run_smc_sd
 
 PROMPTS = ["The cat sat on", "Once upon a time there was a little girl who", "A"]
 

@@ -10,10 +10,10 @@ import torch
 from helpers import EOS, chi_square_pvalue, engine, exact_target, total_variation
 
 from smcsd_ppl.backends.mock import MockLM
-from smcsd_ppl.baselines.ar import autoregressive
-from smcsd_ppl.baselines.sd import speculative_sampling
+from smcsd_ppl.inference.loop import run_smc_sd
 from smcsd_ppl.inference.program import SMCSDModel
-from smcsd_ppl.inference.smc import run_smc_sd
+from smcsd_ppl.methods.ar import autoregressive
+from smcsd_ppl.methods.sd import speculative_sampling
 
 PROMPT = [1, 2]
 V, H = 4, 4

@@ -13,13 +13,13 @@ from tiny import llama, tokenizer
 
 from smcsd_ppl import SMCSD, SMCConfig
 from smcsd_ppl.backends.hf import HFBatchedLM
-from smcsd_ppl.baselines.sd import speculative_sampling
 from smcsd_ppl.config import SMCConfig as Config
-from smcsd_ppl.feature_draft import FeatureDraft, feature_student, target_hidden
 from smcsd_ppl.inference.engine import BlockEngine
+from smcsd_ppl.inference.loop import run_smc_sd
 from smcsd_ppl.inference.program import SMCSDModel
-from smcsd_ppl.inference.smc import run_smc_sd
+from smcsd_ppl.methods.sd import speculative_sampling
 from smcsd_ppl.models import LoadedModel
+from smcsd_ppl.models.feature_draft import FeatureDraft, feature_student, target_hidden
 
 PROMPTS = [[5, 17, 33, 2, 250, 9, 11], [40, 41], [7, 8, 99]]
 METHODS_WITH_A_DRAFT = ("smcsd", "sd", "easd", "minedraft")

@@ -10,10 +10,10 @@ import tiny
 import torch
 
 from smcsd_ppl import methods
+from smcsd_ppl.api import SMCSD
 from smcsd_ppl.config import SMCConfig
-from smcsd_ppl.drafts import slice_draft
-from smcsd_ppl.generate import SMCSD
 from smcsd_ppl.models import LoadedModel
+from smcsd_ppl.models.drafts import slice_draft
 
 PROMPTS = ["the quick brown fox", "once upon a time there was"]
 

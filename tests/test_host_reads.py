@@ -24,11 +24,11 @@ import pytest
 import tiny
 import torch
 
+from smcsd_ppl.api import SMCSD
 from smcsd_ppl.backends.syncs import HostReads, reads_per_cycle
 from smcsd_ppl.config import SMCConfig
-from smcsd_ppl.generate import SMCSD
+from smcsd_ppl.inference.loop import run_smc_sd
 from smcsd_ppl.inference.program import SMCSDModel
-from smcsd_ppl.inference.smc import run_smc_sd
 
 K = 4
 CFG = SMCConfig(n_particles=8, block_size=K, max_new_tokens=24, ignore_eos=True, seed=0)

@@ -9,10 +9,10 @@ import tiny
 from helpers import EOS, chi_square_pvalue, engine, exact_target
 from test_exact import PROMPT, H, models
 
+from smcsd_ppl.api import SMCSD
 from smcsd_ppl.backends.mock import MockLM
-from smcsd_ppl.baselines.minedraft import minedraft_sampling, split_balanced
 from smcsd_ppl.config import SMCConfig
-from smcsd_ppl.generate import SMCSD
+from smcsd_ppl.methods.minedraft import minedraft_sampling, split_balanced
 
 
 def mock_engines(**cfg):
@@ -68,7 +68,7 @@ def test_runs_on_tiny_llamas(n_prompts):
     stats = outs[0].stats
     assert stats.target_calls >= 1 + (n_prompts > 1) and stats.draft_calls > 0
     # Both schedules through the API give the same tokens (separate engines, own seeds).
-    from smcsd_ppl.baselines.minedraft import pair_engines
+    from smcsd_ppl.methods.minedraft import pair_engines
 
     ids = [pair.encode(p) for p in prompts]
     a = minedraft_sampling(pair_engines(pair, cfg), ids, threads=True, num_threads=1).token_ids

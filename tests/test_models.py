@@ -17,9 +17,9 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from smcsd_ppl import models
-from smcsd_ppl.drafts import DEFAULT_DRAFT_LAYERS, resolve_draft, slice_draft
 from smcsd_ppl.models import DEFAULT_TARGET, LoadedModel, embedded_default_dir, load_model
+from smcsd_ppl.models import loading as models
+from smcsd_ppl.models.drafts import DEFAULT_DRAFT_LAYERS, resolve_draft, slice_draft
 
 SIZES = {
     "hidden_size": 32,

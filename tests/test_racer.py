@@ -10,12 +10,12 @@ import torch
 from helpers import EOS, chi_square_pvalue, exact_target
 from tiny import llama, pair, tokenizer
 
+from smcsd_ppl.api import SMCSD
 from smcsd_ppl.backends.hf import HFBatchedLM
 from smcsd_ppl.backends.mock import MockLM
 from smcsd_ppl.backends.tree import extend_tree, keep_path
-from smcsd_ppl.baselines.racer import drafter_for, greedy_autoregressive, racer_generate
 from smcsd_ppl.config import SMCConfig
-from smcsd_ppl.generate import SMCSD
+from smcsd_ppl.methods.racer import drafter_for, greedy_autoregressive, racer_generate
 from smcsd_ppl.proposals.retrieval import NGramIndex, RetrievalDrafter, propose_block
 
 

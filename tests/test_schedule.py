@@ -15,9 +15,9 @@ from smcsd_ppl.backends.hf import HFBatchedLM
 from smcsd_ppl.backends.mock import MockLM
 from smcsd_ppl.bench.fidelity import MixedDraft
 from smcsd_ppl.inference.engine import BlockEngine
+from smcsd_ppl.inference.loop import run_smc_sd
 from smcsd_ppl.inference.program import SMCSDModel
 from smcsd_ppl.inference.schedule import REPROBE_EVERY, DraftRecord, DraftSchedule, best_length
-from smcsd_ppl.inference.smc import run_smc_sd
 
 
 def test_best_length_follows_the_pass_rate_and_the_cost():

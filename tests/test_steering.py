@@ -10,8 +10,8 @@ import tiny
 import torch
 
 from smcsd_ppl import compare
-from smcsd_ppl.baselines import steering
-from smcsd_ppl.generate import SMCSD
+from smcsd_ppl.api import SMCSD
+from smcsd_ppl.methods import steering
 
 PROMPT = "the quick brown fox"
 PATTERN = r"[a-z ]{1,12}"

@@ -148,7 +148,7 @@ def test_every_option_shows_its_default():
     import argparse
 
     from smcsd_ppl.cli import build_parser
-    from smcsd_ppl.cli_util import HelpFormatter
+    from smcsd_ppl.cli.util import HelpFormatter
 
     parser = build_parser()
     subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
@@ -165,9 +165,9 @@ def test_every_option_shows_its_default():
 
 
 def test_the_parser_lists_every_registered_method():
+    from smcsd_ppl.bench.constrained import METHODS as CC_METHODS
     from smcsd_ppl.cli import METHOD_SUMMARIES
-    from smcsd_ppl.cli_compare import CONSTRAINED_METHODS
-    from smcsd_ppl.compare import METHODS as CC_METHODS
+    from smcsd_ppl.cli.compare import CONSTRAINED_METHODS
     from smcsd_ppl.methods import METHODS
 
     assert METHOD_SUMMARIES == {m.name: m.summary for m in METHODS.values()}
@@ -189,7 +189,7 @@ def test_the_parser_lists_every_registered_method():
     ids=["permission", "directory", "exists", "unicode", "multi-line"],
 )
 def test_main_turns_any_user_error_into_one_line(monkeypatch, capsys, error, line):
-    from smcsd_ppl import cli
+    from smcsd_ppl.cli import main as cli
 
     def fail(_args):
         raise error
@@ -200,7 +200,7 @@ def test_main_turns_any_user_error_into_one_line(monkeypatch, capsys, error, lin
 
 
 def test_a_bug_keeps_its_traceback(monkeypatch):
-    from smcsd_ppl import cli
+    from smcsd_ppl.cli import main as cli
 
     def bug(_args):
         raise KeyError("not a user mistake")

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..api import SMCSD
 from ..backends.hf import HFBatchedLM
 from ..config import SMCConfig
-from ..generate import SMCSD
 from .datasets import Prompt
 from .quality import check_answer
 

@@ -22,7 +22,7 @@ from .datasets import Prompt
 from .quality import check_answer, target_loglik_per_token
 
 if TYPE_CHECKING:
-    from ..generate import SMCSD
+    from ..api import SMCSD
 
 KEY_FIELDS = ("method", "n_particles", "block_size", "temperature", "prompt_id", "repeat")
 # Fields that differ between two runs of the same record (machine noise), everything else must not.

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from ..generate import SMCSD
+    from ..api import SMCSD
 
 _NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?")
 _ARTICLES = re.compile(r"\b(a|an|the)\b")

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import transformers
 
-from ..baselines.hf import plain_sampling
+from ..methods.hf import plain_sampling
 
 SHARD_GLOB = "shard-*.pt"
 

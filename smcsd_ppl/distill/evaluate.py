@@ -24,7 +24,7 @@ import torch
 import transformers
 
 from ..backends.hf import HFBatchedLM
-from ..feature_draft import target_hidden
+from ..models.feature_draft import target_hidden
 from .data import Example, right_padded
 
 

@@ -13,7 +13,7 @@ import os
 import pathlib
 from collections.abc import Iterable
 
-from ..drafts import MANIFEST
+from ..models.drafts import MANIFEST
 
 
 def prompt_hash(text: str) -> str:

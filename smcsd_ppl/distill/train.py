@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..drafts import MANIFEST, draft_modules, fingerprint, load_draft, save_draft, student
-from ..feature_draft import feature_student, target_hidden
 from ..models import LoadedModel
+from ..models.drafts import MANIFEST, draft_modules, fingerprint, load_draft, save_draft, student
+from ..models.feature_draft import feature_student, target_hidden
 from .data import Example, right_padded
 from .evaluate import match_metrics
 

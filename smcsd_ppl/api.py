@@ -1,0 +1,225 @@
+"""High-level API: a target and a draft, ready to generate with SMC-SD, exact SD or AR."""
+
+from __future__ import annotations
+
+import numbers
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from . import methods
+from .backends.hf import DEFAULT_CACHE_BUDGET, HFBatchedLM
+from .config import SMCConfig
+from .inference.engine import BlockEngine
+from .inference.loop import CycleInfo
+from .inference.program import SMCSDModel
+from .inference.schedule import DraftRecord
+from .models import LoadedModel, load_model
+from .models.drafts import resolve_draft
+from .results import Generation, RunStats
+from .text import check_prompt
+
+
+class SMCSD:
+    """A target and a draft model sharing a tokenizer, with batched backends.
+
+    Args:
+        target: the target model, loaded (see ``smcsd_ppl.models``).
+        draft: the draft model, loaded; its tokenizer must have the target's vocabulary.
+        chat: wrap text prompts in the tokenizer's chat template when it has one.
+        max_cache_bytes: KV-cache budget of each backend.
+    """
+
+    def __init__(
+        self,
+        target: LoadedModel,
+        draft: LoadedModel,
+        *,
+        chat: bool = True,
+        max_cache_bytes: int = DEFAULT_CACHE_BUDGET,
+    ) -> None:
+        if (
+            draft.tokenizer is not target.tokenizer
+            and draft.tokenizer.get_vocab() != target.tokenizer.get_vocab()
+        ):
+            raise ValueError(
+                f"draft {draft.name!r} and target {target.name!r} use different tokenizers; "
+                "SMC-SD and speculative sampling need the same vocabulary"
+            )
+        self.target, self.draft, self.chat = target, draft, chat
+        self.tokenizer = target.tokenizer
+        self.target_lm = HFBatchedLM(target.model, max_cache_bytes=max_cache_bytes, name="target")
+        self.draft_lm = HFBatchedLM(draft.model, max_cache_bytes=max_cache_bytes, name="draft")
+        self.eos_token_ids = _eos_ids(target)
+        self.draft_record = DraftRecord()  # what SMC-SD's quality cut has seen of this draft
+
+    @classmethod
+    def load(
+        cls,
+        target: str | None = None,
+        draft: str | None = None,
+        *,
+        device: str = "cpu",
+        dtype: str = "bfloat16",
+        **kwargs,
+    ) -> SMCSD:
+        """Load models by name: hub id, local path, ``None`` for the embedded default.
+
+        ``draft`` may also be ``"layers:N"``, the target's first N layers (a weak draft).
+        """
+        t = load_model(target, device=device, dtype=dtype)
+        return cls(t, resolve_draft(draft, t, device=device, dtype=dtype), **kwargs)
+
+    def calibrate(self, prompt: str, config: SMCConfig | None = None) -> DraftRecord:
+        """Learn how far this draft pays from one request, then stop learning.
+
+        SMC-SD with the quality cut starts each request from what earlier requests saw of
+        the draft, so outputs depend on what ran before. After ``calibrate`` every request
+        starts from this one's evidence, so runs are reproducible whatever their order.
+        """
+        self.draft_record = DraftRecord()
+        config = config or SMCConfig()
+        if config.cut is not None:
+            self.generate(prompt, config=config)
+        self.draft_record.frozen = True
+        return self.draft_record
+
+    def encode(self, prompt: str) -> list[int]:
+        """Token ids of a text prompt (chat template applied for instruct models)."""
+        return encode_prompt(self.tokenizer, prompt, chat=self.chat)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of token ids (special tokens dropped)."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def engine(self, config: SMCConfig) -> BlockEngine:
+        """A block engine over this pair's backends, for custom loops."""
+        return BlockEngine(self.target_lm, self.draft_lm, self.eos_for(config), config, self.draft_record)
+
+    def eos_for(self, config: SMCConfig) -> list[int]:
+        """EOS ids in force under ``config`` (none with ``ignore_eos``)."""
+        return [] if config.ignore_eos else self.eos_token_ids
+
+    def generate(
+        self,
+        prompts: str | Sequence[str],
+        *,
+        method: str = "smcsd",
+        config: SMCConfig | None = None,
+        on_progress: Callable[[int], None] | None = None,
+    ) -> Generation | list[Generation]:
+        """Generate a continuation of each prompt, all prompts batched.
+
+        Args:
+            prompts: one text or a list of texts.
+            method: a name in ``methods.METHODS``: ``"smcsd"`` (default), ``"sd"`` (exact
+                speculative sampling), ``"ar"`` (autoregressive), and the other baselines.
+            config: settings (``SMCConfig``); SD uses K, T_d, T_t; AR uses T_t.
+            on_progress: called with the length of the longest output so far.
+        """
+        spec = methods.get(method)
+        config = config or SMCConfig()
+        single = isinstance(prompts, (str, bytes, bytearray))
+        texts = [prompts] if single else list(prompts)
+        if not texts:
+            raise ValueError("no prompts: give a text or a non-empty list of texts")
+        ids = [self.encode(p) for p in texts]
+        self._check_fits(ids, config, spec)
+        start = self.start_clock()
+        outs = spec.run(self, ids, config, on_progress)
+        stats = self.stats(method, start, sum(len(o.token_ids) for o in outs))
+        for o in outs:
+            o.stats = stats
+        return outs[0] if single else outs
+
+    def run(
+        self,
+        programs: Sequence[SMCSDModel],
+        config: SMCConfig | None = None,
+        on_cycle: Callable[[CycleInfo], None] | None = None,
+    ) -> list[Generation]:
+        """Run user programs (``SMCSDModel`` subclasses), one request each, in one batch."""
+        vocab = self.target.model.get_input_embeddings().num_embeddings
+        for p in programs:
+            if not isinstance(p.prompt, str):
+                _check_ids(p.prompt, vocab)
+        start = self.start_clock()
+        outs = methods.run_programs(self, list(programs), config or SMCConfig(), None, on_cycle)
+        stats = self.stats("smcsd", start, sum(len(o.token_ids) for o in outs))
+        for o in outs:
+            o.stats = stats
+        return outs
+
+    def _check_fits(self, ids: list[list[int]], config: SMCConfig, spec: methods.Method) -> None:
+        """Refuse up front what would fail mid-generation (context length, KV budget)."""
+        prompt = max(len(i) for i in ids)
+        if not spec.uses_draft:  # the last sampled token is never fed
+            longest, extra, lms = prompt + config.max_new_tokens - 1, "", [self.target_lm]
+        else:  # a block may be drafted past the budget, then the bonus
+            longest = prompt + config.max_new_tokens + config.block_size + 1
+            extra, lms = f" + block ({config.block_size}) + 1", [self.target_lm, self.draft_lm]
+        limit = min(lm.max_length for lm in lms)
+        if longest > limit:
+            raise ValueError(
+                f"prompt ({prompt} tokens) + max_new_tokens ({config.max_new_tokens}){extra} "
+                f"exceeds the model context of {limit} tokens"
+            )
+        rows = len(ids) * (config.n_particles if spec.particles else 1)
+        for lm in lms:
+            need = lm.bytes_per_token * rows * longest
+            if need > lm.max_cache_bytes:
+                raise ValueError(
+                    f"{lm.name} KV cache for {rows} rows x {longest} positions needs {need / 2**30:.2f} GiB, "
+                    f"over the budget of {lm.max_cache_bytes / 2**30:.2f} GiB (max_cache_bytes)"
+                )
+
+    def start_clock(self) -> float:
+        """Reset the forward counters; returns the start time for ``stats``."""
+        self.target_lm.stats.reset()
+        self.draft_lm.stats.reset()
+        return time.perf_counter()
+
+    def stats(self, method: str, start: float, new_tokens: int) -> RunStats:
+        """Cost of the call begun at ``start``: wall time, forward counts and times."""
+        if self.target_lm.device.type == "cuda":
+            torch.cuda.synchronize(self.target_lm.device)
+        t, d = self.target_lm.stats, self.draft_lm.stats
+        return RunStats(
+            method, new_tokens, time.perf_counter() - start, t.calls, d.calls, t.seconds, d.seconds
+        )
+
+
+def _eos_ids(model: LoadedModel) -> list[int]:
+    """End-of-sequence ids from the tokenizer and the generation config."""
+    ids = {model.tokenizer.eos_token_id}
+    gen = getattr(model.model, "generation_config", None)
+    extra = getattr(gen, "eos_token_id", None)
+    ids |= set(extra) if isinstance(extra, (list, tuple)) else {extra}
+    ids.discard(None)
+    if not ids:
+        raise ValueError(f"model {model.name!r} defines no EOS token")
+    return sorted(int(i) for i in ids)
+
+
+def _check_ids(ids: Sequence[int], vocab: int) -> None:
+    """Refuse a token-id prompt that is empty or holds ids outside ``[0, vocab)``."""
+    ids = list(ids)
+    if not ids:
+        raise ValueError("the prompt is empty: give at least one token id")
+    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad[0]!r}")
+
+
+def encode_prompt(tokenizer, prompt: str, *, chat: bool = True) -> list[int]:
+    """Token ids of a text prompt, wrapped in the chat template when ``chat`` and there is one."""
+    check_prompt(prompt)
+    if chat and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+        )
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    else:
+        ids = tokenizer(prompt)["input_ids"]
+    return [int(t) for t in ids]

@@ -1,0 +1,215 @@
+"""Constrained generation side by side: SMC-SD programs vs LLaMPPL, genlm-control and rejection.
+
+Every method runs on every task in one process, interleaved (repeat -> task -> method,
+same seeds), so machine noise spreads evenly; rows are medians over repeats (validity:
+means). See ``smcsd_ppl.methods.steering`` for the runners and what they time.
+
+``smcsd_plain`` (the same loop without the constraint) is the speed reference of the
+constrained program: when ``smcsd_proposal`` runs too, ``smcsd_plain`` emits exactly as
+many tokens as that run's particles did on average (EOS included there, ignored here), so
+tokens/s compare at equal length. Tokens/s everywhere = mean tokens per particle / seconds.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from ..methods import steering
+from ..methods.steering import SteeringRecord, TaskConstraint
+
+
+@dataclass(frozen=True)
+class Task:
+    """A prompt and the regex (or genlm-control byte potential) its answer must satisfy."""
+
+    name: str
+    prompt: str
+    constraint: object
+
+
+TASKS: dict[str, Task] = {
+    t.name: t
+    for t in (
+        Task("date", "When did the first moon landing happen? Answer with a date.", r"\d{4}-\d{2}-\d{2}"),
+        Task(
+            "phone",
+            "Give the phone number of a pizza place in New York. Answer with a US phone number.",
+            r"\(\d{3}\) \d{3}-\d{4}",
+        ),
+        Task(
+            "json",
+            "Describe a fictional person as a JSON object with a name and an age.",
+            r'\{"name": "[A-Z][a-z]{1,9}( [A-Z][a-z]{1,9})?", "age": \d{1,2}\}',
+        ),
+        Task(
+            "short_words",
+            "Describe a cat in one sentence, using only words of at most five letters.",
+            r"[A-Za-z]{1,5}(,? [A-Za-z]{1,5})*[.!]?",
+        ),
+    )
+}
+
+Runner = Callable[..., SteeringRecord]
+METHODS: dict[str, Runner] = {
+    "smcsd_proposal": partial(steering.smcsd_constrained, mode="proposal"),
+    "smcsd_critic": partial(steering.smcsd_constrained, mode="critic"),
+    "smcsd_filtered": steering.smcsd_filtered,
+    "smcsd_plain": steering.smcsd_plain,
+    "llamppl_smc": steering.llamppl_smc,
+    "llamppl_masked": partial(steering.llamppl_smc, masked=True),
+    "genlm_awrs": partial(steering.genlm_smc, sampler="awrs"),
+    "genlm_direct": partial(steering.genlm_smc, sampler="direct"),
+    "genlm_critic": partial(steering.genlm_smc, sampler="critic"),
+}
+SMCSD_METHODS = ("smcsd_proposal", "smcsd_critic", "smcsd_filtered", "smcsd_plain")
+
+
+@dataclass
+class CompareRow:
+    """One method on one task, summarized over repeats.
+
+    ``validity`` is the share of final particles that are valid (positive weight, constraint
+    satisfied), ``output_validity`` the share of runs whose returned text is valid;
+    ``loglik_per_token`` is the untempered target's mean log p of the returned tokens given
+    the (chat-templated) prompt; ``ess`` is the final ESS; ``target_forwards`` counts the
+    target's forward calls in a run, the prompt's prefill included.
+    """
+
+    method: str
+    task: str
+    validity: float
+    output_validity: float
+    tokens_per_second: float
+    tokens: float
+    seconds: float
+    loglik_per_token: float
+    log_z: float
+    ess: float
+    target_forwards: float
+    runs: int
+    example: str
+
+
+def target_loglik(pair, prompt_ids: Sequence[int], ids: Sequence[int]) -> float:
+    """Mean log p_target of ``ids`` after ``prompt_ids`` (nan for an empty output)."""
+    if not ids:
+        return math.nan
+    x = torch.tensor([list(prompt_ids) + list(ids)], device=pair.target_lm.device)
+    with torch.no_grad():
+        logits = pair.target.model(x).logits[0, len(prompt_ids) - 1 : -1].float()  # [T, V]
+    lp = torch.log_softmax(logits, -1).gather(1, x[0, len(prompt_ids) :, None])
+    return float(lp.mean())
+
+
+def compare_constrained(
+    pair,
+    tasks: Sequence[Task],
+    methods: Sequence[str] = tuple(METHODS),
+    *,
+    n_particles: int = 8,
+    block_size: int = 8,
+    max_new_tokens: int = 32,
+    temperature: float = 0.7,
+    seed: int = 0,
+    repeats: int = 1,
+    cut: float | None = None,
+    on_run: Callable[[str, str, SteeringRecord], None] | None = None,
+) -> list[CompareRow]:
+    """Run every method on every task ``repeats`` times, interleaved; one row per (task, method)."""
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown methods {unknown}; choose from {tuple(METHODS)}")
+    if not tasks:
+        raise ValueError("give at least one task")
+    constraints = {t.name: TaskConstraint(pair, t.constraint) for t in tasks}
+    kw = dict(n_particles=n_particles, max_new_tokens=max_new_tokens, temperature=temperature)
+    _warm_up(pair, tasks[0], constraints[tasks[0].name], methods, **kw)
+    runs: dict[tuple[str, str], list[tuple[SteeringRecord, float]]] = {}
+    with _count_forwards(pair.target.model) as forwards:
+        for rep, task in itertools.product(range(repeats), tasks):
+            done: dict[str, SteeringRecord] = {}
+            for method in methods:
+                extra = {"block_size": block_size, "cut": cut} if method in SMCSD_METHODS else {}
+                if method == "smcsd_plain" and "smcsd_proposal" in done:  # length-matched reference
+                    extra |= {
+                        "ignore_eos": True,
+                        "max_new_tokens": max(1, round(done["smcsd_proposal"].tokens)),
+                    }
+                before = forwards[0]
+                rec = METHODS[method](
+                    pair, task.prompt, constraints[task.name], seed=seed + rep, **{**kw, **extra}
+                )
+                rec.extra["target_forwards"] = forwards[0] - before
+                done[method] = rec
+                ll = target_loglik(pair, pair.encode(task.prompt), rec.token_ids)
+                runs.setdefault((task.name, method), []).append((rec, ll))
+                if on_run is not None:
+                    on_run(task.name, method, rec)
+    return [_row(task, method, recs) for (task, method), recs in runs.items()]
+
+
+@contextmanager
+def _count_forwards(model):
+    """A one-item list counting the forward calls of ``model``'s decoder while inside."""
+    count = [0]
+    hook = model.get_decoder().register_forward_hook(lambda *_: count.__setitem__(0, count[0] + 1))
+    try:
+        yield count
+    finally:
+        hook.remove()
+
+
+def _warm_up(pair, task: Task, constraint: TaskConstraint, methods: Sequence[str], **kw) -> None:
+    """Untimed short runs: lazy imports, the shared token-level backend, first-call kernels."""
+    kw = {**kw, "max_new_tokens": 2}
+    if any(m in SMCSD_METHODS for m in methods):
+        steering.smcsd_plain(pair, task.prompt, constraint, **kw)
+    if any(m.startswith(("genlm", "llamppl")) for m in methods):
+        steering.genlm_smc(pair, task.prompt, constraint, **kw)
+
+
+def _median(values: list[float]) -> float:
+    finite = [v for v in values if not math.isnan(v)]
+    return statistics.median(finite) if finite else math.nan
+
+
+def _row(task: str, method: str, recs: list[tuple[SteeringRecord, float]]) -> CompareRow:
+    rs = [r for r, _ in recs]
+    return CompareRow(
+        method,
+        task,
+        statistics.fmean(r.validity for r in rs),
+        statistics.fmean(r.selected_valid for r in rs),
+        _median([r.tokens_per_second for r in rs]),
+        _median([r.tokens for r in rs]),
+        _median([r.seconds for r in rs]),
+        _median([ll for _, ll in recs]),
+        _median([math.nan if r.log_z is None else r.log_z for r in rs]),
+        _median([math.nan if r.ess is None else r.ess for r in rs]),
+        _median([r.extra["target_forwards"] for r in rs]),
+        len(rs),
+        rs[0].text,
+    )
+
+
+def speed_ratios(rows: Sequence[CompareRow], method: str = "smcsd_proposal") -> dict[str, dict[str, float]]:
+    """Per task, ``method``'s tokens/s divided by every other method's (nan where one is 0)."""
+    out: dict[str, dict[str, float]] = {}
+    for task in dict.fromkeys(r.task for r in rows):
+        by = {r.method: r for r in rows if r.task == task}
+        if method in by:
+            mine = by[method].tokens_per_second
+            out[task] = {
+                m: mine / r.tokens_per_second if r.tokens_per_second else math.nan
+                for m, r in by.items()
+                if m != method
+            }
+    return out

@@ -1,0 +1,281 @@
+"""One-shot device check: backend equivalence in bf16, then AR / SD / SMC-SD side by side.
+
+``smcsd device-check [--tiny] [--device cuda] [--compile]`` (``check`` here) builds
+random-weight Llamas of realistic shapes (an 8B target and a 1B draft; tiny ones with
+``--tiny`` or on a CPU), checks the batched backend against plain forwards on the
+device (left padding, holes, fork, drop_tail, a token tree), times ``model.generate()``,
+AR, exact SD and SMC-SD (N=8, K=8, 128 tokens, EOS ignored) and returns one report.
+SMC-SD's speed does not depend on how well random models agree, so no weights are needed;
+acceptance and quality figures of random models mean nothing and are not reported.
+On one H200 the full-size check is sized to finish in well under six minutes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import resource
+import statistics
+import time
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from .. import methods
+from ..api import SMCSD
+from ..backends.hf import HFBatchedLM
+from ..backends.syncs import reads_per_cycle
+from ..backends.tree import extend_tree, keep_path
+from ..config import SMCConfig
+from ..methods.hf import hf_generate
+from ..models import LoadedModel
+
+VOCAB_8B = 128256
+SHAPES = {  # Llama 3.1 8B and Llama 3.2 1B, and a tiny pair for CPUs and tests
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32),
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32),
+    "tiny-target": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4),
+    "tiny-draft": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4),
+}
+TIMED = (
+    "hf_generate",
+    "ar",
+    "sd",
+    "smcsd_paper",
+)  # the paper's SMC-SD: its speed does not depend on agreement
+EOS = 2
+BF16_TOL = 0.05  # max |a - b| / max |b| allowed between batched and plain bf16 logits
+
+
+def build(shape: str, vocab: int, device: str, seed: int) -> LoadedModel:
+    """A random-weight bf16 Llama of a named shape, created directly on ``device``."""
+    kv_heads = 8 if shape in ("8b", "1b") else 2
+    config = LlamaConfig(
+        vocab_size=vocab,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        tie_word_embeddings=shape == "1b",
+        bos_token_id=1,
+        eos_token_id=EOS,
+        pad_token_id=EOS,
+        **SHAPES[shape],
+    )
+    torch.manual_seed(seed)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # no fp32 copy of an 8B model on the way
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+    model = model.eval().requires_grad_(False)
+    model.generation_config.eos_token_id = EOS
+    return LoadedModel(model, ID_TOKENIZER, f"random-{shape}", "random init")
+
+
+class IdTokenizer:
+    """Text for random-weight models: the token ids themselves (no vocabulary exists)."""
+
+    eos_token_id = EOS
+    chat_template = None
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        """The ids, space-separated."""
+        return " ".join(str(int(i)) for i in ids)
+
+
+ID_TOKENIZER = IdTokenizer()  # one instance: target and draft share it, as a pair must
+
+
+def scratch(model, seq: list[int], n_last: int) -> torch.Tensor:
+    """Logits after each of the last ``n_last`` tokens of ``seq`` (one row, no cache)."""
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        return model(torch.tensor([seq], device=device)).logits[0, -n_last:].float()
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest absolute error relative to the largest reference logit."""
+    return float((got.float().cpu() - want.float().cpu()).abs().max() / want.float().abs().max().cpu())
+
+
+def equivalence(model, vocab: int, seed: int = 0) -> dict[str, float]:
+    """Max relative logit error of each backend operation against plain forwards."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (9, 3, 6, 1)]
+    lm = HFBatchedLM(model)
+    out = {"left_padding": 0.0}
+    first = lm.prefill(prompts)
+    for i, p in enumerate(prompts):
+        out["left_padding"] = max(out["left_padding"], rel_err(first[i], scratch(model, p, 1)[0]))
+    tokens = torch.randint(3, vocab, (4, 4), generator=g)
+    valid = torch.tensor([[1, 0, 1, 1], [0, 1, 0, 1], [1, 1, 1, 1], [0, 0, 1, 1]], dtype=torch.bool)
+    got = lm.extend(tokens, valid)
+    seqs = [p + tokens[i][valid[i]].tolist() for i, p in enumerate(prompts)]
+    out["holes"] = max(
+        rel_err(got[i][valid[i]], scratch(model, s, int(valid[i].sum()))) for i, s in enumerate(seqs)
+    )
+    rows = [2, 0, 0, 1]
+    lm.fork(torch.tensor(rows))
+    seqs = [list(seqs[r]) for r in rows]
+    tokens = torch.randint(3, vocab, (4, 3), generator=g)
+    got = lm.extend(tokens)
+    out["fork"] = max(rel_err(got[i], scratch(model, s + tokens[i].tolist(), 3)) for i, s in enumerate(seqs))
+    drop = [1, 3, 0, 2]
+    lm.drop_tail(torch.tensor(drop))
+    seqs = [s + tokens[i, : 3 - d].tolist() for i, (s, d) in enumerate(zip(seqs, drop))]
+    tokens = torch.randint(3, vocab, (4, 2), generator=g)
+    got = lm.extend(tokens)
+    out["drop_tail"] = max(
+        rel_err(got[i], scratch(model, s + tokens[i].tolist(), 2)) for i, s in enumerate(seqs)
+    )
+    seqs = [s + tokens[i].tolist() for i, s in enumerate(seqs)]
+    out["tree"] = _tree_error(lm, model, seqs, g, vocab)
+    return out
+
+
+def _tree_error(lm: HFBatchedLM, model, seqs: list[list[int]], g: torch.Generator, vocab: int) -> float:
+    """Tree nodes against their root-to-node paths, then the kept path against its sequence."""
+    parents = torch.tensor([[-1, 0, 0, 1, 3]] * len(seqs))
+    tokens = torch.randint(3, vocab, parents.shape, generator=g)
+    got = extend_tree(lm, tokens, parents)
+    err = 0.0
+    for r, s in enumerate(seqs):
+        for j, path in enumerate(([0], [0, 1], [0, 2], [0, 1, 3], [0, 1, 3, 4])):
+            err = max(err, rel_err(got[r, j], scratch(model, s + tokens[r, path].tolist(), 1)[0]))
+    keep_path(lm, torch.tensor([[1, 1, 0, 1, 0]] * len(seqs), dtype=torch.bool))
+    nxt = torch.randint(3, vocab, (len(seqs), 1), generator=g)
+    after = lm.extend(nxt)[:, -1]
+    for r, s in enumerate(seqs):
+        want = scratch(model, s + tokens[r, [0, 1, 3]].tolist() + nxt[r].tolist(), 1)[0]
+        err = max(err, rel_err(after[r], want))
+    return err
+
+
+def forward_ms(model, device: torch.device, cache: int = 128, repeats: int = 5) -> dict[str, float]:
+    """Median ms of one target forward of 1 x 1 and 8 x 9 new positions after ``cache`` tokens."""
+    out = {}
+    for rows, t in ((1, 1), (8, 9)):
+        lm = HFBatchedLM(model)
+        lm.prefill([list(range(3, 3 + cache))])
+        lm.fork(torch.zeros(rows, dtype=torch.long))
+        times = []
+        for _ in range(repeats + 1):  # the first one warms up
+            _sync(device)
+            start = time.perf_counter()
+            lm.extend(torch.full((rows, t), 5))
+            _sync(device)
+            times.append(time.perf_counter() - start)
+            lm.drop_tail(torch.full((rows,), t))
+        out[f"{rows}x{t}"] = round(1000 * statistics.median(times[1:]), 3)
+    return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_method(pair: SMCSD, method: str, prompt: list[int], config: SMCConfig) -> tuple[float, float]:
+    """Tokens/s and tokens per target call of one run."""
+    if method == "hf_generate":
+        ids, secs = hf_generate(
+            pair.target.model,
+            prompt,
+            max_new_tokens=config.max_new_tokens,
+            temperature=config.target_temperature,
+            seed=config.seed,
+            exact_length=True,
+        )
+        return len(ids) / secs, 1.0
+    start = pair.start_clock()
+    outs = methods.get(method).run(pair, [prompt], config, None)
+    stats = pair.stats(method, start, sum(len(o.token_ids) for o in outs))
+    return stats.tokens_per_second, stats.tokens_per_target_call
+
+
+def host_reads(pair: SMCSD, method: str, prompt: list[int], config: SMCConfig) -> float:
+    """Median host reads per cycle (between target forwards) of a short run."""
+    short = dataclasses.replace(config, max_new_tokens=min(32, config.max_new_tokens))
+    with reads_per_cycle(pair.target_lm, [pair.target.model, pair.draft.model]) as counts:
+        methods.get(method).run(pair, [prompt], short, None)
+    return float(statistics.median(counts[1:] or counts or [0]))
+
+
+def timings(pair: SMCSD, prompt: list[int], config: SMCConfig, repeats: int) -> dict[str, dict]:
+    """Every method: median tokens/s, tokens per target call and host reads per cycle."""
+    warm = dataclasses.replace(config, max_new_tokens=16)
+    for method in TIMED:
+        run_method(pair, method, prompt, warm)
+    runs: dict[str, list[tuple[float, float]]] = {m: [] for m in TIMED}
+    for rep in range(repeats):  # interleaved, so machine noise hits every method alike
+        for method in TIMED:
+            runs[method].append(run_method(pair, method, prompt, dataclasses.replace(config, seed=rep)))
+    out = {}
+    for method, rs in runs.items():
+        out[method] = {
+            "tokens_per_s": round(statistics.median(r[0] for r in rs), 2),
+            "tokens_per_target_call": round(statistics.median(r[1] for r in rs), 3),
+        }
+        if method != "hf_generate":
+            out[method]["host_reads_per_cycle"] = host_reads(pair, method, prompt, config)
+    ar = out["ar"]["tokens_per_s"]
+    for m in out.values():
+        m["x_ar"] = round(m["tokens_per_s"] / ar, 3) if ar else None
+    return out
+
+
+def check(
+    device: str | None = None,
+    *,
+    tiny: bool = False,
+    compile: bool = False,
+    max_new_tokens: int = 128,
+    prompt_tokens: int = 128,
+    repeats: int = 3,
+) -> dict:
+    """Run the whole check (on CUDA when there is one, else tiny on the CPU); the report as a dict."""
+    start = time.perf_counter()
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    tiny = tiny or device.type == "cpu"
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    vocab = 512 if tiny else VOCAB_8B
+    target = build("tiny-target" if tiny else "8b", vocab, str(device), seed=0)
+    draft = build("tiny-draft" if tiny else "1b", vocab, str(device), seed=1)
+    report = {"device": _device_name(device), "shapes": "tiny" if tiny else "8b target / 1b draft"}
+    report["dtype"] = "bfloat16"
+    errors = equivalence(target.model, vocab)
+    report["equivalence_max_rel_err"] = {k: round(v, 5) for k, v in errors.items()}
+    report["equivalence_ok"] = all(v <= BF16_TOL for v in errors.values())
+    report["forward_ms"] = forward_ms(target.model, device)
+    pair = SMCSD(target, draft, chat=False)
+    prompt = torch.randint(3, vocab, (prompt_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
+    config = SMCConfig(n_particles=8, block_size=8, max_new_tokens=max_new_tokens, ignore_eos=True)
+    report["config"] = {"n": 8, "k": 8, "max_new_tokens": max_new_tokens, "prompt_tokens": len(prompt)}
+    report["methods"] = timings(pair, prompt, config, repeats)
+    if compile:
+        report["compiled"] = _compiled(pair, prompt, config, repeats)
+    report["peak_memory_bytes"] = _peak_memory(device)
+    report["seconds"] = round(time.perf_counter() - start, 1)
+    return report
+
+
+def _compiled(pair: SMCSD, prompt: list[int], config: SMCConfig, repeats: int) -> dict:
+    """The same timings with ``torch.compile(dynamic=True)`` forwards, or the error that stopped it."""
+    for m in (pair.target.model, pair.draft.model):
+        m.forward = torch.compile(m.forward, dynamic=True)
+    try:
+        return timings(pair, prompt, config, repeats)
+    except Exception as err:  # report, not crash: the uncompiled figures stand
+        return {"error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def _peak_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # the process's peak RSS

@@ -1,0 +1,290 @@
+"""``smcsd distill`` and ``smcsd eval-draft``: make a draft for a target and measure it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+
+
+def add_parsers(sub, model_args) -> None:
+    """Add the ``distill`` and ``eval-draft`` subcommands to the ``smcsd`` parser."""
+    dist = sub.add_parser(
+        "distill",
+        help="train a small draft for a target on the target's own outputs (resumable)",
+        description="Collect the target's continuations of prompts (with its top-k next-token "
+        "log-probs), then train a draft sharing the target's embeddings and LM head: a few of its "
+        "layers, which may also read its hidden states (--kind features). "
+        "Every stage resumes where an interrupted run stopped. The draft lands in OUT/draft.",
+    )
+    model_args(dist, draft=False)
+    dist.add_argument("--out", required=True, help="run directory (data, checkpoint, log, draft)")
+    _prompt_args(dist, "training prompts: 'builtin' (a general instruction set) or")
+    dist.add_argument("--limit", type=int, default=None, help="at most this many prompts from each file")
+    dist.add_argument(
+        "--corpus", action="append", default=[], help="plain-text file to train on too (repeatable)"
+    )
+    dist.add_argument(
+        "--eval-prompts", default=None, help="held-out prompts for the training curve (optional)"
+    )
+    dist.add_argument("--eval-categories", default=None, help="categories of --eval-prompts to use")
+    dist.add_argument("--eval-limit", type=int, default=48, help="held-out prompts used (default 48)")
+    g = dist.add_argument_group("data")
+    g.add_argument(
+        "--max-prompts",
+        type=int,
+        default=None,
+        help="use at most this many prompts (after mixing the sources)",
+    )
+    g.add_argument("--gen-tokens", type=int, default=128, help="target tokens per prompt (default 128)")
+    g.add_argument(
+        "--sample-temperature",
+        type=float,
+        default=0.7,
+        help="temperature of the target's answers (default 0.7)",
+    )
+    g.add_argument("--max-prompt-tokens", type=int, default=192, help="prompt tail kept per example")
+    g.add_argument("--top-k", type=int, default=64, help="target log-probs kept per position (default 64)")
+    g.add_argument("--gen-batch", type=int, default=32, help="prompts per generation batch (default 32)")
+    g = dist.add_argument_group("training")
+    g.add_argument(
+        "--kind",
+        choices=("layers", "features"),
+        default="layers",
+        help="'layers': a stack of the target's first layers; "
+        "'features': the same, also reading the target's hidden states (EAGLE-style)",
+    )
+    g.add_argument(
+        "--init-draft",
+        default=None,
+        help="with --kind features: start from this trained layer draft (it first ignores the states)",
+    )
+    g.add_argument("--unroll", type=int, default=2, help="feature drafts: passes fed their own states")
+    g.add_argument("--state-weight", type=float, default=0.5, help="feature drafts: state regression weight")
+    g.add_argument("--layers", type=int, default=4, help="draft layers, from the target's first ones")
+    g.add_argument("--source-layers", default=None, help="comma-separated target layers to start from")
+    g.add_argument("--steps", type=int, default=1000, help="optimizer steps")
+    g.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per step (default 4096)")
+    g.add_argument("--lr", type=float, default=5e-4, help="peak learning rate")
+    g.add_argument("--save-every", type=int, default=50, help="steps between checkpoints (default 50)")
+    g.add_argument("--eval-every", type=int, default=100, help="steps between held-out evaluations")
+    g.add_argument("--no-bf16", action="store_true", help="train in float32 (default: bf16 autocast)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the prompt shuffle, sampling and training")
+    dist.set_defaults(run=_distill)
+
+    ev = sub.add_parser(
+        "eval-draft",
+        help="agreement, acceptance probability and forward cost of a draft against its target",
+    )
+    model_args(ev)
+    _prompt_args(
+        ev,
+        "held-out prompts (default: short_answer, the built-in short-answer task): short_answer, "
+        "'builtin' (the instruction set the shipped draft was TRAINED on: not held out) or",
+        required=False,
+    )
+    ev.add_argument("--limit", type=int, default=None, help="at most this many prompts in all")
+    ev.add_argument("--max-new-tokens", type=int, default=64, help="greedy target tokens per prompt")
+    ev.add_argument("--json", action="store_true", help="print one JSON object")
+    ev.set_defaults(run=_eval_draft)
+
+
+def _prompt_args(p: argparse.ArgumentParser, what: str, *, required: bool = True) -> None:
+    p.add_argument(
+        "--prompts",
+        action="append",
+        required=required,
+        help=f"{what} a JSONL file (Spec-Bench, GSM8K, 'prompt' records); repeatable",
+    )
+    p.add_argument("--categories", default=None, help="comma-separated categories of the files to use")
+
+
+def _texts(sources: list[str], categories: str | None, limit: int | None) -> list[str]:
+    """Prompt texts of every source; ``limit`` cuts each file (not the builtin set)."""
+    from ..bench.datasets import load_prompts
+    from ..distill import builtin_prompts
+
+    keep = {c.strip() for c in categories.split(",")} if categories else None
+    texts: list[str] = []
+    for source in sources:
+        if source == "builtin":
+            texts += builtin_prompts()
+            continue
+        chosen = [p.text for p in load_prompts(source) if keep is None or p.category in keep]
+        if not chosen:
+            raise ValueError(f"no prompts of categories {sorted(keep or [])} in {source!r}")
+        texts += chosen[:limit]
+    return texts
+
+
+def _distill(args: argparse.Namespace) -> int:
+    import random
+
+    from ..api import encode_prompt
+    from ..distill import DistillConfig, collect, corpus_examples, distill, load_examples
+    from .main import _load_target
+    from .util import check_output_dir
+    from .util import err as _err
+    from .util import progress as _progress
+
+    source_layers = None
+    if args.source_layers:
+        from .util import csv as _csv
+
+        source_layers = tuple(_csv(args.source_layers, int, "--source-layers"))
+    config = DistillConfig(
+        kind=args.kind,
+        init_draft=args.init_draft,
+        unroll=args.unroll,
+        state_weight=args.state_weight,
+        layers=len(source_layers) if source_layers else args.layers,
+        source_layers=source_layers,
+        steps=args.steps,
+        batch_tokens=args.batch_tokens,
+        lr=args.lr,
+        save_every=args.save_every,
+        eval_every=args.eval_every,
+        bf16=not args.no_bf16,
+        seed=args.seed,
+    )
+    texts = _texts(args.prompts, args.categories, args.limit)
+    random.Random(args.seed).shuffle(texts)  # shards then mix sources evenly
+    texts = texts[: args.max_prompts]
+    check_output_dir(args.out, "--out")
+    target = _load_target(args)
+    tok, eos = target.tokenizer, [target.tokenizer.eos_token_id]
+    out = pathlib.Path(args.out)
+    chat = not args.no_chat
+    common = dict(eos_ids=eos, max_prompt_tokens=args.max_prompt_tokens, top_k=args.top_k, seed=args.seed)
+    _err(f"collecting the target's answers to {len(texts)} prompts in {out / 'data'}")
+    with _progress(len(texts), "prompts") as bar:
+        collect(
+            target.model,
+            [encode_prompt(tok, t, chat=chat) for t in texts],
+            out / "data" / "train",
+            max_new_tokens=args.gen_tokens,
+            temperature=args.sample_temperature,
+            batch_size=args.gen_batch,
+            on_progress=lambda done, _total: bar(done),
+            **common,
+        )
+    dirs = [out / "data" / "train"]
+    for n, path in enumerate(args.corpus):
+        text = pathlib.Path(path).read_text(encoding="utf-8")
+        dirs.append(
+            corpus_examples(target.model, [text], tok, out / "data" / f"corpus-{n}", top_k=args.top_k)
+        )
+    held_out = []
+    if args.eval_prompts:
+        eval_texts = _texts([args.eval_prompts], args.eval_categories, None)[: args.eval_limit]
+        with _progress(len(eval_texts), "held-out prompts") as bar:
+            collect(
+                target.model,
+                [encode_prompt(tok, t, chat=chat) for t in eval_texts],
+                out / "data" / "eval",
+                max_new_tokens=64,
+                temperature=None,
+                batch_size=16,
+                on_progress=lambda done, _total: bar(done),
+                **common,
+            )
+        held_out = load_examples(out / "data" / "eval")
+    train = load_examples(*dirs)
+    tokens = sum(len(e.ids) for e in train)
+    shape = "feature" if config.kind == "features" else f"{config.layers}-layer"
+    _err(f"training a {shape} draft on {tokens} tokens for {config.steps} steps")
+    if config.kind == "features":
+        _err("first, one target forward over the data for its hidden states")
+    with _progress(config.steps, "steps") as bar:
+
+        def tick(p) -> None:
+            bar(p.step)
+            if p.metrics:
+                _err(
+                    f"step {p.step}: loss {p.loss:.3f}, held-out agreement {p.metrics['agreement']:.3f}, "
+                    f"acceptance(T=1) {p.metrics['acceptance_T1']:.3f} after {p.tokens} tokens"
+                )
+
+        draft_dir = distill(target, train, out, config, held_out=held_out, on_progress=tick)
+    from ..distill.overlap import record_training_prompts
+
+    record_training_prompts(draft_dir, texts)  # so that eval-draft can tell held-out prompts apart
+    from ..distill.evaluate import plot_curve
+
+    if plot_curve(out / "train_log.jsonl", out / "curve.png"):
+        print(f"training curve (held-out agreement and acceptance vs tokens): {out / 'curve.png'}")
+    print(f"draft written to {draft_dir}; use it with: smcsd generate --draft {draft_dir} PROMPT")
+    return 0
+
+
+def _eval_draft(args: argparse.Namespace) -> int:
+    from .main import _load
+    from .util import check_threads, progress
+    from .util import err as _err
+
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {args.limit}")
+    texts = _texts(args.prompts or ["short_answer"], args.categories, None)[: args.limit]
+    check_threads(args.threads)
+    pair = _load(args)
+    _warn_overlap(args.draft, pair, texts)
+    result = _measure_draft(pair, texts, args.max_new_tokens, progress)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(
+        f"draft {result['draft']} vs target {result['target']}: {len(texts)} prompts, "
+        f"{result['positions']} greedy target tokens"
+    )
+    print(
+        "| agreement (top-1) | acceptance prob. T=1 | acceptance prob. T=0.7 | draft 8 rows | target 1 row "
+        "| ratio |"
+    )
+    print("|---|---|---|---|---|---|")
+    print(
+        f"| {result['agreement']:.3f} | {result['acceptance_T1']:.3f} | {result['acceptance_T0.7']:.3f} | "
+        f"{result['cost_draft_ms']:.1f} ms | {result['cost_target_ms']:.1f} ms | {result['cost_ratio']:.2f} |"
+    )
+    _err(
+        "agreement: share of positions where the draft's top token is the target's; acceptance prob.: "
+        "the mean per-position probability that speculative sampling accepts a drafted token"
+    )
+    return 0
+
+
+def _measure_draft(pair, texts: list[str], max_new_tokens: int, progress) -> dict:
+    from ..distill import forward_cost, match_metrics
+    from ..distill.data import greedy_examples
+
+    prompts = [pair.encode(t) for t in texts]
+    with progress(len(prompts), "prompts") as bar:
+        examples = greedy_examples(
+            pair.target.model,
+            prompts,
+            eos_ids=pair.eos_token_ids,
+            max_new_tokens=max_new_tokens,
+            on_progress=bar,
+        )
+    result = {"prompts": len(texts), "draft": pair.draft.name, "target": pair.target.name}
+    result |= match_metrics(pair.target.model, pair.draft.model, examples)
+    result |= {f"cost_{k}": v for k, v in forward_cost(pair.target.model, pair.draft.model).items()}
+    return result
+
+
+def _warn_overlap(spec: str | None, pair, texts: list[str]) -> None:
+    """Warn when the prompts are among the ones the draft was trained on."""
+    from ..distill.overlap import training_overlap
+    from ..models.drafts import SHIPPED_DRAFT, is_draft_dir
+    from .util import err as _err
+
+    if spec is None:
+        draft_dir = SHIPPED_DRAFT if pair.draft.name == "default distilled draft" else None
+    else:
+        draft_dir = pathlib.Path(spec).expanduser() if is_draft_dir(pathlib.Path(spec).expanduser()) else None
+    seen = None if draft_dir is None else training_overlap(draft_dir, texts)
+    if seen:
+        _err(
+            f"warning: {seen} of these {len(texts)} prompts are in the draft's training data, where it "
+            "agrees with the target far more often than on held-out prompts; measure on held-out ones "
+            "(the default, short_answer, is)"
+        )

@@ -1,0 +1,436 @@
+"""The ``smcsd`` command line: the only part of the package that prints."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+from ..config import DIVERGENCE_NAMES, RESAMPLING_SCHEMES, SELECTIONS, SMCConfig
+from ..text import check_prompt
+from .util import (
+    PROG,
+    USER_ERRORS,
+    Parser,
+    check_output_dir,
+    check_output_file,
+    check_threads,
+    csv,
+    cut_value,
+    err,
+    progress,
+    read_prompt,
+    status,
+    user_error,
+)
+
+# The registry's names and summaries, kept here so that building the parser imports no torch;
+# a test checks that they match smcsd_ppl.methods.METHODS.
+METHOD_SUMMARIES = {
+    "smcsd": "SMC speculative decoding (N particles x K-token blocks)",
+    "smcsd_paper": "the paper's SMC-SD: whole K-token blocks, fixed N and K (no cut)",
+    "sd": "exact speculative sampling (Leviathan et al.)",
+    "ar": "autoregressive sampling from the target",
+    "easd": "speculative sampling with EASD's entropy-aware rejection (not exact)",
+    "hf_assisted": "Hugging Face assisted generation (exact SD, batch 1, draft at T_t)",
+    "hf_prompt_lookup": "Hugging Face prompt lookup decoding (batch 1)",
+    "minedraft": "MineDraft-style SD: verify one half-batch while drafting the other",
+    "racer": "RACER: retrieval + logit-cue draft trees, greedy (target argmax)",
+    "racer_sampling": "RACER draft trees with exact sampling at T_t",
+}
+
+SPEED_PROMPTS = (
+    "Write a short story about a lighthouse keeper.",
+    "Explain how a bicycle stays upright.",
+    "Describe the water cycle to a ten-year-old.",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``smcsd`` (also used to document the CLI)."""
+    parser = Parser(prog=PROG, description="SMC speculative decoding: fast sampling with N draft particles.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate a continuation of a prompt")
+    gen.add_argument(
+        "prompt", help="the prompt (wrapped in the chat template of instruct models); - reads standard input"
+    )
+    gen.add_argument(
+        "--method",
+        choices=list(METHOD_SUMMARIES),
+        default="smcsd",
+        help="; ".join(f"{name}: {summary}" for name, summary in METHOD_SUMMARIES.items()),
+    )
+    _model_args(gen)
+    _smc_args(gen)
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    gen.set_defaults(run=_generate)
+
+    speed = sub.add_parser("speed", help="tokens/s of SMC-SD vs AR, exact SD and HF generate(), side by side")
+    _model_args(speed)
+    _smc_args(speed)
+    speed.add_argument("--repeats", type=int, default=3, help="runs per prompt and method (medians reported)")
+    speed.add_argument("--prompt", action="append", help="prompt to time (repeatable; default: 3 built-in)")
+    speed.set_defaults(run=_speed)
+
+    bench = sub.add_parser(
+        "bench", help="benchmark methods x N x K x temperatures on a dataset (resumable JSONL records)"
+    )
+    bench.add_argument(
+        "--dataset",
+        required=True,
+        help="JSONL file (Spec-Bench, GSM8K, or records with a 'prompt' field), "
+        "or short_answer|humaneval|spec_bench|gsm8k",
+    )
+    bench.add_argument("--limit", type=int, default=None, help="at most this many prompts")
+    bench.add_argument(
+        "--per-category", type=int, default=None, help="at most this many prompts per category"
+    )
+    bench.add_argument(
+        "--methods", default="ar,sd,smcsd", help=f"comma-separated, from: {', '.join(METHOD_SUMMARIES)}"
+    )
+    bench.add_argument("--particles", default="4,8", help="comma-separated N values")
+    bench.add_argument("--block-sizes", default="4,8", help="comma-separated K values")
+    bench.add_argument("--temperatures", default="0.7", help="comma-separated T_d = T_t values")
+    bench.add_argument("--repeats", type=int, default=1, help="runs per setting and prompt")
+    bench.add_argument("--max-new-tokens", type=int, default=128, help="generation budget per record")
+    bench.add_argument("--ess-threshold", type=float, default=0.5, help="resample when ESS < this x N")
+    bench.add_argument(
+        "--resampling", choices=RESAMPLING_SCHEMES, default="systematic", help="resampling scheme"
+    )
+    bench.add_argument("--alpha", type=float, default=1.0, help="power on the target")
+    bench.add_argument("--seed", type=int, default=0, help="base seed (each record's seed derives from it)")
+    bench.add_argument("--ignore-eos", action="store_true", help="always emit --max-new-tokens tokens")
+    bench.add_argument(
+        "--cut", type=cut_value, default=SMCConfig.cut, help="the smcsd rows' quality cut ('off': none)"
+    )
+    bench.add_argument(
+        "--out",
+        required=True,
+        help="JSONL file of records; an existing one is resumed if it was made with the same settings",
+    )
+    _model_args(bench)
+    bench.set_defaults(run=_bench)
+
+    report = sub.add_parser("report", help="markdown table and plots of a bench run")
+    report.add_argument("records", help="the JSONL file written by smcsd bench")
+    report.add_argument(
+        "--out-dir", default=None, help="where to write report.md and PNGs (default: RECORDS without .jsonl)"
+    )
+    report.set_defaults(run=_report)
+
+    from .compare import add_parser as add_compare
+
+    add_compare(sub, _model_args)
+    from .device import add_parser as add_device_check
+
+    add_device_check(sub)
+    from .fidelity import add_parser as add_fidelity
+
+    add_fidelity(sub, _model_args)
+    from .distill import add_parsers
+
+    add_parsers(sub, _model_args)
+    return parser
+
+
+def _model_args(p: argparse.ArgumentParser, *, draft: bool = True) -> None:
+    g = p.add_argument_group("models")
+    g.add_argument(
+        "--target", default=None, help="hub id or local path (default: embedded SmolLM2-135M-Instruct)"
+    )
+    if draft:
+        g.add_argument(
+            "--draft",
+            default=None,
+            help="a directory made by `smcsd distill`, hub id, local path, or layers:N (default: the shipped "
+            "distilled draft for the default target, else the target's first 2 layers)",
+        )
+    g.add_argument("--dtype", default="bfloat16", help="bfloat16, float32 or float16")
+    g.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads, at most the cores (default: torch's; 1 on a busy machine)",
+    )
+    g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+
+
+def _smc_args(p: argparse.ArgumentParser) -> None:
+    d = SMCConfig()  # one set of defaults for the API and the command line
+    g = p.add_argument_group("sampling")
+    g.add_argument("-n", "--particles", type=int, default=d.n_particles, help="N particles")
+    g.add_argument(
+        "-k", "--block-size", type=int, default=d.block_size, help="K, most drafted tokens per cycle"
+    )
+    g.add_argument(
+        "--cut",
+        type=cut_value,
+        default=d.cut,
+        help="quality floor: cut a block where D(p || q) exceeds this (adapts drafting, down to the "
+        "target alone); 'off' runs the paper's algorithm",
+    )
+    g.add_argument(
+        "--cut-divergence",
+        choices=DIVERGENCE_NAMES,
+        default=d.cut_divergence,
+        help="the divergence --cut bounds",
+    )
+    g.add_argument(
+        "--ess-threshold", type=float, default=d.ess_threshold, help="resample when ESS < this x N"
+    )
+    g.add_argument("--resampling", choices=RESAMPLING_SCHEMES, default=d.resampling, help="resampling scheme")
+    g.add_argument("--draft-temperature", type=float, default=d.draft_temperature, help="T_d, at least 0.01")
+    g.add_argument(
+        "--target-temperature", type=float, default=d.target_temperature, help="T_t, at least 0.01"
+    )
+    g.add_argument("--alpha", type=float, default=d.alpha, help="power on the target")
+    g.add_argument(
+        "--selection", choices=SELECTIONS, default=d.selection, help="how the output particle is chosen"
+    )
+    g.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="generation budget")
+    g.add_argument("--seed", type=int, default=d.seed, help="seed of the run")
+    g.add_argument("--ignore-eos", action="store_true", help="always emit --max-new-tokens tokens")
+
+
+def _config(args: argparse.Namespace) -> SMCConfig:
+    return SMCConfig(
+        n_particles=args.particles,
+        block_size=args.block_size,
+        ess_threshold=args.ess_threshold,
+        resampling=args.resampling,
+        draft_temperature=args.draft_temperature,
+        target_temperature=args.target_temperature,
+        alpha=args.alpha,
+        selection=args.selection,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+        cut=args.cut,
+        cut_divergence=args.cut_divergence,
+    )
+
+
+def _set_threads(args: argparse.Namespace) -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # our own bar is enough
+    check_threads(args.threads)
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+
+
+def _load_target(args: argparse.Namespace):
+    from ..models import load_model
+
+    _set_threads(args)
+    with status(f"loading the target on {args.device} ({args.dtype})"):
+        target = load_model(args.target, device=args.device, dtype=args.dtype)
+    err(f"target: {target.name} [{target.source}]")
+    return target
+
+
+def _load(args: argparse.Namespace):
+    from ..api import SMCSD
+
+    _set_threads(args)
+    with status(f"loading models on {args.device} ({args.dtype})"):
+        pair = SMCSD.load(
+            args.target, args.draft, device=args.device, dtype=args.dtype, chat=not args.no_chat
+        )
+    err(f"target: {pair.target.name} [{pair.target.source}]")
+    err(f"draft:  {pair.draft.name} [{pair.draft.source}]")
+    if pair.draft.is_slice:
+        err(
+            "note: a layer slice of the target is a WEAK draft (it agrees with the target on few tokens); "
+            "expect low ESS and outputs closer to the draft than to the target. Pass --draft, or make one "
+            "with `smcsd distill`."
+        )
+    return pair
+
+
+def _generate(args: argparse.Namespace) -> int:
+    config = _config(args)
+    check_threads(args.threads)
+    prompt = read_prompt(args.prompt)
+    pair = _load(args)
+    with progress(config.max_new_tokens, "tokens") as bar:
+        out = pair.generate(prompt, method=args.method, config=config, on_progress=bar)
+    s = out.stats
+    record = {
+        "text": out.text,
+        "method": out.method,
+        "new_tokens": len(out.token_ids),
+        "seconds": round(s.seconds, 3),
+        "tokens_per_second": round(s.tokens_per_second, 2),
+        "tokens_per_target_call": round(s.tokens_per_target_call, 3),
+        "target_calls": s.target_calls,
+        "draft_calls": s.draft_calls,
+        "overhead_fraction": round(s.overhead_fraction, 3),
+        "message": out.message,
+    }
+    if out.log_z is not None:  # an SMC-SD run
+        record |= {"n_resamples": out.n_resamples, "mean_ess": out.mean_ess, "log_z": out.log_z}
+        record |= {"collapsed": out.collapsed, "draft_lengths": out.draft_lengths}
+    if out.acceptance is not None:
+        record["acceptance"] = round(out.acceptance, 3)
+    if args.json:
+        print(json.dumps(record, ensure_ascii=False))
+        return 0
+    print(out.text if out.text else f"[empty output: {out.message}]")
+    if out.text and out.message:
+        err(f"note: {out.message}")
+    line = (
+        f"[{out.method}] {record['new_tokens']} tokens in {s.seconds:.2f} s = "
+        f"{s.tokens_per_second:.1f} tok/s, {s.tokens_per_target_call:.2f} tokens/target call"
+    )
+    if out.log_z is not None:
+        ess = f"{out.mean_ess:.2f}/{config.n_particles}" if out.mean_ess is not None else "n/a"
+        line += f", {out.n_resamples} resamples, mean ESS {ess}, log Z {out.log_z:.2f}"
+        line += _drafting(out.draft_lengths)
+    if out.acceptance is not None:
+        line += f", acceptance (accepted/drafted tokens) {out.acceptance:.2f}"
+    err(line)
+    if out.collapsed:
+        err(
+            f"warning: the draft is too far from the target at these settings (mean ESS {ess}): the "
+            "output follows the draft more than the target; use --cut 0.3, a smaller --block-size, "
+            "more --particles or a closer --draft"
+        )
+    return 0
+
+
+def _drafting(lengths: list[int]) -> str:
+    """How the quality cut's schedule drafted, in a few words ('' for the paper's algorithm)."""
+    if not lengths:
+        return ""
+    if not any(lengths):
+        return ", target alone (the draft does not pay here)"
+    if lengths[-1] == 0:
+        return f", target alone after {lengths.index(0)} drafting cycle(s)"
+    return f", draft lengths {min(lengths)}-{max(lengths)}"
+
+
+def _speed(args: argparse.Namespace) -> int:
+    from ..bench.speed import SPEED_METHODS, compare_speed
+
+    config = _config(args)
+    prompts = [check_prompt(p) for p in args.prompt or SPEED_PROMPTS]
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    pair = _load(args)
+    total = args.repeats * len(prompts) * len(SPEED_METHODS)
+    with progress(total, "runs") as bar:
+        done = [0]
+
+        def tick(_method: str) -> None:
+            done[0] += 1
+            bar(done[0])
+
+        rows = compare_speed(pair, prompts, config, repeats=args.repeats, on_run=tick)
+    print(
+        f"{config.max_new_tokens} tokens per run, N={config.n_particles}, K={config.block_size}, "
+        f"T_d={config.draft_temperature}, T_t={config.target_temperature}, {args.dtype} on {args.device}; "
+        f"medians of {args.repeats} repeats x {len(prompts)} prompts"
+    )
+    print("| method | tokens/s | x autoregressive | tokens/target call | loop overhead |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        ovh = "-" if r.overhead_fraction != r.overhead_fraction else f"{100 * r.overhead_fraction:.0f}%"
+        print(
+            f"| {r.method} | {r.tokens_per_second:.1f} | {r.speedup_vs_ar:.2f}x | "
+            f"{r.tokens_per_target_call:.2f} | {ovh} |"
+        )
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from ..bench import Grid, load_prompts, run_bench
+
+    base = SMCConfig(
+        ess_threshold=args.ess_threshold,
+        resampling=args.resampling,
+        alpha=args.alpha,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+        cut=args.cut,
+    )
+    grid = Grid(
+        csv(args.methods, str, "--methods"),
+        csv(args.particles, int, "--particles"),
+        csv(args.block_sizes, int, "--block-sizes"),
+        csv(args.temperatures, float, "--temperatures"),
+        base,
+    )
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    prompts = load_prompts(args.dataset, limit=args.limit, per_category=args.per_category)
+    check_output_file(args.out, "--out")
+    check_threads(args.threads)
+    total = len(grid.settings()) * len(prompts) * args.repeats
+    pair = _load(args)
+    err(
+        f"{len(prompts)} prompts x {len(grid.settings())} settings x {args.repeats} repeats "
+        f"= {total} records -> {args.out}"
+    )
+    saved = [0]
+    try:
+        with progress(total, "records") as bar:
+
+            def tick(_record: dict, done: int, _total: int) -> None:
+                saved[0] = done
+                bar(done)
+
+            records = run_bench(pair, prompts, grid, args.out, args.repeats, on_record=tick)
+    except KeyboardInterrupt:
+        err(f"interrupted after {saved[0]}/{total} records; run the same command again to resume")
+        return 130
+    failed = [r for r in records if "error" in r]
+    if failed:
+        err(f"first failure ({failed[0]['method']}, prompt {failed[0]['prompt_id']}): {failed[0]['error']}")
+    err(f"{total} records ({len(failed)} failed) in {args.out}; summarize them with: smcsd report {args.out}")
+    return 1 if len(failed) == len(records) else 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ..bench.report import write_report
+
+    out_dir = args.out_dir or str(Path(args.records).with_suffix(""))
+    check_output_dir(out_dir, "--out-dir")
+    rep = write_report(args.records, out_dir)
+    for path in [rep.markdown, *rep.plots]:
+        print(f"wrote {path}")
+    print()
+    print(rep.table)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``smcsd`` console script.
+
+    The one place that turns a user's mistake (``USER_ERRORS``) into a one-line message
+    and exit status 2, as argparse does for bad arguments.
+    """
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        return args.run(args)
+    except USER_ERRORS as e:
+        err(f"{PROG}: error: {user_error(e)}")
+        return 2
+    except KeyboardInterrupt:
+        err("interrupted")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

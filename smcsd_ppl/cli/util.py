@@ -1,0 +1,143 @@
+"""Helpers of the ``smcsd`` command line: help layout, user errors, prompts, progress.
+
+This module imports only the standard library, so that ``smcsd --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+PROG = "smcsd"
+
+# What a user's mistake raises (a bad value, an unusable path, text that is not UTF-8).
+# main() turns these into one line and exit status 2; anything else is a bug and keeps its traceback.
+USER_ERRORS = (ValueError, OSError)
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Shows every option's default in its help, unless the help already states it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (
+            action.option_strings
+            and action.default not in (None, False, argparse.SUPPRESS)
+            and "default" not in text
+        ):
+            text += " (default: %(default)s)"
+        return text
+
+
+class Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` using ``HelpFormatter`` (subcommands included)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
+def user_error(err: BaseException) -> str:
+    """One line saying what went wrong, without the exception's type."""
+    if isinstance(err, OSError) and err.strerror:
+        where = " -> ".join(str(f) for f in (err.filename, err.filename2) if f is not None)
+        text = f"{where}: {err.strerror}" if where else err.strerror
+    else:
+        text = str(err) or type(err).__name__
+    return " ".join(text.split())  # a message must stay on one line
+
+
+def err(msg: str) -> None:
+    """Print a line on standard error."""
+    print(msg, file=sys.stderr)
+
+
+def check_threads(threads: int | None) -> None:
+    """Refuse a thread count below 1 or above the CPU cores this process may use."""
+    if threads is None:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if not 1 <= threads <= cores:
+        raise ValueError(f"--threads must be between 1 and the {cores} CPU cores available, got {threads}")
+
+
+def read_prompt(text: str) -> str:
+    """The prompt argument, or standard input for ``-``; checked before any model loads."""
+    from ..text import check_prompt
+
+    if text == "-":
+        data = sys.stdin.buffer.read()
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"standard input is not UTF-8 text (byte {e.start})") from e
+    return check_prompt(text)
+
+
+def check_output_file(path: str | os.PathLike, flag: str) -> None:
+    """Refuse, before any model loads, an output that is not a regular file we can write.
+
+    Records are appended and resumed, so a device or pipe (``/dev/stdout``) cannot serve.
+    """
+    p = Path(path)
+    if p.exists():
+        if not p.is_file():
+            raise ValueError(f"{flag} {path}: not a regular file; give the path of a JSONL file")
+        if not os.access(p, os.R_OK | os.W_OK):
+            raise ValueError(f"{flag} {path}: permission denied")
+        return
+    check_output_dir(p.parent, flag)
+
+
+def check_output_dir(path: str | os.PathLike, flag: str) -> None:
+    """Refuse a directory that cannot be created or written to."""
+    p = Path(path).absolute()
+    existing = next(a for a in (p, *p.parents) if a.exists())
+    if not existing.is_dir():
+        raise ValueError(f"{flag} {path}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path}: permission denied in {existing}")
+
+
+def csv(text: str, kind: type, flag: str) -> list:
+    """Comma-separated values of one type, at least one."""
+    try:
+        values = [kind(v.strip()) for v in text.split(",") if v.strip()]
+    except ValueError as e:
+        raise ValueError(f"{flag}: expected comma-separated {kind.__name__} values, got {text!r}") from e
+    if not values:
+        raise ValueError(f"{flag}: give at least one value")
+    return values
+
+
+@contextmanager
+def status(msg: str):
+    """Say on standard error what is about to take a while."""
+    err(msg + " ...")
+    yield
+
+
+@contextmanager
+def progress(total: int, unit: str):
+    """A progress bar on stderr that appears only when work takes more than a moment."""
+    from tqdm import tqdm
+
+    with tqdm(total=total, unit=unit, delay=1.0, leave=False, file=sys.stderr) as bar:
+
+        def update(n: int) -> None:
+            bar.update(max(0, min(n, total) - bar.n))
+
+        yield update
+
+
+def cut_value(text: str) -> float | None:
+    """``--cut``'s value: a number, or ``off`` for the paper's uncut algorithm."""
+    if text.strip().lower() in ("off", "none"):
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'off', got {text!r}") from None

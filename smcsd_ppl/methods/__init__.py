@@ -1,0 +1,10 @@
+"""Every generation method, by name: SMC-SD, its baselines and steering.
+
+Importing this package registers each runner in ``METHODS``.
+"""
+
+from . import ar, easd, hf_assisted, minedraft, racer, sd, smcsd  # noqa: F401 (they register)
+from .registry import METHODS, Method, get, register
+from .smcsd import run_programs
+
+__all__ = ["METHODS", "Method", "get", "register", "run_programs"]

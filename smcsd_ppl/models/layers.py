@@ -1,0 +1,47 @@
+"""Drafts made of a target's own decoder layers: find them and assemble a smaller model."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+import torch
+import transformers
+from torch import nn
+
+
+def decoder_layers(full: transformers.PreTrainedModel) -> nn.ModuleList:
+    """The decoder layers of a Llama-like model, or a ``ValueError``."""
+    layers = getattr(getattr(full, "model", None), "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(
+            f"drafts built from target layers need a model with `.model.layers` (Llama-like); "
+            f"{type(full).__name__} has none"
+        )
+    return layers
+
+
+def assemble(
+    full: transformers.PreTrainedModel, indices: Sequence[int], layers: nn.ModuleList, norm: nn.Module | None
+) -> transformers.PreTrainedModel:
+    """A model of ``full``'s class with the given decoder layers; everything else is shared."""
+    config = copy.deepcopy(full.config)
+    # Per-layer lists (e.g. `layer_types`) must match the new depth or config validation fails.
+    for key, value in list(vars(config).items()):
+        if isinstance(value, (list, tuple)) and len(value) == config.num_hidden_layers:
+            setattr(config, key, type(value)(value[i] for i in indices))
+    config.num_hidden_layers = len(indices)
+    # Meta device: build only the skeleton; every tensor is replaced below.
+    with torch.device("meta"):
+        draft = type(full)(config)
+    for name, child in full.named_children():
+        if name != "model":
+            setattr(draft, name, child)
+    own = {"layers": layers} | ({"norm": norm} if norm is not None else {})
+    for name, child in (dict(full.model.named_children()) | own).items():
+        setattr(draft.model, name, child)
+    leftover = [n for n, t in (*draft.named_parameters(), *draft.named_buffers()) if t.is_meta]
+    if leftover:
+        raise ValueError(f"cannot build a draft of {type(full).__name__}: unshared tensors {leftover[:3]}")
+    draft.generation_config = copy.deepcopy(full.generation_config)
+    return draft
