@@ -91,7 +91,9 @@ def test_rule_math():
     u = torch.full((4,), 0.25)
     peaked = torch.tensor([0.97, 0.01, 0.01, 0.01])
     assert float(entropy(u)) == pytest.approx(math.log(4))
-    assert float(topn_overlap(u[None], peaked[None], 1)) in (0.0, 1.0)
+    p_, q_ = torch.tensor([0.4, 0.3, 0.2, 0.1]), torch.tensor([0.1, 0.3, 0.2, 0.4])
+    overlaps = [float(topn_overlap(p_, q_, n)) for n in (1, 2, 3, 4)]
+    assert overlaps == pytest.approx([0.0, 0.5, 2 / 3, 1.0])  # {0}/{3}, {0,1}/{3,1}, ...
     p = torch.stack([u, peaked])[None]  # [1, 2, V]
     veto = uncertain_agreement(p, p, tau_q=1.0, tau_p=1.0, top_n=2, overlap=1.0)
     assert veto.tolist() == [[True, False]]  # the peaked position is certain

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from smcsd_ppl import smc
+from smcsd_ppl.smc import resampling
 from smcsd_ppl.spec import block_log_weights, power_log_normalizer, sample_probs, speculative_accept
 
 
@@ -52,12 +53,13 @@ def test_low_variance_schemes_keep_deterministic_copies(scheme):
     assert torch.bincount(a, minlength=4).tolist() == [2, 2, 0, 0]
 
 
-def test_float32_cumsum_below_one_never_indexes_out_of_range():
-    g = torch.Generator().manual_seed(2)
-    w = torch.full((1000,), 1.0 / 1000, dtype=torch.float32) * 0.9999  # sums to < 1
-    for scheme, fn in smc.RESAMPLERS.items():
-        a = fn(w / w.sum(), g)
-        assert int(a.max()) < 1000 and int(a.min()) >= 0, scheme
+def test_a_cumsum_ending_below_one_never_selects_a_dead_particle():
+    # Three live particles whose float32 weights sum to just under 1, then two dead ones.
+    w = torch.tensor([0.7, 0.2, 0.1, 0.0, 0.0])
+    deficit = 1.0 - float(torch.cumsum(w.double(), 0)[-1])
+    assert deficit > 0  # the setup is what the name says
+    u = torch.tensor([0.0, 0.75, 1.0 - deficit / 2], dtype=torch.float64)
+    assert resampling._inverse_cdf(w, u).tolist() == [0, 1, 2]
 
 
 def test_unknown_scheme():

@@ -17,10 +17,11 @@ Resampler = Callable[[torch.Tensor, torch.Generator], torch.Tensor]
 
 
 def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    # Sorted uniforms in [0, 1) -> indices; clamp guards a float cumsum ending below 1.
+    # Sorted uniforms in [0, 1) -> indices. Dividing by the total puts the last live
+    # particle's CDF at exactly 1, so a float sum below 1 never lets a uniform fall through
+    # to the zero-weight (dead) particles after it, nor past the end.
     cdf = torch.cumsum(weights.double(), 0)
-    cdf[-1] = 1.0
-    return torch.searchsorted(cdf, u.double(), right=True).clamp_(max=weights.numel() - 1)
+    return torch.searchsorted(cdf / cdf[-1], u.double(), right=True)
 
 
 def _uniforms(n: int, g: torch.Generator) -> torch.Tensor:
