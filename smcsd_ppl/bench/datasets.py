@@ -4,29 +4,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
+
+from .prompt import Prompt
+from .short_answer import short_answer_prompts
 
 # Spec-Bench's first 80 prompts are MT-bench, whose own sub-categories Spec-Bench groups as one.
 _MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 _SPEC_BENCH_URL = "https://raw.githubusercontent.com/hemingkx/Spec-Bench/main/data/spec_bench/question.jsonl"
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """One benchmark prompt.
-
-    Attributes:
-        id: unique within its dataset (the record key uses it).
-        text: the prompt (the first turn for multi-turn sets).
-        category: the dataset's category, or the dataset's name.
-        answer: the reference answer where outputs are checkable (a number for GSM8K).
-    """
-
-    id: str
-    text: str
-    category: str
-    answer: str | None = None
 
 
 def load_prompts(spec: str | Path, limit: int | None = None, per_category: int | None = None) -> list[Prompt]:
@@ -125,8 +110,6 @@ def _by_name(name: str) -> list[Prompt]:
         problems = read_problems()
         return [Prompt(tid, p["prompt"], "humaneval") for tid, p in problems.items()]
     if key == "short_answer":
-        from .short_answer import short_answer_prompts
-
         return short_answer_prompts()
     if key in ("spec_bench", "gsm8k"):
         try:

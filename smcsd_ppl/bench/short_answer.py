@@ -8,7 +8,7 @@ containment after normalisation).
 
 from __future__ import annotations
 
-from .datasets import Prompt
+from .prompt import Prompt
 
 _CAPITALS = {
     "France": "Paris",
