@@ -146,15 +146,8 @@ def collect(
     _check_collect(model, prompts, max_new_tokens=max_new_tokens, top_k=top_k, batch_size=batch_size)
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    settings = dict(
-        prompts=_digest(prompts),
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        max_prompt_tokens=max_prompt_tokens,
-        top_k=top_k,
-        batch_size=batch_size,
-        seed=seed,
-    )
+    settings = dict(prompts=_digest(prompts), max_new_tokens=max_new_tokens, temperature=temperature)
+    settings |= dict(max_prompt_tokens=max_prompt_tokens, top_k=top_k, batch_size=batch_size, seed=seed)
     _check_meta(out, settings)
     generation = dict(max_new_tokens=max_new_tokens, temperature=temperature, eos_ids=eos_ids)
     for n, first in enumerate(range(0, len(prompts), batch_size)):

@@ -192,22 +192,21 @@ class BlockEngine:
         asked[[r for r, n in zip(rows, limits) if n > 0]] = True
         feed = [p if a else [] for p, a in zip(self.draft_pending, asked.tolist())]
         ids, valid = pad_left(feed, self.device)
-        width = ids.shape[1]
-        feats = (
-            pending_features(self.draft_feats, width, asked.tolist(), self.device) if self.features else None
-        )
+        feats = None
+        if self.features:  # the target's states queued with the tokens
+            feats = pending_features(self.draft_feats, ids.shape[1], asked.tolist(), self.device)
         caps = [min(b, n) for b, n in zip(budgets, limits)]
         budget = torch.full((self.n_rows,), self.config.block_size, device=self.device)
         budget[rows] = torch.tensor(caps, device=self.device)
         masking = constrained.Masking(rows, constraints, "proposal")
         return Drafting(
-            self.draft,
-            self.g,
-            rows,
-            masking,
-            ids,
-            valid,
-            feats,
+            draft=self.draft,
+            g=self.g,
+            rows=rows,
+            masking=masking,
+            ids=ids,
+            valid=valid,
+            feats=feats,
             asked=asked.to(self.device),
             budget=budget,
             eos=torch.tensor(sorted(self.eos), dtype=torch.long, device=self.device),
