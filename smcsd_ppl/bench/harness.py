@@ -10,6 +10,7 @@ import resource
 import sys
 import time
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -193,16 +194,45 @@ def run_bench(
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     if not prompts:
         raise ValueError("no prompts to benchmark")
-    settings = grid.settings()
-    plan = [(s, p, r) for r in range(repeats) for p in prompts for s in settings]
+    plan = [(s, p, r) for r in range(repeats) for p in prompts for s in grid.settings()]
     out_path = Path(out_path)
-    if out_path.exists() and not out_path.is_file():  # a device or pipe cannot be resumed from
-        raise ValueError(f"{out_path}: not a regular file; give the path of a JSONL file")
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    existing, good = read_records(out_path)
+    existing, good = _existing_records(out_path)
     settings = run_settings(pair, grid.base)
     _check_compatible(existing, settings, prompts)
     done = {record_key(r): r for r in existing}
+    with _appending(out_path, good) as f:
+        _calibrate(pair, grid, prompts)
+        return _run_plan(pair, grid, plan, done, settings, f, warmup=warmup, on_record=on_record)
+
+
+def _run_plan(pair, grid, plan, done: dict, settings: dict, f, *, warmup, on_record) -> list[dict]:
+    """Measure and append every planned record not ``done``; returns all of the plan's records."""
+    results, warmed = [], set()
+    for i, ((method, n, k, t), prompt, rep) in enumerate(plan):
+        key = (method, n, k, t, prompt.id, rep)
+        if key not in done:
+            if warmup and method not in warmed:
+                _warm(pair, method, prompt, grid.config(n, k, t, 0))
+            warmed.add(method)
+            done[key] = _measure(pair, grid, key, prompt, settings)
+            _append(f, done[key])
+        results.append(done[key])
+        if on_record is not None:
+            on_record(done[key], i + 1, len(plan))
+    return results
+
+
+def _existing_records(out_path: Path) -> tuple[list[dict], int]:
+    """The records already in ``out_path`` and the bytes of its complete lines (none: ``[], 0``)."""
+    if out_path.exists() and not out_path.is_file():  # a device or pipe cannot be resumed from
+        raise ValueError(f"{out_path}: not a regular file; give the path of a JSONL file")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    return read_records(out_path)
+
+
+@contextmanager
+def _appending(out_path: Path, good: int):
+    """``out_path`` opened at its end, after its first ``good`` bytes (complete records)."""
     out_path.touch()
     with out_path.open("r+b") as f:
         f.truncate(good)  # drop a line cut short by a kill
@@ -211,22 +241,13 @@ def run_bench(
             if f.read(1) != b"\n":
                 f.write(b"\n")
         f.seek(0, os.SEEK_END)
-        results, warmed = [], set()
-        _calibrate(pair, grid, prompts)
-        for i, ((method, n, k, t), prompt, rep) in enumerate(plan):
-            key = (method, n, k, t, prompt.id, rep)
-            if key not in done:
-                if warmup and method not in warmed:
-                    _warm(pair, method, prompt, grid.config(n, k, t, 0))
-                warmed.add(method)
-                done[key] = _measure(pair, grid, key, prompt, settings)
-                f.write((json.dumps(done[key], ensure_ascii=False) + "\n").encode())
-                f.flush()
-                os.fsync(f.fileno())  # a record on disk survives a kill right after it
-            results.append(done[key])
-            if on_record is not None:
-                on_record(done[key], i + 1, len(plan))
-    return results
+        yield f
+
+
+def _append(f, record: dict) -> None:
+    f.write((json.dumps(record, ensure_ascii=False) + "\n").encode())
+    f.flush()
+    os.fsync(f.fileno())  # a record on disk survives a kill right after it
 
 
 def _calibrate(pair: SMCSD, grid: Grid, prompts: Sequence[Prompt]) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from .loading import load_pair
+from .options import model_args
 from .util import check_threads, csv, cut_value, progress
 
 # The names of smcsd_ppl.bench.constrained.METHODS, kept here so that building the parser imports no
@@ -21,7 +23,7 @@ CONSTRAINED_METHODS = (
 )
 
 
-def add_parser(sub, model_args) -> None:
+def add_parser(sub) -> None:
     """Add the ``compare-constrained`` subcommand to the ``smcsd`` parser."""
     cc = sub.add_parser(
         "compare-constrained",
@@ -49,7 +51,7 @@ def add_parser(sub, model_args) -> None:
 
 def _compare_constrained(args: argparse.Namespace) -> int:
     from ..bench.constrained import METHODS as CC_METHODS
-    from ..bench.constrained import TASKS, compare_constrained, speed_ratios
+    from ..bench.constrained import TASKS, compare_constrained
 
     tasks = [TASKS[t] if t in TASKS else _unknown("task", t, TASKS) for t in csv(args.tasks, str, "--tasks")]
     methods = csv(args.methods, str, "--methods") if args.methods else list(CC_METHODS)
@@ -57,9 +59,7 @@ def _compare_constrained(args: argparse.Namespace) -> int:
         if m not in CC_METHODS:
             _unknown("method", m, CC_METHODS)
     check_threads(args.threads)
-    from .main import _load
-
-    pair = _load(args)
+    pair = load_pair(args)
     total = args.repeats * len(tasks) * len(methods)
     with progress(total, "runs") as bar:
         done = [0]
@@ -81,6 +81,14 @@ def _compare_constrained(args: argparse.Namespace) -> int:
             cut=args.cut,
             on_run=tick,
         )
+    _print_table(rows, args)
+    return 0
+
+
+def _print_table(rows, args: argparse.Namespace) -> None:
+    """The comparison as a markdown table, then the speed ratios per task."""
+    from ..bench.constrained import speed_ratios
+
     print(
         f"N={args.particles}, K={args.block_size} (SMC-SD), T={args.temperature} for every model, "
         f"max {args.max_new_tokens} new tokens, {args.dtype} on {args.device}; medians of {args.repeats} "
@@ -102,7 +110,6 @@ def _compare_constrained(args: argparse.Namespace) -> int:
         )
     for task, ratios in speed_ratios(rows).items():
         print(f"{task}: smcsd_proposal tokens/s = " + ", ".join(f"{v:.2f}x {m}" for m, v in ratios.items()))
-    return 0
 
 
 def _unknown(kind: str, name: str, known) -> None:

@@ -6,8 +6,12 @@ import argparse
 import json
 import pathlib
 
+from .loading import load_pair, load_target
+from .options import model_args
+from .util import check_output_dir, check_threads, csv, err, progress
 
-def add_parsers(sub, model_args) -> None:
+
+def add_parsers(sub) -> None:
     """Add the ``distill`` and ``eval-draft`` subcommands to the ``smcsd`` parser."""
     dist = sub.add_parser(
         "distill",
@@ -29,7 +33,13 @@ def add_parsers(sub, model_args) -> None:
     )
     dist.add_argument("--eval-categories", default=None, help="categories of --eval-prompts to use")
     dist.add_argument("--eval-limit", type=int, default=48, help="held-out prompts used (default 48)")
-    g = dist.add_argument_group("data")
+    _data_args(dist.add_argument_group("data"))
+    _training_args(dist.add_argument_group("training"))
+    dist.set_defaults(run=_distill)
+    _add_eval_draft(sub)
+
+
+def _data_args(g) -> None:
     g.add_argument(
         "--max-prompts",
         type=int,
@@ -46,7 +56,9 @@ def add_parsers(sub, model_args) -> None:
     g.add_argument("--max-prompt-tokens", type=int, default=192, help="prompt tail kept per example")
     g.add_argument("--top-k", type=int, default=64, help="target log-probs kept per position (default 64)")
     g.add_argument("--gen-batch", type=int, default=32, help="prompts per generation batch (default 32)")
-    g = dist.add_argument_group("training")
+
+
+def _training_args(g) -> None:
     g.add_argument(
         "--kind",
         choices=("layers", "features"),
@@ -70,8 +82,9 @@ def add_parsers(sub, model_args) -> None:
     g.add_argument("--eval-every", type=int, default=100, help="steps between held-out evaluations")
     g.add_argument("--no-bf16", action="store_true", help="train in float32 (default: bf16 autocast)")
     g.add_argument("--seed", type=int, default=0, help="seed of the prompt shuffle, sampling and training")
-    dist.set_defaults(run=_distill)
 
+
+def _add_eval_draft(sub) -> None:
     ev = sub.add_parser(
         "eval-draft",
         help="agreement, acceptance probability and forward cost of a draft against its target",
@@ -120,19 +133,33 @@ def _texts(sources: list[str], categories: str | None, limit: int | None) -> lis
 def _distill(args: argparse.Namespace) -> int:
     import random
 
-    from ..api import encode_prompt
-    from ..distill import DistillConfig, collect, corpus_examples, distill, load_examples
-    from .main import _load_target
-    from .util import check_output_dir
-    from .util import err as _err
-    from .util import progress as _progress
+    from ..distill import load_examples
 
-    source_layers = None
-    if args.source_layers:
-        from .util import csv as _csv
+    config = _distill_config(args)
+    texts = _texts(args.prompts, args.categories, args.limit)
+    random.Random(args.seed).shuffle(texts)  # shards then mix sources evenly
+    texts = texts[: args.max_prompts]
+    check_output_dir(args.out, "--out")
+    target = load_target(args)
+    out = pathlib.Path(args.out)
+    train_dirs, held_out = _collect_data(args, target, texts, out)
+    draft_dir = _train(target, load_examples(*train_dirs), out, config, held_out)
+    from ..distill.overlap import record_training_prompts
 
-        source_layers = tuple(_csv(args.source_layers, int, "--source-layers"))
-    config = DistillConfig(
+    record_training_prompts(draft_dir, texts)  # so that eval-draft can tell held-out prompts apart
+    from ..distill.evaluate import plot_curve
+
+    if plot_curve(out / "train_log.jsonl", out / "curve.png"):
+        print(f"training curve (held-out agreement and acceptance vs tokens): {out / 'curve.png'}")
+    print(f"draft written to {draft_dir}; use it with: smcsd generate --draft {draft_dir} PROMPT")
+    return 0
+
+
+def _distill_config(args: argparse.Namespace):
+    from ..distill import DistillConfig
+
+    source_layers = tuple(csv(args.source_layers, int, "--source-layers")) if args.source_layers else None
+    return DistillConfig(
         kind=args.kind,
         init_draft=args.init_draft,
         unroll=args.unroll,
@@ -147,86 +174,71 @@ def _distill(args: argparse.Namespace) -> int:
         bf16=not args.no_bf16,
         seed=args.seed,
     )
-    texts = _texts(args.prompts, args.categories, args.limit)
-    random.Random(args.seed).shuffle(texts)  # shards then mix sources evenly
-    texts = texts[: args.max_prompts]
-    check_output_dir(args.out, "--out")
-    target = _load_target(args)
-    tok, eos = target.tokenizer, [target.tokenizer.eos_token_id]
-    out = pathlib.Path(args.out)
-    chat = not args.no_chat
-    common = dict(eos_ids=eos, max_prompt_tokens=args.max_prompt_tokens, top_k=args.top_k, seed=args.seed)
-    _err(f"collecting the target's answers to {len(texts)} prompts in {out / 'data'}")
-    with _progress(len(texts), "prompts") as bar:
-        collect(
-            target.model,
-            [encode_prompt(tok, t, chat=chat) for t in texts],
-            out / "data" / "train",
-            max_new_tokens=args.gen_tokens,
-            temperature=args.sample_temperature,
-            batch_size=args.gen_batch,
-            on_progress=lambda done, _total: bar(done),
-            **common,
-        )
+
+
+def _collect_data(args: argparse.Namespace, target, texts: list[str], out: pathlib.Path):
+    """The target's answers to ``texts`` and its top-k on each ``--corpus`` file, and held-out examples.
+
+    Returns the training data's directories and the held-out examples (empty without --eval-prompts).
+    """
+    from ..api import encode_prompt
+    from ..distill import collect, corpus_examples, load_examples
+
+    tok, chat = target.tokenizer, not args.no_chat
+    common = dict(max_prompt_tokens=args.max_prompt_tokens, top_k=args.top_k, seed=args.seed)
+    common["eos_ids"] = [tok.eos_token_id]
+
+    def answers(texts: list[str], where: str, unit: str, **kw) -> None:
+        with progress(len(texts), unit) as bar:
+            prompts = [encode_prompt(tok, t, chat=chat) for t in texts]
+            collect(target.model, prompts, out / "data" / where, on_progress=lambda done, _: bar(done), **kw)
+
+    err(f"collecting the target's answers to {len(texts)} prompts in {out / 'data'}")
+    gen = dict(max_new_tokens=args.gen_tokens, temperature=args.sample_temperature, batch_size=args.gen_batch)
+    answers(texts, "train", "prompts", **gen, **common)
     dirs = [out / "data" / "train"]
     for n, path in enumerate(args.corpus):
         text = pathlib.Path(path).read_text(encoding="utf-8")
         dirs.append(
             corpus_examples(target.model, [text], tok, out / "data" / f"corpus-{n}", top_k=args.top_k)
         )
-    held_out = []
-    if args.eval_prompts:
-        eval_texts = _texts([args.eval_prompts], args.eval_categories, None)[: args.eval_limit]
-        with _progress(len(eval_texts), "held-out prompts") as bar:
-            collect(
-                target.model,
-                [encode_prompt(tok, t, chat=chat) for t in eval_texts],
-                out / "data" / "eval",
-                max_new_tokens=64,
-                temperature=None,
-                batch_size=16,
-                on_progress=lambda done, _total: bar(done),
-                **common,
-            )
-        held_out = load_examples(out / "data" / "eval")
-    train = load_examples(*dirs)
+    if not args.eval_prompts:
+        return dirs, []
+    eval_texts = _texts([args.eval_prompts], args.eval_categories, None)[: args.eval_limit]
+    answers(
+        eval_texts, "eval", "held-out prompts", max_new_tokens=64, temperature=None, batch_size=16, **common
+    )
+    return dirs, load_examples(out / "data" / "eval")
+
+
+def _train(target, train: list, out: pathlib.Path, config, held_out: list) -> pathlib.Path:
+    """Train the draft with a progress bar and a line per held-out evaluation; returns its directory."""
+    from ..distill import distill
+
     tokens = sum(len(e.ids) for e in train)
     shape = "feature" if config.kind == "features" else f"{config.layers}-layer"
-    _err(f"training a {shape} draft on {tokens} tokens for {config.steps} steps")
+    err(f"training a {shape} draft on {tokens} tokens for {config.steps} steps")
     if config.kind == "features":
-        _err("first, one target forward over the data for its hidden states")
-    with _progress(config.steps, "steps") as bar:
+        err("first, one target forward over the data for its hidden states")
+    with progress(config.steps, "steps") as bar:
 
         def tick(p) -> None:
             bar(p.step)
             if p.metrics:
-                _err(
+                err(
                     f"step {p.step}: loss {p.loss:.3f}, held-out agreement {p.metrics['agreement']:.3f}, "
                     f"acceptance(T=1) {p.metrics['acceptance_T1']:.3f} after {p.tokens} tokens"
                 )
 
-        draft_dir = distill(target, train, out, config, held_out=held_out, on_progress=tick)
-    from ..distill.overlap import record_training_prompts
-
-    record_training_prompts(draft_dir, texts)  # so that eval-draft can tell held-out prompts apart
-    from ..distill.evaluate import plot_curve
-
-    if plot_curve(out / "train_log.jsonl", out / "curve.png"):
-        print(f"training curve (held-out agreement and acceptance vs tokens): {out / 'curve.png'}")
-    print(f"draft written to {draft_dir}; use it with: smcsd generate --draft {draft_dir} PROMPT")
-    return 0
+        return distill(target, train, out, config, held_out=held_out, on_progress=tick)
 
 
 def _eval_draft(args: argparse.Namespace) -> int:
-    from .main import _load
-    from .util import check_threads, progress
-    from .util import err as _err
-
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
     texts = _texts(args.prompts or ["short_answer"], args.categories, None)[: args.limit]
     check_threads(args.threads)
-    pair = _load(args)
+    pair = load_pair(args)
     _warn_overlap(args.draft, pair, texts)
     result = _measure_draft(pair, texts, args.max_new_tokens, progress)
     if args.json:
@@ -245,7 +257,7 @@ def _eval_draft(args: argparse.Namespace) -> int:
         f"| {result['agreement']:.3f} | {result['acceptance_T1']:.3f} | {result['acceptance_T0.7']:.3f} | "
         f"{result['cost_draft_ms']:.1f} ms | {result['cost_target_ms']:.1f} ms | {result['cost_ratio']:.2f} |"
     )
-    _err(
+    err(
         "agreement: share of positions where the draft's top token is the target's; acceptance prob.: "
         "the mean per-position probability that speculative sampling accepts a drafted token"
     )
@@ -275,7 +287,6 @@ def _warn_overlap(spec: str | None, pair, texts: list[str]) -> None:
     """Warn when the prompts are among the ones the draft was trained on."""
     from ..distill.overlap import training_overlap
     from ..models.drafts import SHIPPED_DRAFT, is_draft_dir
-    from .util import err as _err
 
     if spec is None:
         draft_dir = SHIPPED_DRAFT if pair.draft.name == "default distilled draft" else None
@@ -283,7 +294,7 @@ def _warn_overlap(spec: str | None, pair, texts: list[str]) -> None:
         draft_dir = pathlib.Path(spec).expanduser() if is_draft_dir(pathlib.Path(spec).expanduser()) else None
     seen = None if draft_dir is None else training_overlap(draft_dir, texts)
     if seen:
-        _err(
+        err(
             f"warning: {seen} of these {len(texts)} prompts are in the draft's training data, where it "
             "agrees with the target far more often than on held-out prompts; measure on held-out ones "
             "(the default, short_answer, is)"

@@ -7,10 +7,12 @@ import dataclasses
 import itertools
 import json
 
+from .loading import load_pair
+from .options import model_args
 from .util import check_output_file, check_threads, csv, cut_value, err, progress
 
 
-def add_parser(sub, model_args) -> None:
+def add_parser(sub) -> None:
     """Add the ``fidelity`` subcommand to the ``smcsd`` parser."""
     fid = sub.add_parser(
         "fidelity",
@@ -61,9 +63,7 @@ def _fidelity(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.dataset} has no prompts with reference answers")
     check_output_file(args.out, "--out")
     check_threads(args.threads)
-    from .main import _load
-
-    pair = _load(args)
+    pair = load_pair(args)
     print("| lam | agreement | N | K | cut | accuracy | tokens/target call | mean ESS/N | collapsed |")
     print("|---|---|---|---|---|---|---|---|---|")  # cut: the threshold on --cut-divergence
     with progress(len(cells), "cells") as bar, open(args.out, "a") as out:

@@ -8,8 +8,11 @@ import logging
 import os
 import sys
 
-from ..config import DIVERGENCE_NAMES, RESAMPLING_SCHEMES, SELECTIONS, SMCConfig
+from ..config import RESAMPLING_SCHEMES, SMCConfig
 from ..text import check_prompt
+from . import compare, device, distill, fidelity
+from .loading import load_pair
+from .options import METHOD_SUMMARIES, model_args, smc_args, smc_config
 from .util import (
     PROG,
     USER_ERRORS,
@@ -22,24 +25,8 @@ from .util import (
     err,
     progress,
     read_prompt,
-    status,
     user_error,
 )
-
-# The registry's names and summaries, kept here so that building the parser imports no torch;
-# a test checks that they match smcsd_ppl.methods.METHODS.
-METHOD_SUMMARIES = {
-    "smcsd": "SMC speculative decoding (N particles x K-token blocks)",
-    "smcsd_paper": "the paper's SMC-SD: whole K-token blocks, fixed N and K (no cut)",
-    "sd": "exact speculative sampling (Leviathan et al.)",
-    "ar": "autoregressive sampling from the target",
-    "easd": "speculative sampling with EASD's entropy-aware rejection (not exact)",
-    "hf_assisted": "Hugging Face assisted generation (exact SD, batch 1, draft at T_t)",
-    "hf_prompt_lookup": "Hugging Face prompt lookup decoding (batch 1)",
-    "minedraft": "MineDraft-style SD: verify one half-batch while drafting the other",
-    "racer": "RACER: retrieval + logit-cue draft trees, greedy (target argmax)",
-    "racer_sampling": "RACER draft trees with exact sampling at T_t",
-}
 
 SPEED_PROMPTS = (
     "Write a short story about a lighthouse keeper.",
@@ -52,7 +39,18 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``smcsd`` (also used to document the CLI)."""
     parser = Parser(prog=PROG, description="SMC speculative decoding: fast sampling with N draft particles.")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_speed(sub)
+    _add_bench(sub)
+    _add_report(sub)
+    compare.add_parser(sub)
+    device.add_parser(sub)
+    fidelity.add_parser(sub)
+    distill.add_parsers(sub)
+    return parser
 
+
+def _add_generate(sub) -> None:
     gen = sub.add_parser("generate", help="generate a continuation of a prompt")
     gen.add_argument(
         "prompt", help="the prompt (wrapped in the chat template of instruct models); - reads standard input"
@@ -63,18 +61,22 @@ def build_parser() -> argparse.ArgumentParser:
         default="smcsd",
         help="; ".join(f"{name}: {summary}" for name, summary in METHOD_SUMMARIES.items()),
     )
-    _model_args(gen)
-    _smc_args(gen)
+    model_args(gen)
+    smc_args(gen)
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     gen.set_defaults(run=_generate)
 
+
+def _add_speed(sub) -> None:
     speed = sub.add_parser("speed", help="tokens/s of SMC-SD vs AR, exact SD and HF generate(), side by side")
-    _model_args(speed)
-    _smc_args(speed)
+    model_args(speed)
+    smc_args(speed)
     speed.add_argument("--repeats", type=int, default=3, help="runs per prompt and method (medians reported)")
     speed.add_argument("--prompt", action="append", help="prompt to time (repeatable; default: 3 built-in)")
     speed.set_defaults(run=_speed)
 
+
+def _add_bench(sub) -> None:
     bench = sub.add_parser(
         "bench", help="benchmark methods x N x K x temperatures on a dataset (resumable JSONL records)"
     )
@@ -111,9 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         help="JSONL file of records; an existing one is resumed if it was made with the same settings",
     )
-    _model_args(bench)
+    model_args(bench)
     bench.set_defaults(run=_bench)
 
+
+def _add_report(sub) -> None:
     report = sub.add_parser("report", help="markdown table and plots of a bench run")
     report.add_argument("records", help="the JSONL file written by smcsd bench")
     report.add_argument(
@@ -121,144 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     report.set_defaults(run=_report)
 
-    from .compare import add_parser as add_compare
-
-    add_compare(sub, _model_args)
-    from .device import add_parser as add_device_check
-
-    add_device_check(sub)
-    from .fidelity import add_parser as add_fidelity
-
-    add_fidelity(sub, _model_args)
-    from .distill import add_parsers
-
-    add_parsers(sub, _model_args)
-    return parser
-
-
-def _model_args(p: argparse.ArgumentParser, *, draft: bool = True) -> None:
-    g = p.add_argument_group("models")
-    g.add_argument(
-        "--target", default=None, help="hub id or local path (default: embedded SmolLM2-135M-Instruct)"
-    )
-    if draft:
-        g.add_argument(
-            "--draft",
-            default=None,
-            help="a directory made by `smcsd distill`, hub id, local path, or layers:N (default: the shipped "
-            "distilled draft for the default target, else the target's first 2 layers)",
-        )
-    g.add_argument("--dtype", default="bfloat16", help="bfloat16, float32 or float16")
-    g.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="torch CPU threads, at most the cores (default: torch's; 1 on a busy machine)",
-    )
-    g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
-
-
-def _smc_args(p: argparse.ArgumentParser) -> None:
-    d = SMCConfig()  # one set of defaults for the API and the command line
-    g = p.add_argument_group("sampling")
-    g.add_argument("-n", "--particles", type=int, default=d.n_particles, help="N particles")
-    g.add_argument(
-        "-k", "--block-size", type=int, default=d.block_size, help="K, most drafted tokens per cycle"
-    )
-    g.add_argument(
-        "--cut",
-        type=cut_value,
-        default=d.cut,
-        help="quality floor: cut a block where D(p || q) exceeds this (adapts drafting, down to the "
-        "target alone); 'off' runs the paper's algorithm",
-    )
-    g.add_argument(
-        "--cut-divergence",
-        choices=DIVERGENCE_NAMES,
-        default=d.cut_divergence,
-        help="the divergence --cut bounds",
-    )
-    g.add_argument(
-        "--ess-threshold", type=float, default=d.ess_threshold, help="resample when ESS < this x N"
-    )
-    g.add_argument("--resampling", choices=RESAMPLING_SCHEMES, default=d.resampling, help="resampling scheme")
-    g.add_argument("--draft-temperature", type=float, default=d.draft_temperature, help="T_d, at least 0.01")
-    g.add_argument(
-        "--target-temperature", type=float, default=d.target_temperature, help="T_t, at least 0.01"
-    )
-    g.add_argument("--alpha", type=float, default=d.alpha, help="power on the target")
-    g.add_argument(
-        "--selection", choices=SELECTIONS, default=d.selection, help="how the output particle is chosen"
-    )
-    g.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="generation budget")
-    g.add_argument("--seed", type=int, default=d.seed, help="seed of the run")
-    g.add_argument("--ignore-eos", action="store_true", help="always emit --max-new-tokens tokens")
-
-
-def _config(args: argparse.Namespace) -> SMCConfig:
-    return SMCConfig(
-        n_particles=args.particles,
-        block_size=args.block_size,
-        ess_threshold=args.ess_threshold,
-        resampling=args.resampling,
-        draft_temperature=args.draft_temperature,
-        target_temperature=args.target_temperature,
-        alpha=args.alpha,
-        selection=args.selection,
-        max_new_tokens=args.max_new_tokens,
-        seed=args.seed,
-        ignore_eos=args.ignore_eos,
-        cut=args.cut,
-        cut_divergence=args.cut_divergence,
-    )
-
-
-def _set_threads(args: argparse.Namespace) -> None:
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # our own bar is enough
-    check_threads(args.threads)
-    if args.threads is not None:
-        import torch
-
-        torch.set_num_threads(args.threads)
-
-
-def _load_target(args: argparse.Namespace):
-    from ..models import load_model
-
-    _set_threads(args)
-    with status(f"loading the target on {args.device} ({args.dtype})"):
-        target = load_model(args.target, device=args.device, dtype=args.dtype)
-    err(f"target: {target.name} [{target.source}]")
-    return target
-
-
-def _load(args: argparse.Namespace):
-    from ..api import SMCSD
-
-    _set_threads(args)
-    with status(f"loading models on {args.device} ({args.dtype})"):
-        pair = SMCSD.load(
-            args.target, args.draft, device=args.device, dtype=args.dtype, chat=not args.no_chat
-        )
-    err(f"target: {pair.target.name} [{pair.target.source}]")
-    err(f"draft:  {pair.draft.name} [{pair.draft.source}]")
-    if pair.draft.is_slice:
-        err(
-            "note: a layer slice of the target is a WEAK draft (it agrees with the target on few tokens); "
-            "expect low ESS and outputs closer to the draft than to the target. Pass --draft, or make one "
-            "with `smcsd distill`."
-        )
-    return pair
-
 
 def _generate(args: argparse.Namespace) -> int:
-    config = _config(args)
+    config = smc_config(args)
     check_threads(args.threads)
     prompt = read_prompt(args.prompt)
-    pair = _load(args)
+    pair = load_pair(args)
     with progress(config.max_new_tokens, "tokens") as bar:
         out = pair.generate(prompt, method=args.method, config=config, on_progress=bar)
     s = out.stats
@@ -319,11 +191,11 @@ def _drafting(lengths: list[int]) -> str:
 def _speed(args: argparse.Namespace) -> int:
     from ..bench.speed import SPEED_METHODS, compare_speed
 
-    config = _config(args)
+    config = smc_config(args)
     prompts = [check_prompt(p) for p in args.prompt or SPEED_PROMPTS]
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
-    pair = _load(args)
+    pair = load_pair(args)
     total = args.repeats * len(prompts) * len(SPEED_METHODS)
     with progress(total, "runs") as bar:
         done = [0]
@@ -374,7 +246,7 @@ def _bench(args: argparse.Namespace) -> int:
     check_output_file(args.out, "--out")
     check_threads(args.threads)
     total = len(grid.settings()) * len(prompts) * args.repeats
-    pair = _load(args)
+    pair = load_pair(args)
     err(
         f"{len(prompts)} prompts x {len(grid.settings())} settings x {args.repeats} repeats "
         f"= {total} records -> {args.out}"

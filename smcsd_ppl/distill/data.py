@@ -143,44 +143,41 @@ def collect(
     Returns:
         ``out_dir``.
     """
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("collect needs at least one prompt, and no empty prompt")
-    for name, value in (("max_new_tokens", max_new_tokens), ("top_k", top_k), ("batch_size", batch_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    if top_k > model.config.vocab_size:
-        raise ValueError(f"top_k ({top_k}) exceeds the vocabulary ({model.config.vocab_size})")
+    _check_collect(model, prompts, max_new_tokens=max_new_tokens, top_k=top_k, batch_size=batch_size)
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    settings = dict(
-        prompts=_digest(prompts),
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        max_prompt_tokens=max_prompt_tokens,
-        top_k=top_k,
-        batch_size=batch_size,
-        seed=seed,
-    )
+    settings = dict(prompts=_digest(prompts), max_new_tokens=max_new_tokens, temperature=temperature)
+    settings |= dict(max_prompt_tokens=max_prompt_tokens, top_k=top_k, batch_size=batch_size, seed=seed)
     _check_meta(out, settings)
+    generation = dict(max_new_tokens=max_new_tokens, temperature=temperature, eos_ids=eos_ids)
     for n, first in enumerate(range(0, len(prompts), batch_size)):
         path = out / f"shard-{n:05d}.pt"
-        batch = [list(p) for p in prompts[first : first + batch_size]]
-        if not path.is_file():
-            answers = continue_prompts(
-                model,
-                batch,
-                max_new_tokens=max_new_tokens,
-                temperature=temperature,
-                eos_ids=eos_ids,
-                seed=seed + n,
-            )
-            tails = [p[-max_prompt_tokens:] for p in batch]
-            seqs = [t + a for t, a in zip(tails, answers) if a]
-            starts = [len(t) for t, a in zip(tails, answers) if a]
-            _write_shard(path, model, seqs, starts, top_k)
+        if not path.is_file():  # a complete shard is never redone
+            batch = [list(p) for p in prompts[first : first + batch_size]]
+            answers = continue_prompts(model, batch, seed=seed + n, **generation)
+            _write_answers(path, model, batch, answers, max_prompt_tokens, top_k)
         if on_progress is not None:
             on_progress(min(first + batch_size, len(prompts)), len(prompts))
     return out
+
+
+def _check_collect(model, prompts: Sequence[Sequence[int]], **counts: int) -> None:
+    """Refuse no prompts, an empty prompt, counts below 1, or a top-k beyond the vocabulary."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("collect needs at least one prompt, and no empty prompt")
+    for name, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if counts["top_k"] > model.config.vocab_size:
+        raise ValueError(f"top_k ({counts['top_k']}) exceeds the vocabulary ({model.config.vocab_size})")
+
+
+def _write_answers(path, model, batch, answers, max_prompt_tokens: int, top_k: int) -> None:
+    """One shard: each prompt's tail and its non-empty answer, scored by the target."""
+    tails = [p[-max_prompt_tokens:] for p in batch]
+    seqs = [t + a for t, a in zip(tails, answers) if a]
+    starts = [len(t) for t, a in zip(tails, answers) if a]
+    _write_shard(path, model, seqs, starts, top_k)
 
 
 def greedy_examples(

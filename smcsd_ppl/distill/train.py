@@ -26,9 +26,10 @@ import torch
 
 from ..models import LoadedModel
 from ..models.drafts import MANIFEST, draft_modules, fingerprint, load_draft, save_draft, student
-from ..models.feature_draft import feature_student, target_hidden
-from .data import Example, right_padded
+from ..models.feature_draft import feature_student
+from .data import Example
 from .evaluate import match_metrics
+from .losses import feature_kd_loss, hidden_states, kd_loss
 
 CHECKPOINT = "checkpoint.pt"
 LOG = "train_log.jsonl"
@@ -131,82 +132,6 @@ def batches(examples: Sequence[Example], batch_tokens: int, seed: int, epoch: in
     return out
 
 
-def kd_loss(
-    model: torch.nn.Module, examples: Sequence[Example], *, autocast: bool
-) -> tuple[torch.Tensor, int]:
-    """Mean cross-entropy of the draft against the target's top-k, and the positions scored."""
-    device = model.device
-    ids, mask = right_padded([e.ids for e in examples], device)
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-        hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
-        # position t of a sequence predicts token t+1: the first len-1 positions are scored
-        rows = torch.cat([torch.full((len(e.ids) - 1,), r) for r, e in enumerate(examples)])
-        cols = torch.cat([torch.arange(len(e.ids) - 1) for e in examples])
-        logits = model.lm_head(hidden[rows.to(device), cols.to(device)])
-    return _topk_ce(logits, examples), len(rows)
-
-
-def _topk_ce(logits: torch.Tensor, examples: Sequence[Example]) -> torch.Tensor:
-    """Mean cross-entropy of ``logits`` (the examples' scored positions, in order) against the top-k."""
-    logq = torch.log_softmax(logits.float(), dim=-1)
-    top_ids = torch.cat([e.top_ids for e in examples]).to(logits.device)
-    p = torch.cat([e.top_logp for e in examples]).to(logits.device).float().exp()
-    return -(p * logq.gather(1, top_ids)).sum(-1).mean()
-
-
-def feature_kd_loss(
-    model: torch.nn.Module,
-    examples: Sequence[Example],
-    states: Sequence[torch.Tensor],
-    *,
-    autocast: bool,
-    unroll: int,
-    state_weight: float,
-) -> tuple[torch.Tensor, int]:
-    """Top-k cross-entropy plus hidden-state regression of a feature draft, over ``unroll`` passes.
-
-    ``states[i]`` are the target's hidden states ``[T, H]`` of example i. Pass 1 feeds the
-    target's states; each later pass feeds the previous pass's predictions (detached), as
-    the draft's later tokens in a block see them.
-    """
-    device = model.device
-    ids, mask = right_padded([e.ids for e in examples], device)
-    true = torch.zeros(*ids.shape, states[0].shape[-1], device=device)
-    for row, h in enumerate(states):
-        true[row, : len(h)] = h.to(device).float()
-    rows = torch.cat([torch.full((len(e.ids) - 1,), r) for r, e in enumerate(examples)]).to(device)
-    cols = torch.cat([torch.arange(len(e.ids) - 1) for e in examples]).to(device)
-    real = mask.bool()
-    fed, loss = true, 0.0
-    for _ in range(unroll):
-        previous = torch.cat([torch.zeros_like(fed[:, :1]), fed[:, :-1]], 1)  # x_j goes with h_{j-1}
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            hidden = model.hidden(ids, previous, attention_mask=mask)
-            logits = model.get_output_embeddings()(hidden[rows, cols])
-        regression = torch.nn.functional.smooth_l1_loss(hidden.float()[real], true[real])
-        loss = loss + _topk_ce(logits, examples) + state_weight * regression
-        fed = hidden.detach().float()
-    return loss / unroll, len(rows)
-
-
-@torch.inference_mode()
-def hidden_states(target: LoadedModel, examples: Sequence[Example], batch_tokens: int) -> list[torch.Tensor]:
-    """The target's final hidden states ``[T, H]`` (bf16, CPU) of every example."""
-    out: list[torch.Tensor] = [None] * len(examples)  # type: ignore[list-item]
-    order = sorted(range(len(examples)), key=lambda i: len(examples[i].ids))
-    group: list[int] = []
-    for i in [*order, None]:
-        if i is not None and (not group or len(examples[i].ids) * (len(group) + 1) <= batch_tokens):
-            group.append(i)
-            continue
-        ids, mask = right_padded([examples[g].ids for g in group], target.model.device)
-        h = target_hidden(target.model, ids, mask)
-        for row, g in enumerate(group):
-            out[g] = h[row, : len(examples[g].ids)].to("cpu", torch.bfloat16)
-        group = [i] if i is not None else []
-    return out
-
-
 def _schedule(config: DistillConfig) -> Callable[[int], float]:
     def factor(step: int) -> float:
         if step < config.warmup:
@@ -244,6 +169,43 @@ def distill(
         raise ValueError("no training examples")
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    run = _setup(target, train, config, out)
+    state = _resume(run)
+    if held_out and state["step"] == 0:  # the starting point of the curve
+        _append_log(out / LOG, {**state, **match_metrics(target.model, run.model.eval(), held_out)})
+        run.model.train()
+    epoch_batches = batches(train, config.batch_tokens, config.seed, state["epoch"])
+    started = time.perf_counter() - state["seconds"]
+    while state["step"] < config.steps:
+        if state["index"] >= len(epoch_batches):
+            state["epoch"], state["index"] = state["epoch"] + 1, 0
+            epoch_batches = batches(train, config.batch_tokens, config.seed, state["epoch"])
+        loss = _step(run, train, epoch_batches[state["index"]], state)
+        state["seconds"] = time.perf_counter() - started
+        metrics = _record(run, state, loss, held_out)
+        if on_progress is not None:
+            on_progress(Progress(state["step"], config.steps, state["tokens"], loss.item(), metrics))
+    return out / DRAFT_SUBDIR
+
+
+@dataclass
+class _Run:
+    """One distillation: the draft in training, its optimizer and schedule, what checkpoints record."""
+
+    target: LoadedModel
+    config: DistillConfig
+    out: pathlib.Path
+    manifest: dict  # the target, its fingerprint, the source layers and the settings
+    model: torch.nn.Module
+    params: list[torch.nn.Parameter]  # the trained ones (embeddings and LM head are shared, frozen)
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LambdaLR
+    states: list[torch.Tensor] | None  # a feature draft's target states, per training example
+    autocast: bool
+
+
+def _setup(target: LoadedModel, train: Sequence[Example], config: DistillConfig, out: pathlib.Path) -> _Run:
+    """The draft, initialised from the target's layers (or a layer draft), and its optimizer."""
     total = target.model.config.num_hidden_layers
     if config.init_draft is None and config.source_layers is None and config.layers >= total:
         raise ValueError(f"a draft of {config.layers} layers is no smaller than the target ({total} layers)")
@@ -259,6 +221,7 @@ def distill(
         "config": dataclasses.asdict(config) | {"source_layers": sources},
     }
     torch.manual_seed(config.seed)
+    states = None
     if config.kind == "features":
         model = feature_student(target.model, sources).train()
         if init is not None:
@@ -270,88 +233,91 @@ def distill(
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule(config))
-    state = {"step": 0, "tokens": 0, "epoch": 0, "index": 0, "seconds": 0.0}
-    ckpt = out / CHECKPOINT
-    if ckpt.is_file():
-        saved = torch.load(ckpt, weights_only=False)
-        if (
-            saved["manifest"]["config"] != manifest["config"]
-            or saved["manifest"]["fingerprint"] != manifest["fingerprint"]
-        ):
-            raise ValueError(f"{ckpt} was written with other settings or another target; use a new --out")
-        try:
-            for name, module in draft_modules(model).items():  # shared tensors aren't saved
-                module.load_state_dict(saved["model"][name])
-        except (KeyError, RuntimeError) as err:
-            raise ValueError(f"{ckpt} does not match the draft's layers; use a new --out") from err
-        opt.load_state_dict(saved["optimizer"])
-        sched.load_state_dict(saved["scheduler"])
-        state = saved["state"]
-        torch.set_rng_state(saved["rng"])
-        _truncate_log(out / LOG, state["step"])
-    else:
-        (out / LOG).unlink(missing_ok=True)  # no checkpoint: the run starts over
-    if held_out and state["step"] == 0:  # the starting point of the curve
-        _append_log(out / LOG, {**state, **match_metrics(target.model, model.eval(), held_out)})
-        model.train()
-    epoch_batches = batches(train, config.batch_tokens, config.seed, state["epoch"])
     autocast = config.bf16 and model.device.type in ("cpu", "cuda")
-    started = time.perf_counter() - state["seconds"]
-    while state["step"] < config.steps:
-        if state["index"] >= len(epoch_batches):
-            state["epoch"], state["index"] = state["epoch"] + 1, 0
-            epoch_batches = batches(train, config.batch_tokens, config.seed, state["epoch"])
-        indices = epoch_batches[state["index"]]
-        group = [train[i] for i in indices]
-        state["index"] += 1
-        if config.kind == "features":
-            loss, scored = feature_kd_loss(
-                model,
-                group,
-                [states[i] for i in indices],
-                autocast=autocast,
-                unroll=config.unroll,
-                state_weight=config.state_weight,
-            )
-        else:
-            loss, scored = kd_loss(model, group, autocast=autocast)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
-        opt.step()
-        sched.step()
-        state["step"] += 1
-        state["tokens"] += scored
-        state["seconds"] = time.perf_counter() - started
-        step = state["step"]
-        metrics = None
-        if held_out and (step % config.eval_every == 0 or step == config.steps):
-            model.eval()
-            metrics = match_metrics(target.model, model, held_out)
-            model.train()
-        if metrics is not None or step % config.save_every == 0 or step == config.steps:
-            _append_log(
-                out / LOG, {**state, "loss": loss.item(), "lr": sched.get_last_lr()[0], **(metrics or {})}
-            )
-        if step % config.save_every == 0 or step == config.steps:
-            info = manifest | {
-                "trained": {"steps": step, "tokens": state["tokens"], "seconds": state["seconds"]}
-            }
-            save_draft(model, out / DRAFT_SUBDIR, info)
-            own = {name: module.state_dict() for name, module in draft_modules(model).items()}
-            saved = {
-                "manifest": manifest,
-                "model": own,
-                "optimizer": opt.state_dict(),
-                "scheduler": sched.state_dict(),
-                "state": dict(state),
-                "rng": torch.get_rng_state(),
-            }
-            torch.save(saved, f"{ckpt}.tmp")
-            os.replace(f"{ckpt}.tmp", ckpt)
-        if on_progress is not None:
-            on_progress(Progress(step, config.steps, state["tokens"], loss.item(), metrics))
-    return out / DRAFT_SUBDIR
+    return _Run(target, config, out, manifest, model, params, opt, sched, states, autocast)
+
+
+def _resume(run: _Run) -> dict:
+    """The run's counters: from its checkpoint (weights, optimizer, RNG restored) or from zero."""
+    ckpt = run.out / CHECKPOINT
+    if not ckpt.is_file():
+        (run.out / LOG).unlink(missing_ok=True)  # no checkpoint: the run starts over
+        return {"step": 0, "tokens": 0, "epoch": 0, "index": 0, "seconds": 0.0}
+    saved = torch.load(ckpt, weights_only=False)
+    if (
+        saved["manifest"]["config"] != run.manifest["config"]
+        or saved["manifest"]["fingerprint"] != run.manifest["fingerprint"]
+    ):
+        raise ValueError(f"{ckpt} was written with other settings or another target; use a new --out")
+    try:
+        for name, module in draft_modules(run.model).items():  # shared tensors aren't saved
+            module.load_state_dict(saved["model"][name])
+    except (KeyError, RuntimeError) as err:
+        raise ValueError(f"{ckpt} does not match the draft's layers; use a new --out") from err
+    run.opt.load_state_dict(saved["optimizer"])
+    run.sched.load_state_dict(saved["scheduler"])
+    torch.set_rng_state(saved["rng"])
+    _truncate_log(run.out / LOG, saved["state"]["step"])
+    return saved["state"]
+
+
+def _step(run: _Run, train: Sequence[Example], indices: list[int], state: dict) -> torch.Tensor:
+    """One optimizer step on the batch ``indices``; advances the counters; returns the loss."""
+    config, group = run.config, [train[i] for i in indices]
+    state["index"] += 1
+    if config.kind == "features":
+        loss, scored = feature_kd_loss(
+            run.model,
+            group,
+            [run.states[i] for i in indices],
+            autocast=run.autocast,
+            unroll=config.unroll,
+            state_weight=config.state_weight,
+        )
+    else:
+        loss, scored = kd_loss(run.model, group, autocast=run.autocast)
+    run.opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(run.params, config.grad_clip)
+    run.opt.step()
+    run.sched.step()
+    state["step"] += 1
+    state["tokens"] += scored
+    return loss
+
+
+def _record(run: _Run, state: dict, loss: torch.Tensor, held_out: Sequence[Example]) -> dict | None:
+    """Evaluate, log and checkpoint when due after a step; returns the held-out metrics, if measured."""
+    config, step = run.config, state["step"]
+    last = step == config.steps
+    metrics = None
+    if held_out and (step % config.eval_every == 0 or last):
+        run.model.eval()
+        metrics = match_metrics(run.target.model, run.model, held_out)
+        run.model.train()
+    if metrics is not None or step % config.save_every == 0 or last:
+        lr = run.sched.get_last_lr()[0]
+        _append_log(run.out / LOG, {**state, "loss": loss.item(), "lr": lr, **(metrics or {})})
+    if step % config.save_every == 0 or last:
+        _checkpoint(run, state)
+    return metrics
+
+
+def _checkpoint(run: _Run, state: dict) -> None:
+    """Save the draft, then atomically the checkpoint a resumed run continues from exactly."""
+    trained = {"steps": state["step"], "tokens": state["tokens"], "seconds": state["seconds"]}
+    save_draft(run.model, run.out / DRAFT_SUBDIR, run.manifest | {"trained": trained})
+    saved = {
+        "manifest": run.manifest,
+        "model": {name: module.state_dict() for name, module in draft_modules(run.model).items()},
+        "optimizer": run.opt.state_dict(),
+        "scheduler": run.sched.state_dict(),
+        "state": dict(state),
+        "rng": torch.get_rng_state(),
+    }
+    ckpt = run.out / CHECKPOINT
+    torch.save(saved, f"{ckpt}.tmp")
+    os.replace(f"{ckpt}.tmp", ckpt)
 
 
 def _init_draft(directory: str, target: LoadedModel) -> dict:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
@@ -27,81 +27,12 @@ from ..spec import (
     first_cut,
     pick,
     power_log_normalizer,
-    sample_probs,
     sample_tokens,
 )
 from . import constrained
+from .blocks import DraftedBlock, FirstToken, RowConstraint, ScoredBlock, block_length
+from .drafting import Drafting, pending_features
 from .schedule import DraftRecord, draft_step_cost
-
-CONSTRAINT_MODES = ("proposal", "critic")
-
-
-@dataclass(frozen=True)
-class RowConstraint:
-    """A hard constraint on one particle's next block.
-
-    Attributes:
-        constraint: answers ``next_mask(contexts)`` (see ``smcsd_ppl.potentials``).
-        mode: ``"proposal"``: the draft samples only allowed tokens (q masked and
-            renormalized); ``"critic"``: the draft samples freely and a block with an
-            impossible token is cut before it and gets zero weight.
-        context: the tokens the particle has generated so far.
-    """
-
-    constraint: Constraint
-    mode: str
-    context: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        if self.mode not in CONSTRAINT_MODES:
-            raise ValueError(f"constraint mode must be one of {CONSTRAINT_MODES}, got {self.mode!r}")
-
-
-@dataclass
-class DraftedBlock:
-    """The tokens drafted for one row in a cycle, and how many of them count."""
-
-    row: int
-    tokens: list[int]  # all drafted tokens: K, or fewer when every row of the call ended sooner
-    draft_logq: torch.Tensor  # [k] log q(d_j | .) at T_d
-    kept: int  # tokens that count: an EOS (included) or the budget cuts the rest
-    stops: bool  # the block itself ends the particle (drafted EOS or budget): no bonus
-    budget: int  # tokens the particle could still emit before this block
-    draft_probs: torch.Tensor | None = None  # [k, V] q at each drafted position, on request
-    constraint: RowConstraint | None = None
-    dead: bool = False  # the constraint allowed nothing where the block ends: zero weight
-    fed: int = 0  # drafted tokens the draft model has read (k-1, fewer after forced tokens)
-    diverged: bool = False  # the quality cut ended the block (``SMCConfig.cut``)
-
-    @property
-    def kept_tokens(self) -> list[int]:
-        """The drafted tokens that count."""
-        return self.tokens[: self.kept]
-
-    @property
-    def log_q(self) -> float:
-        """Log-density of the kept tokens under the proposal."""
-        return float(self.draft_logq[: self.kept].sum())
-
-
-@dataclass
-class ScoredBlock:
-    """A drafted block after the target's fused forward."""
-
-    drafted: DraftedBlock
-    target_logp: torch.Tensor  # [K] alpha-free log p_T(d_j | .)
-    bonus: int | None  # token drawn from the target after the kept prefix
-    stops: bool  # the particle ends here: the block stopped, the bonus is EOS, or the budget is spent
-    bonus_log_z: float  # log sum_v p_T(v)^alpha at the bonus position (0 if alpha = 1)
-    log_weight: float  # the SMC-SD increment: sum over kept of (alpha log p - log q) + bonus_log_z
-
-
-def block_length(blocks: Sequence[DraftedBlock]) -> int:
-    """The common length of blocks drafted in one ``draft_blocks`` call."""
-    lengths = {len(b.tokens) for b in blocks}
-    if len(lengths) != 1:
-        raise ValueError(f"blocks verified together must be drafted together (lengths {sorted(lengths)})")
-    return lengths.pop()
 
 
 def pad_left(seqs: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,7 +125,7 @@ class BlockEngine:
         power = c.alpha * logits / c.target_temperature
         if constraints is not None and any(x is not None for x in constraints):
             first = [RowConstraint(x, "proposal", ()) if x is not None else None for x in constraints]
-            blocks = [_FirstToken(x) for x in first]
+            blocks = [FirstToken(x) for x in first]
             power = constrained.restrict_bonus(power, log_z0, blocks)
             if not torch.isfinite(log_z0).all():
                 raise ValueError("the constraint allows no first token: no output can satisfy it")
@@ -234,96 +165,75 @@ class BlockEngine:
         next one. Where every drafting row is constrained to a few tokens, the draft computes
         the logits of those tokens only.
         """
-        k, t_d = self.config.block_size, self.config.draft_temperature
-        keep_probs = keep_probs or self.config.cut is not None  # the cut compares q with p
-        vocab_size = self.draft.vocab_size
+        k = self.config.block_size
         rows, budgets = list(rows), list(budgets)
         constraints = list(constraints) if constraints is not None else [None] * len(rows)
         limits = [k] * len(rows) if limits is None else [min(k, n) for n in limits]
         if not any(limits):  # nobody drafts: the target alone decodes this cycle
-            blocks = [self._cut(r, [], torch.zeros(0), b, None, None, 0) for r, b in zip(rows, budgets)]
-            for block, constraint in zip(blocks, constraints):
-                block.constraint = constraint
-            return blocks
+            return self._undrafted(rows, budgets, constraints)
+        keep_probs = keep_probs or self.config.cut is not None  # the cut compares q with p
+        run = self._feed(rows, budgets, limits, constraints, keep_probs)
+        for j in range(k):
+            run.step(j)
+            if run.finished(j):
+                break
+        return self._cut_blocks(run, budgets, constraints, limits)
+
+    def _undrafted(self, rows, budgets, constraints) -> list[DraftedBlock]:
+        """Empty blocks, for a cycle where the target alone decodes."""
+        blocks = [self._cut(r, [], torch.zeros(0), b, None, None, 0) for r, b in zip(rows, budgets)]
+        for block, constraint in zip(blocks, constraints):
+            block.constraint = constraint
+        return blocks
+
+    def _feed(self, rows, budgets, limits, constraints, keep_probs: bool) -> Drafting:
+        """Start drafting: each asked row's queued tokens (and target states) are the first input."""
         asked = torch.zeros(self.n_rows, dtype=torch.bool)
         asked[[r for r, n in zip(rows, limits) if n > 0]] = True
         feed = [p if a else [] for p, a in zip(self.draft_pending, asked.tolist())]
         ids, valid = pad_left(feed, self.device)
-        feats = self._pending_features(ids.shape[1], asked.tolist()) if self.features else None
-        asked = asked.to(self.device)
+        feats = None
+        if self.features:  # the target's states queued with the tokens
+            feats = pending_features(self.draft_feats, ids.shape[1], asked.tolist(), self.device)
+        caps = [min(b, n) for b, n in zip(budgets, limits)]
+        budget = torch.full((self.n_rows,), self.config.block_size, device=self.device)
+        budget[rows] = torch.tensor(caps, device=self.device)
         masking = constrained.Masking(rows, constraints, "proposal")
-        critic = constrained.Masking(rows, constraints, "critic")
-        drafts, logqs, probs = [], [], []
-        fed = 0  # drafted tokens the draft has read: it holds [pending, d_1..d_fed]
-        pending_fed = False
-        ended = ~asked
-        budget = torch.full((self.n_rows,), k, device=self.device)
-        budget[rows] = torch.tensor([min(b, n) for b, n in zip(budgets, limits)], device=self.device)
-        eos = torch.tensor(sorted(self.eos), dtype=torch.long, device=self.device)
-        longest = max(min(b, n) for b, n in zip(budgets, limits))
-        # Masks already bring every step to the host; on a CPU the check is free anyway.
-        host_checks = self.early_stop_reads or bool(masking.items)
-        for j in range(k):
-            allowed = masking.next_masks(drafts)  # proposal-mode rows sample allowed tokens only
-            if masking.dead_at:
-                ended[[rows[i] for i in masking.dead_at]] = True
-            masks = constrained.live_masks(allowed, rows, ended)  # None: some row samples freely
-            # A feature draft never skips: its next input is the state this forward predicts.
-            d = None if masks is None or self.features else constrained.forced_tokens(masks, self.n_rows)
-            if d is not None:
-                d = d.to(self.device)
-                q = torch.nn.functional.one_hot(d, vocab_size).float() if keep_probs else None
-                logqs.append(torch.zeros(self.n_rows, device=self.device))
-                ids, valid = torch.cat([ids, d[:, None]], 1), torch.cat([valid, asked[:, None]], 1)
-            else:
-                extra = (feats,) if self.features else ()
-                vocab = None if masks is None else constrained.shared_vocab(masks, vocab_size)
-                kw = {} if vocab is None else {"vocab": vocab}  # logits of allowed tokens only
-                logits = self.draft.extend(ids, valid, *extra, **kw)
-                fed, pending_fed = len(drafts), True
-                q = torch.softmax(logits[:, -1].div_(t_d), -1)  # [R, V], or [R, U] over vocab
-                if vocab is not None:
-                    q = q.new_zeros(len(q), vocab_size).index_copy_(1, vocab.to(q.device), q)
-                masking.restrict(q, allowed)
-                d = sample_probs(q, self.g)
-                logqs.append(q.gather(-1, d[:, None])[:, 0].log())
-                ids, valid = d[:, None], asked[:, None]
-                if self.features:  # the draft's own predicted state goes with its next token
-                    feats = self.draft.last_hidden[:, -1:]
-            drafts.append(d)
-            if keep_probs:
-                probs.append(q)
-            ended |= torch.isin(d, eos) | (budget <= j + 1)
-            if masking.dead_at:
-                ended[[rows[i] for i in masking.dead_at]] = True
-            if j + 1 >= longest or (host_checks and bool(ended.all())):
-                break
-        k = len(drafts)
-        tokens = torch.stack(drafts, 1).cpu()  # [R, k]
-        logq = torch.stack(logqs, 1).cpu()
-        q_all = torch.stack(probs, 1) if probs else None  # [R, k, V]
-        dead_at = masking.dead_at | critic.first_impossible(tokens)  # request -> position
-        for r, n in zip(rows, limits):
-            if pending_fed and n:  # else the draft has read nothing yet: the pending tokens stay queued
+        return Drafting(
+            draft=self.draft,
+            g=self.g,
+            rows=rows,
+            masking=masking,
+            ids=ids,
+            valid=valid,
+            feats=feats,
+            asked=asked.to(self.device),
+            budget=budget,
+            eos=torch.tensor(sorted(self.eos), dtype=torch.long, device=self.device),
+            longest=max(caps),
+            # Masks already bring every step to the host; on a CPU the check is free anyway.
+            host_checks=self.early_stop_reads or bool(masking.items),
+            temperature=self.config.draft_temperature,
+            keep_probs=keep_probs,
+        )
+
+    def _cut_blocks(self, run: Drafting, budgets, constraints, limits) -> list[DraftedBlock]:
+        """Each request's block from the drawn tokens, cut by ``_cut``; the draft's queue is read."""
+        tokens, logq, q_all = run.drawn()
+        critic = constrained.Masking(run.rows, constraints, "critic")
+        dead_at = run.masking.dead_at | critic.first_impossible(tokens)  # request -> position
+        for r, n in zip(run.rows, limits):
+            if run.pending_fed and n:  # else the draft has read nothing yet: the pending tokens stay queued
                 self.draft_pending[r] = []
             if self.features and n:
                 self.draft_feats[r] = self.draft_feats[r][:0]
         blocks = []
-        for i, (r, b, n) in enumerate(zip(rows, budgets, limits)):
-            q = q_all[r] if keep_probs else None
+        for i, (r, b, n) in enumerate(zip(run.rows, budgets, limits)):
+            q = q_all[r] if run.keep_probs else None
             block = self._cut(r, tokens[r].tolist(), logq[r], b, q, dead_at.get(i), n)
-            block.constraint, block.fed = constraints[i], fed if n else 0
+            block.constraint, block.fed = constraints[i], run.fed if n else 0
             blocks.append(block)
         return blocks
-
-    def _pending_features(self, width: int, asked: list[bool]) -> torch.Tensor:
-        """The queued target states ``[R, width, H]``, left-padded like ``pad_left``."""
-        some = self.draft_feats[0]
-        out = torch.zeros(self.n_rows, width, some.shape[-1], dtype=some.dtype, device=self.device)
-        for r, (f, a) in enumerate(zip(self.draft_feats, asked)):
-            if a and len(f):
-                out[r, width - len(f) :] = f
-        return out
 
     def _cut(self, row, tokens, logq, budget, probs, dead_at, limit) -> DraftedBlock:
         """Kept length: the row's ``limit``, a constraint's dead end, the first EOS, the budget."""
@@ -468,12 +378,3 @@ class BlockEngine:
         self.draft_pending = [list(self.draft_pending[r]) for r in rows]
         if self.features:
             self.draft_feats = [self.draft_feats[r] for r in rows]
-
-
-@dataclass
-class _FirstToken:
-    """The empty block before x0, so the first token is drawn like a constrained bonus."""
-
-    constraint: RowConstraint | None
-    stops: bool = False
-    kept_tokens: tuple = ()

@@ -99,17 +99,7 @@ async def smc_sd(
     cfg = engine.config
     decode = decode or (lambda ids: " ".join(map(str, ids)))
     prompts = [_prompt_ids(p.prompt, encode) for p in programs]
-    barrier = CycleBarrier(
-        {
-            "draft": lambda items: engine.draft_blocks(
-                [r for r, *_ in items],
-                [b for _, b, *_ in items],
-                constraints=[c for _, _, c, _ in items],
-                limits=[cfg.block_size if n is None else n for *_, n in items],
-            ),
-            "target": engine.verify_blocks,
-        }
-    )
+    barrier = _barrier(engine)
     runtime = Runtime(engine, barrier, cfg.max_new_tokens, decode)
     schedules = [
         engine.record.schedule(cfg.block_size, cfg.n_particles, p.plain, engine.draft_cost)
@@ -121,36 +111,11 @@ async def smc_sd(
     drafting = any(length != 0 for length, _ in plans)
     constraints = [p.constraint for p in programs]
     x0, log_z0 = engine.start(prompts, [n for _, n in plans], constraints, draft=drafting)
-    pops, row = [], 0
-    for i, program in enumerate(programs):
-        program.runtime = runtime
-        particles = [copy.deepcopy(program) for _ in range(plans[i][1])]
-        for p in particles:
-            p.row, p.token_ids, p.draft_limit = row, [x0[i]], plans[i][0]
-            row += 1
-            if x0[i] in engine.eos or cfg.max_new_tokens == 1:
-                p.finish()
-        if schedules[i] is not None and all(p.finished for p in particles):
-            schedules[i].lengths.clear()  # no cycle will run
-        pops.append(_Population(particles, log_z=log_z0[i], schedule=schedules[i]))
+    pops = _populations(programs, runtime, plans, schedules, x0, log_z0)
     await asyncio.gather(*(p.start() for pop in pops for p in pop.particles))
-
     cycle = 0
     while any(not p.done_stepping() for pop in pops for p in pop.particles):
-        live = [p for pop in pops for p in pop.particles if not p.done_stepping()]
-        for pop in pops:
-            for p in pop.particles:
-                p.untwist()
-        before = {id(p): p.last_block for p in live}
-        await _step_all(live, barrier)
-        ess_now, resampled = [], []
-        for pop in pops:
-            _observe(pop, before)
-            e, did = _maybe_resample(pop, cfg, engine.g_cpu)
-            ess_now.append(e)
-            resampled.append(did)
-            _adapt(pop, engine.g_cpu)
-        _pack_rows(pops, engine)
+        ess_now, resampled = await _cycle(pops, barrier, engine)
         cycle += 1
         if on_cycle is not None:
             longest = max(len(p.token_ids) for pop in pops for p in pop.particles)
@@ -160,6 +125,61 @@ async def smc_sd(
         if s is not None:
             engine.record.update(s)
     return [_result(pop, cfg, engine.g_cpu) for pop in pops]
+
+
+def _barrier(engine: BlockEngine) -> CycleBarrier:
+    """The cycle's two shared calls: every particle's draft request, then every block to verify."""
+    k = engine.config.block_size
+    return CycleBarrier(
+        {
+            "draft": lambda items: engine.draft_blocks(
+                [r for r, *_ in items],
+                [b for _, b, *_ in items],
+                constraints=[c for _, _, c, _ in items],
+                limits=[k if n is None else n for *_, n in items],
+            ),
+            "target": engine.verify_blocks,
+        }
+    )
+
+
+def _populations(programs, runtime, plans, schedules, x0, log_z0) -> list[_Population]:
+    """Each request's particles, copies of its program that start from its first token x0."""
+    engine, pops, row = runtime.engine, [], 0
+    for i, program in enumerate(programs):
+        program.runtime = runtime
+        particles = [copy.deepcopy(program) for _ in range(plans[i][1])]
+        for p in particles:
+            p.row, p.token_ids, p.draft_limit = row, [x0[i]], plans[i][0]
+            row += 1
+            if x0[i] in engine.eos or runtime.max_new_tokens == 1:
+                p.finish()
+        if schedules[i] is not None and all(p.finished for p in particles):
+            schedules[i].lengths.clear()  # no cycle will run
+        pops.append(_Population(particles, log_z=log_z0[i], schedule=schedules[i]))
+    return pops
+
+
+async def _cycle(pops: list[_Population], barrier: CycleBarrier, engine: BlockEngine):
+    """Step every live particle once, then reweigh, resample and resize each request.
+
+    Returns the ESS of each request before resampling and whether it resampled.
+    """
+    live = [p for pop in pops for p in pop.particles if not p.done_stepping()]
+    for pop in pops:
+        for p in pop.particles:
+            p.untwist()
+    before = {id(p): p.last_block for p in live}
+    await _step_all(live, barrier)
+    ess_now, resampled = [], []
+    for pop in pops:
+        _observe(pop, before)
+        e, did = _maybe_resample(pop, engine.config, engine.g_cpu)
+        ess_now.append(e)
+        resampled.append(did)
+        _adapt(pop, engine.g_cpu)
+    _pack_rows(pops, engine)
+    return ess_now, resampled
 
 
 def run_smc_sd(programs: Sequence[SMCSDModel], engine: BlockEngine, **kwargs) -> list[SMCResult]:

@@ -23,7 +23,8 @@ from llamppl import Model
 from llamppl.distributions import Distribution
 
 from ..potentials.constraints import Constraint
-from .engine import BlockEngine, DraftedBlock, RowConstraint, ScoredBlock
+from .blocks import DraftedBlock, RowConstraint, ScoredBlock
+from .engine import BlockEngine
 
 
 class CycleBarrier:

@@ -1,0 +1,50 @@
+"""Loading the models that the ``models`` options name, saying on stderr what was loaded."""
+
+from __future__ import annotations
+
+import argparse
+
+from .util import check_threads, err, status
+
+
+def set_threads(args: argparse.Namespace) -> None:
+    """Apply ``--threads`` (checked first) and silence the hub's download bars."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # our own bar is enough
+    check_threads(args.threads)
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+
+
+def load_target(args: argparse.Namespace):
+    """The target model alone (``smcsd distill`` has no draft yet)."""
+    from ..models import load_model
+
+    set_threads(args)
+    with status(f"loading the target on {args.device} ({args.dtype})"):
+        target = load_model(args.target, device=args.device, dtype=args.dtype)
+    err(f"target: {target.name} [{target.source}]")
+    return target
+
+
+def load_pair(args: argparse.Namespace):
+    """The target and draft as an ``SMCSD``, with a warning when the draft is a weak layer slice."""
+    from ..api import SMCSD
+
+    set_threads(args)
+    with status(f"loading models on {args.device} ({args.dtype})"):
+        pair = SMCSD.load(
+            args.target, args.draft, device=args.device, dtype=args.dtype, chat=not args.no_chat
+        )
+    err(f"target: {pair.target.name} [{pair.target.source}]")
+    err(f"draft:  {pair.draft.name} [{pair.draft.source}]")
+    if pair.draft.is_slice:
+        err(
+            "note: a layer slice of the target is a WEAK draft (it agrees with the target on few tokens); "
+            "expect low ESS and outputs closer to the draft than to the target. Pass --draft, or make one "
+            "with `smcsd distill`."
+        )
+    return pair

@@ -1,0 +1,107 @@
+"""Option groups several ``smcsd`` commands share: the models, the sampling settings.
+
+This module imports no torch, so that building the parser (``smcsd --help``) stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ..config import DIVERGENCE_NAMES, RESAMPLING_SCHEMES, SELECTIONS, SMCConfig
+from .util import cut_value
+
+# The registry's names and summaries, kept here so that building the parser imports no torch;
+# a test checks that they match smcsd_ppl.methods.METHODS.
+METHOD_SUMMARIES = {
+    "smcsd": "SMC speculative decoding (N particles x K-token blocks)",
+    "smcsd_paper": "the paper's SMC-SD: whole K-token blocks, fixed N and K (no cut)",
+    "sd": "exact speculative sampling (Leviathan et al.)",
+    "ar": "autoregressive sampling from the target",
+    "easd": "speculative sampling with EASD's entropy-aware rejection (not exact)",
+    "hf_assisted": "Hugging Face assisted generation (exact SD, batch 1, draft at T_t)",
+    "hf_prompt_lookup": "Hugging Face prompt lookup decoding (batch 1)",
+    "minedraft": "MineDraft-style SD: verify one half-batch while drafting the other",
+    "racer": "RACER: retrieval + logit-cue draft trees, greedy (target argmax)",
+    "racer_sampling": "RACER draft trees with exact sampling at T_t",
+}
+
+
+def model_args(p: argparse.ArgumentParser, *, draft: bool = True) -> None:
+    """The ``models`` group: target, draft (unless ``draft=False``), dtype, threads, device, chat."""
+    g = p.add_argument_group("models")
+    g.add_argument(
+        "--target", default=None, help="hub id or local path (default: embedded SmolLM2-135M-Instruct)"
+    )
+    if draft:
+        g.add_argument(
+            "--draft",
+            default=None,
+            help="a directory made by `smcsd distill`, hub id, local path, or layers:N (default: the shipped "
+            "distilled draft for the default target, else the target's first 2 layers)",
+        )
+    g.add_argument("--dtype", default="bfloat16", help="bfloat16, float32 or float16")
+    g.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads, at most the cores (default: torch's; 1 on a busy machine)",
+    )
+    g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+
+
+def smc_args(p: argparse.ArgumentParser) -> None:
+    """The ``sampling`` group: every ``SMCConfig`` field, with the API's defaults."""
+    d = SMCConfig()  # one set of defaults for the API and the command line
+    g = p.add_argument_group("sampling")
+    g.add_argument("-n", "--particles", type=int, default=d.n_particles, help="N particles")
+    g.add_argument(
+        "-k", "--block-size", type=int, default=d.block_size, help="K, most drafted tokens per cycle"
+    )
+    g.add_argument(
+        "--cut",
+        type=cut_value,
+        default=d.cut,
+        help="quality floor: cut a block where D(p || q) exceeds this (adapts drafting, down to the "
+        "target alone); 'off' runs the paper's algorithm",
+    )
+    g.add_argument(
+        "--cut-divergence",
+        choices=DIVERGENCE_NAMES,
+        default=d.cut_divergence,
+        help="the divergence --cut bounds",
+    )
+    g.add_argument(
+        "--ess-threshold", type=float, default=d.ess_threshold, help="resample when ESS < this x N"
+    )
+    g.add_argument("--resampling", choices=RESAMPLING_SCHEMES, default=d.resampling, help="resampling scheme")
+    g.add_argument("--draft-temperature", type=float, default=d.draft_temperature, help="T_d, at least 0.01")
+    g.add_argument(
+        "--target-temperature", type=float, default=d.target_temperature, help="T_t, at least 0.01"
+    )
+    g.add_argument("--alpha", type=float, default=d.alpha, help="power on the target")
+    g.add_argument(
+        "--selection", choices=SELECTIONS, default=d.selection, help="how the output particle is chosen"
+    )
+    g.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="generation budget")
+    g.add_argument("--seed", type=int, default=d.seed, help="seed of the run")
+    g.add_argument("--ignore-eos", action="store_true", help="always emit --max-new-tokens tokens")
+
+
+def smc_config(args: argparse.Namespace) -> SMCConfig:
+    """The ``SMCConfig`` of the options ``smc_args`` added."""
+    return SMCConfig(
+        n_particles=args.particles,
+        block_size=args.block_size,
+        ess_threshold=args.ess_threshold,
+        resampling=args.resampling,
+        draft_temperature=args.draft_temperature,
+        target_temperature=args.target_temperature,
+        alpha=args.alpha,
+        selection=args.selection,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+        cut=args.cut,
+        cut_divergence=args.cut_divergence,
+    )
