@@ -9,8 +9,8 @@ import pytest
 import tiny
 import torch
 
-from smcsd_ppl.bench import constrained as compare
 from smcsd_ppl.api import SMCSD
+from smcsd_ppl.bench import constrained as compare
 from smcsd_ppl.methods import steering
 
 PROMPT = "the quick brown fox"

@@ -20,7 +20,6 @@ import time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from .. import methods
 from ..api import SMCSD
 from ..backends.hf import HFBatchedLM
 from ..backends.syncs import reads_per_cycle
@@ -188,17 +187,15 @@ def run_method(pair: SMCSD, method: str, prompt: list[int], config: SMCConfig) -
             exact_length=True,
         )
         return len(ids) / secs, 1.0
-    start = pair.start_clock()
-    outs = methods.get(method).run(pair, [prompt], config, None)
-    stats = pair.stats(method, start, sum(len(o.token_ids) for o in outs))
-    return stats.tokens_per_second, stats.tokens_per_target_call
+    (out,) = pair.generate_ids([prompt], method=method, config=config)
+    return out.stats.tokens_per_second, out.stats.tokens_per_target_call
 
 
 def host_reads(pair: SMCSD, method: str, prompt: list[int], config: SMCConfig) -> float:
     """Median host reads per cycle (between target forwards) of a short run."""
     short = dataclasses.replace(config, max_new_tokens=min(32, config.max_new_tokens))
     with reads_per_cycle(pair.target_lm, [pair.target.model, pair.draft.model]) as counts:
-        methods.get(method).run(pair, [prompt], short, None)
+        pair.generate_ids([prompt], method=method, config=short)
     return float(statistics.median(counts[1:] or counts or [0]))
 
 
