@@ -18,7 +18,6 @@ import statistics
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 
@@ -57,19 +56,8 @@ TASKS: dict[str, Task] = {
     )
 }
 
-Runner = Callable[..., SteeringRecord]
-METHODS: dict[str, Runner] = {
-    "smcsd_proposal": partial(steering.smcsd_constrained, mode="proposal"),
-    "smcsd_critic": partial(steering.smcsd_constrained, mode="critic"),
-    "smcsd_filtered": steering.smcsd_filtered,
-    "smcsd_plain": steering.smcsd_plain,
-    "llamppl_smc": steering.llamppl_smc,
-    "llamppl_masked": partial(steering.llamppl_smc, masked=True),
-    "genlm_awrs": partial(steering.genlm_smc, sampler="awrs"),
-    "genlm_direct": partial(steering.genlm_smc, sampler="direct"),
-    "genlm_critic": partial(steering.genlm_smc, sampler="critic"),
-}
-SMCSD_METHODS = ("smcsd_proposal", "smcsd_critic", "smcsd_filtered", "smcsd_plain")
+METHODS = steering.STEERING_METHODS  # the comparison runs the steering methods, by their names
+SMCSD_METHODS = steering.SMCSD_STEERING
 
 
 @dataclass

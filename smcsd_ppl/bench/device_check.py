@@ -25,8 +25,8 @@ from ..backends.hf import HFBatchedLM
 from ..backends.syncs import reads_per_cycle
 from ..backends.tree import extend_tree, keep_path
 from ..config import SMCConfig
-from ..methods.hf import hf_generate
 from ..models import LoadedModel
+from .speed import HF_GENERATE, timed_run
 
 VOCAB_8B = 128256
 SHAPES = {  # Llama 3.1 8B and Llama 3.2 1B, and a tiny pair for CPUs and tests
@@ -36,7 +36,7 @@ SHAPES = {  # Llama 3.1 8B and Llama 3.2 1B, and a tiny pair for CPUs and tests
     "tiny-draft": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4),
 }
 TIMED = (
-    "hf_generate",
+    HF_GENERATE,
     "ar",
     "sd",
     "smcsd_paper",
@@ -177,18 +177,8 @@ def _sync(device: torch.device) -> None:
 
 def run_method(pair: SMCSD, method: str, prompt: list[int], config: SMCConfig) -> tuple[float, float]:
     """Tokens/s and tokens per target call of one run."""
-    if method == "hf_generate":
-        ids, secs = hf_generate(
-            pair.target.model,
-            prompt,
-            max_new_tokens=config.max_new_tokens,
-            temperature=config.target_temperature,
-            seed=config.seed,
-            exact_length=True,
-        )
-        return len(ids) / secs, 1.0
-    (out,) = pair.generate_ids([prompt], method=method, config=config)
-    return out.stats.tokens_per_second, out.stats.tokens_per_target_call
+    tokens_per_second, tokens_per_call, _ = timed_run(pair, method, prompt, config)
+    return tokens_per_second, tokens_per_call
 
 
 def host_reads(pair: SMCSD, method: str, prompt: list[int], config: SMCConfig) -> float:
@@ -214,7 +204,7 @@ def timings(pair: SMCSD, prompt: list[int], config: SMCConfig, repeats: int) -> 
             "tokens_per_s": round(statistics.median(r[0] for r in rs), 2),
             "tokens_per_target_call": round(statistics.median(r[1] for r in rs), 3),
         }
-        if method != "hf_generate":
+        if method != HF_GENERATE:
             out[method]["host_reads_per_cycle"] = host_reads(pair, method, prompt, config)
     ar = out["ar"]["tokens_per_s"]
     for m in out.values():
