@@ -34,8 +34,11 @@ from .registry import MethodOutput, RunContext, register
 
 
 @contextmanager
-def count_forwards(model: torch.nn.Module, stats: ForwardStats) -> Iterator[None]:
-    """Add calls, wall seconds and fed tokens of ``model``'s top-level forwards to ``stats``."""
+def count_forwards(model: torch.nn.Module, stats: ForwardStats, *, timed: bool = True) -> Iterator[None]:
+    """Add calls, fed tokens and (when ``timed``) wall seconds of ``model``'s forwards to ``stats``.
+
+    Timing a CUDA forward synchronizes after it; ``timed=False`` only counts, without syncs.
+    """
     device = next(model.parameters()).device
     starts: list[float] = []
 
@@ -45,10 +48,12 @@ def count_forwards(model: torch.nn.Module, stats: ForwardStats) -> Iterator[None
         stats.tokens += int(ids.numel()) if isinstance(ids, torch.Tensor) else 0
 
     def after(module, args, kwargs, output):
-        if device.type == "cuda":  # as backends.base.Timer: time the kernels, not the launch
-            torch.cuda.synchronize(device)
+        start = starts.pop()
         stats.calls += 1
-        stats.seconds += time.perf_counter() - starts.pop()
+        if timed:
+            if device.type == "cuda":  # as backends.base.Timer: time the kernels, not the launch
+                torch.cuda.synchronize(device)
+            stats.seconds += time.perf_counter() - start
 
     hooks = [
         model.register_forward_pre_hook(before, with_kwargs=True),
@@ -128,15 +133,7 @@ def hf_speculative(
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     eos = [int(e) for e in eos_token_ids]
-    mode = (
-        {"assistant_model": assistant} if assistant is not None else {"prompt_lookup_num_tokens": block_size}
-    )
-    settings = dict(
-        **plain_sampling(temperature, max_new_tokens),
-        eos_token_id=eos or None,
-        pad_token_id=eos[0] if eos else target.generation_config.pad_token_id or 0,
-        **mode,
-    )
+    settings = _generate_settings(target, assistant, block_size, max_new_tokens, temperature, eos)
     outs: list[list[int]] = []
     with _generation_scope(target, assistant, block_size, not eos, target_stats, draft_stats):
         torch.manual_seed(seed)
@@ -145,6 +142,20 @@ def hf_speculative(
             if on_step is not None:
                 on_step(max(len(o) for o in outs))
     return outs
+
+
+def _generate_settings(target, assistant, block_size, max_new_tokens, temperature, eos: list[int]) -> dict:
+    """``generate()`` arguments: plain sampling, our EOS, and assisted or prompt-lookup drafting."""
+    if assistant is not None:
+        mode = {"assistant_model": assistant}
+    else:
+        mode = {"prompt_lookup_num_tokens": block_size}
+    return dict(
+        **plain_sampling(temperature, max_new_tokens),
+        eos_token_id=eos or None,
+        pad_token_id=eos[0] if eos else target.generation_config.pad_token_id or 0,
+        **mode,
+    )
 
 
 @contextmanager
