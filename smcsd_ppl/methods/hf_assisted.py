@@ -24,6 +24,7 @@ import copy
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
+from functools import partial
 
 import torch
 from transformers import PreTrainedModel
@@ -206,20 +207,14 @@ def _run(ctx: RunContext, *, assisted: bool) -> MethodOutput:
     return MethodOutput(tokens)
 
 
-@register(
-    "hf_assisted",
-    samples_target=True,
-    summary="Hugging Face assisted generation (exact SD, batch 1, draft at T_t)",
-)
-def _hf_assisted(ctx: RunContext) -> MethodOutput:
-    return _run(ctx, assisted=True)
+def _register(name: str, *, assisted: bool, summary: str) -> None:
+    """Register one of the two ``generate()`` modes; only the assisted one feeds the draft."""
+    register(name, uses_draft=assisted, samples_target=True, summary=summary)(
+        partial(_run, assisted=assisted)
+    )
 
 
-@register(
-    "hf_prompt_lookup",
-    uses_draft=False,
-    samples_target=True,
-    summary="Hugging Face prompt lookup decoding (batch 1)",
+_register(
+    "hf_assisted", assisted=True, summary="Hugging Face assisted generation (exact SD, batch 1, draft at T_t)"
 )
-def _hf_prompt_lookup(ctx: RunContext) -> MethodOutput:
-    return _run(ctx, assisted=False)
+_register("hf_prompt_lookup", assisted=False, summary="Hugging Face prompt lookup decoding (batch 1)")
