@@ -137,9 +137,9 @@ class SMCSD:
     ) -> list[Generation]:
         """``generate`` for prompts given as token ids (no chat template is applied)."""
         chosen = methods.get(method)
-        vocab = self.target.model.get_input_embeddings().num_embeddings
-        for p in prompt_ids:
-            _check_ids(p, vocab)
+        if not prompt_ids:
+            raise ValueError("no prompts: give a non-empty list of token-id prompts")
+        self._check_token_prompts(prompt_ids)
         ids = [[int(t) for t in p] for p in prompt_ids]
         return self._generate(ids, chosen, config or SMCConfig(), on_progress)
 
@@ -150,14 +150,17 @@ class SMCSD:
         on_cycle: Callable[[CycleInfo], None] | None = None,
     ) -> list[Generation]:
         """Run user programs (``SMCSDModel`` subclasses), one request each, in one batch."""
-        vocab = self.target.model.get_input_embeddings().num_embeddings
-        for p in programs:
-            if not isinstance(p.prompt, str):
-                _check_ids(p.prompt, vocab)
+        self._check_token_prompts([p.prompt for p in programs if not isinstance(p.prompt, str)])
         context = self._context([], config or SMCConfig(), None)  # the programs hold the prompts
         start = self.start_clock()
         out = methods.run_programs(context, list(programs), on_cycle)
         return self._generations("smcsd", out, start)
+
+    def _check_token_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
+        """Refuse a token-id prompt that is empty or holds ids outside the target's vocabulary."""
+        vocab = self.target.model.get_input_embeddings().num_embeddings
+        for p in prompts:
+            _check_ids(p, vocab)
 
     def _generate(
         self,
