@@ -118,20 +118,30 @@ class SMCSD:
             config: settings (``SMCConfig``); SD uses K, T_d, T_t; AR uses T_t.
             on_progress: called with the length of the longest output so far.
         """
-        spec = methods.get(method)
-        config = config or SMCConfig()
+        chosen = methods.get(method)  # an unknown name fails before anything is encoded
         single = isinstance(prompts, (str, bytes, bytearray))
         texts = [prompts] if single else list(prompts)
         if not texts:
             raise ValueError("no prompts: give a text or a non-empty list of texts")
         ids = [self.encode(p) for p in texts]
-        self._check_fits(ids, config, spec)
-        start = self.start_clock()
-        outs = spec.run(self, ids, config, on_progress)
-        stats = self.stats(method, start, sum(len(o.token_ids) for o in outs))
-        for o in outs:
-            o.stats = stats
+        outs = self._generate(ids, chosen, config or SMCConfig(), on_progress)
         return outs[0] if single else outs
+
+    def generate_ids(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        *,
+        method: str = "smcsd",
+        config: SMCConfig | None = None,
+        on_progress: Callable[[int], None] | None = None,
+    ) -> list[Generation]:
+        """``generate`` for prompts given as token ids (no chat template is applied)."""
+        chosen = methods.get(method)
+        if not prompt_ids:
+            raise ValueError("no prompts: give a non-empty list of token-id prompts")
+        self._check_token_prompts(prompt_ids)
+        ids = [[int(t) for t in p] for p in prompt_ids]
+        return self._generate(ids, chosen, config or SMCConfig(), on_progress)
 
     def run(
         self,
@@ -140,21 +150,61 @@ class SMCSD:
         on_cycle: Callable[[CycleInfo], None] | None = None,
     ) -> list[Generation]:
         """Run user programs (``SMCSDModel`` subclasses), one request each, in one batch."""
-        vocab = self.target.model.get_input_embeddings().num_embeddings
-        for p in programs:
-            if not isinstance(p.prompt, str):
-                _check_ids(p.prompt, vocab)
+        self._check_token_prompts([p.prompt for p in programs if not isinstance(p.prompt, str)])
+        context = self._context([], config or SMCConfig(), None)  # the programs hold the prompts
         start = self.start_clock()
-        outs = methods.run_programs(self, list(programs), config or SMCConfig(), None, on_cycle)
-        stats = self.stats("smcsd", start, sum(len(o.token_ids) for o in outs))
-        for o in outs:
-            o.stats = stats
-        return outs
+        out = methods.run_programs(context, list(programs), on_cycle)
+        return self._generations("smcsd", out, start)
 
-    def _check_fits(self, ids: list[list[int]], config: SMCConfig, spec: methods.Method) -> None:
+    def _check_token_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
+        """Refuse a token-id prompt that is empty or holds ids outside the target's vocabulary."""
+        vocab = self.target.model.get_input_embeddings().num_embeddings
+        for p in prompts:
+            _check_ids(p, vocab)
+
+    def _generate(
+        self,
+        ids: list[list[int]],
+        method: methods.Method,
+        config: SMCConfig,
+        on_progress: Callable[[int], None] | None,
+    ) -> list[Generation]:
+        """Run ``method`` on token-id prompts and build each request's ``Generation``."""
+        method.check(config)
+        self._check_fits(ids, config, method)
+        context = self._context(ids, config, on_progress)
+        start = self.start_clock()
+        return self._generations(method.name, method.run(context), start)
+
+    def _context(
+        self, ids: list[list[int]], config: SMCConfig, on_progress: Callable[[int], None] | None
+    ) -> methods.RunContext:
+        """What a runner gets of this pair: backends, an engine factory, EOS ids, the models, text."""
+        return methods.RunContext(
+            ids,
+            config,
+            self.target_lm,
+            self.draft_lm,
+            self.eos_for(config),
+            self.engine,
+            on_progress,
+            target_model=self.target,
+            draft_model=self.draft,
+            encode=self.encode,
+            decode=self.decode,
+        )
+
+    def _generations(self, name: str, out: methods.MethodOutput, start: float) -> list[Generation]:
+        """One ``Generation`` per request, sharing the call's stats; decoded unless the method gave texts."""
+        stats = self.stats(name, start, sum(len(t) for t in out.token_ids))
+        texts = out.texts if out.texts is not None else [self.decode(t) for t in out.token_ids]
+        extras = out.extras or [{} for _ in out.token_ids]
+        return [Generation(text, t, name, stats, **x) for text, t, x in zip(texts, out.token_ids, extras)]
+
+    def _check_fits(self, ids: list[list[int]], config: SMCConfig, method: methods.Method) -> None:
         """Refuse up front what would fail mid-generation (context length, KV budget)."""
         prompt = max(len(i) for i in ids)
-        if not spec.uses_draft:  # the last sampled token is never fed
+        if not method.uses_draft:  # the last sampled token is never fed
             longest, extra, lms = prompt + config.max_new_tokens - 1, "", [self.target_lm]
         else:  # a block may be drafted past the budget, then the bonus
             longest = prompt + config.max_new_tokens + config.block_size + 1
@@ -165,7 +215,7 @@ class SMCSD:
                 f"prompt ({prompt} tokens) + max_new_tokens ({config.max_new_tokens}){extra} "
                 f"exceeds the model context of {limit} tokens"
             )
-        rows = len(ids) * (config.n_particles if spec.particles else 1)
+        rows = len(ids) * (config.n_particles if method.particles else 1)
         for lm in lms:
             need = lm.bytes_per_token * rows * longest
             if need > lm.max_cache_bytes:

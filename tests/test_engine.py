@@ -265,6 +265,17 @@ def test_unknown_method_raises(smcsd):
         smcsd.generate("The cat", method="bogus")
 
 
+def test_generate_ids_is_generate_on_encoded_prompts(smcsd):
+    config = cfg(max_new_tokens=6, seed=3)
+    text = smcsd.generate("The cat", method="sd", config=config)
+    (ids,) = smcsd.generate_ids([smcsd.encode("The cat")], method="sd", config=config)
+    assert ids.token_ids == text.token_ids and ids.text == text.text and ids.method == "sd"
+    with pytest.raises(ValueError, match="no prompts"):
+        smcsd.generate_ids([], method="sd")
+    with pytest.raises(ValueError, match="bogus"):
+        smcsd.generate_ids([[1, 2]], method="bogus")
+
+
 def test_exact_sd_needs_alpha_one(smcsd):
     with pytest.raises(ValueError, match="alpha must be 1"):
         smcsd.generate("The cat", method="sd", config=cfg(alpha=2.0))

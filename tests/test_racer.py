@@ -15,8 +15,14 @@ from smcsd_ppl.backends.hf import HFBatchedLM
 from smcsd_ppl.backends.mock import MockLM
 from smcsd_ppl.backends.tree import extend_tree, keep_path
 from smcsd_ppl.config import SMCConfig
-from smcsd_ppl.methods.racer import drafter_for, greedy_autoregressive, racer_generate
+from smcsd_ppl.methods.ar import autoregressive
+from smcsd_ppl.methods.racer import drafter_for, racer_generate
 from smcsd_ppl.proposals.retrieval import NGramIndex, RetrievalDrafter, propose_block
+
+
+def greedy(lm, prompts, **kw):
+    """Greedy autoregressive decoding, the reference RACER must reproduce."""
+    return autoregressive(lm, prompts, temperature=0.0, **kw)
 
 
 def walk(index, seq):
@@ -135,7 +141,7 @@ def test_greedy_racer_equals_greedy_autoregressive_tiny(budget):
     tok = tokenizer()
     prompts = [tok("the cat sat on the mat. the cat")["input_ids"], tok("Once upon a time")["input_ids"], [7]]
     eos = [tok.eos_token_id]
-    ref = greedy_autoregressive(lm, prompts, eos_token_ids=eos, max_new_tokens=30)
+    ref = greedy(lm, prompts, eos_token_ids=eos, max_new_tokens=30)
     d = RetrievalDrafter(lm.vocab_size)
     for _ in range(2):  # the second pass reuses the index: more accepted, same tokens
         run = racer_generate(lm, prompts, d, eos_token_ids=eos, max_new_tokens=30, budget=budget)
@@ -149,7 +155,7 @@ def test_greedy_racer_equals_greedy_autoregressive_mock():
     for seed in range(4):
         mock = MockLM(5, seed=seed)
         prompts = [[1, 2], [0, 4, 1]]
-        ref = greedy_autoregressive(mock, prompts, eos_token_ids=[3], max_new_tokens=25)
+        ref = greedy(mock, prompts, eos_token_ids=[3], max_new_tokens=25)
         run = racer_generate(
             mock, prompts, RetrievalDrafter(5), eos_token_ids=[3], max_new_tokens=25, budget=8
         )
@@ -232,7 +238,7 @@ def test_racer_is_registered_and_runs_through_generate():
     smc = SMCSD(target, draft)
     config = SMCConfig(max_new_tokens=12, ignore_eos=True)
     out = smc.generate(["the cat sat", "the sun rises"], method="racer", config=config)
-    ref = greedy_autoregressive(
+    ref = greedy(
         smc.target_lm,
         [smc.encode(p) for p in ["the cat sat", "the sun rises"]],
         eos_token_ids=[],
@@ -248,7 +254,7 @@ def test_racer_is_registered_and_runs_through_generate():
 def test_greedy_racer_equals_greedy_autoregressive_real_model():
     smc = SMCSD.load(dtype="float32")  # bf16 ties could flip an argmax between batch shapes
     prompts = [smc.encode("Write a short poem about the sea."), smc.encode("List three prime numbers.")]
-    ref = greedy_autoregressive(smc.target_lm, prompts, eos_token_ids=[], max_new_tokens=32)
+    ref = greedy(smc.target_lm, prompts, eos_token_ids=[], max_new_tokens=32)
     run = racer_generate(
         smc.target_lm,
         prompts,

@@ -16,13 +16,13 @@ import itertools
 import math
 import statistics
 from collections.abc import Callable, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 
+from ..backends.base import ForwardStats
 from ..methods import steering
+from ..methods.hf_assisted import count_forwards
 from ..methods.steering import SteeringRecord, TaskConstraint
 
 
@@ -57,19 +57,8 @@ TASKS: dict[str, Task] = {
     )
 }
 
-Runner = Callable[..., SteeringRecord]
-METHODS: dict[str, Runner] = {
-    "smcsd_proposal": partial(steering.smcsd_constrained, mode="proposal"),
-    "smcsd_critic": partial(steering.smcsd_constrained, mode="critic"),
-    "smcsd_filtered": steering.smcsd_filtered,
-    "smcsd_plain": steering.smcsd_plain,
-    "llamppl_smc": steering.llamppl_smc,
-    "llamppl_masked": partial(steering.llamppl_smc, masked=True),
-    "genlm_awrs": partial(steering.genlm_smc, sampler="awrs"),
-    "genlm_direct": partial(steering.genlm_smc, sampler="direct"),
-    "genlm_critic": partial(steering.genlm_smc, sampler="critic"),
-}
-SMCSD_METHODS = ("smcsd_proposal", "smcsd_critic", "smcsd_filtered", "smcsd_plain")
+METHODS = steering.STEERING_METHODS  # the comparison runs the steering methods, by their names
+SMCSD_METHODS = steering.SMCSD_STEERING
 
 
 @dataclass
@@ -133,7 +122,8 @@ def compare_constrained(
     kw = dict(n_particles=n_particles, max_new_tokens=max_new_tokens, temperature=temperature)
     _warm_up(pair, tasks[0], constraints[tasks[0].name], methods, **kw)
     runs: dict[tuple[str, str], list[tuple[SteeringRecord, float]]] = {}
-    with _count_forwards(pair.target.model) as forwards:
+    forwards = ForwardStats()  # on the decoder: the batched backend runs it and its own LM head
+    with count_forwards(pair.target.model.get_decoder(), forwards, timed=False):
         for rep, task in itertools.product(range(repeats), tasks):
             done: dict[str, SteeringRecord] = {}
             for method in methods:
@@ -143,28 +133,17 @@ def compare_constrained(
                         "ignore_eos": True,
                         "max_new_tokens": max(1, round(done["smcsd_proposal"].tokens)),
                     }
-                before = forwards[0]
+                before = forwards.calls
                 rec = METHODS[method](
                     pair, task.prompt, constraints[task.name], seed=seed + rep, **{**kw, **extra}
                 )
-                rec.extra["target_forwards"] = forwards[0] - before
+                rec.extra["target_forwards"] = forwards.calls - before
                 done[method] = rec
                 ll = target_loglik(pair, pair.encode(task.prompt), rec.token_ids)
                 runs.setdefault((task.name, method), []).append((rec, ll))
                 if on_run is not None:
                     on_run(task.name, method, rec)
     return [_row(task, method, recs) for (task, method), recs in runs.items()]
-
-
-@contextmanager
-def _count_forwards(model):
-    """A one-item list counting the forward calls of ``model``'s decoder while inside."""
-    count = [0]
-    hook = model.get_decoder().register_forward_hook(lambda *_: count.__setitem__(0, count[0] + 1))
-    try:
-        yield count
-    finally:
-        hook.remove()
 
 
 def _warm_up(pair, task: Task, constraint: TaskConstraint, methods: Sequence[str], **kw) -> None:

@@ -20,14 +20,13 @@ import time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from .. import methods
 from ..api import SMCSD
 from ..backends.hf import HFBatchedLM
 from ..backends.syncs import reads_per_cycle
 from ..backends.tree import extend_tree, keep_path
 from ..config import SMCConfig
-from ..methods.hf import hf_generate
 from ..models import LoadedModel
+from .speed import HF_GENERATE, timed_run
 
 VOCAB_8B = 128256
 SHAPES = {  # Llama 3.1 8B and Llama 3.2 1B, and a tiny pair for CPUs and tests
@@ -37,7 +36,7 @@ SHAPES = {  # Llama 3.1 8B and Llama 3.2 1B, and a tiny pair for CPUs and tests
     "tiny-draft": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4),
 }
 TIMED = (
-    "hf_generate",
+    HF_GENERATE,
     "ar",
     "sd",
     "smcsd_paper",
@@ -178,27 +177,15 @@ def _sync(device: torch.device) -> None:
 
 def run_method(pair: SMCSD, method: str, prompt: list[int], config: SMCConfig) -> tuple[float, float]:
     """Tokens/s and tokens per target call of one run."""
-    if method == "hf_generate":
-        ids, secs = hf_generate(
-            pair.target.model,
-            prompt,
-            max_new_tokens=config.max_new_tokens,
-            temperature=config.target_temperature,
-            seed=config.seed,
-            exact_length=True,
-        )
-        return len(ids) / secs, 1.0
-    start = pair.start_clock()
-    outs = methods.get(method).run(pair, [prompt], config, None)
-    stats = pair.stats(method, start, sum(len(o.token_ids) for o in outs))
-    return stats.tokens_per_second, stats.tokens_per_target_call
+    tokens_per_second, tokens_per_call, _ = timed_run(pair, method, prompt, config)
+    return tokens_per_second, tokens_per_call
 
 
 def host_reads(pair: SMCSD, method: str, prompt: list[int], config: SMCConfig) -> float:
     """Median host reads per cycle (between target forwards) of a short run."""
     short = dataclasses.replace(config, max_new_tokens=min(32, config.max_new_tokens))
     with reads_per_cycle(pair.target_lm, [pair.target.model, pair.draft.model]) as counts:
-        methods.get(method).run(pair, [prompt], short, None)
+        pair.generate_ids([prompt], method=method, config=short)
     return float(statistics.median(counts[1:] or counts or [0]))
 
 
@@ -217,7 +204,7 @@ def timings(pair: SMCSD, prompt: list[int], config: SMCConfig, repeats: int) -> 
             "tokens_per_s": round(statistics.median(r[0] for r in rs), 2),
             "tokens_per_target_call": round(statistics.median(r[1] for r in rs), 3),
         }
-        if method != "hf_generate":
+        if method != HF_GENERATE:
             out[method]["host_reads_per_cycle"] = host_reads(pair, method, prompt, config)
     ar = out["ar"]["tokens_per_s"]
     for m in out.values():

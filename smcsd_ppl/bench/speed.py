@@ -9,9 +9,35 @@ from dataclasses import dataclass
 
 from ..api import SMCSD
 from ..config import SMCConfig
+from ..methods import METHODS
 from ..methods.hf import hf_generate
 
-SPEED_METHODS = ("hf_generate", "ar", "sd", "smcsd", "smcsd_paper")
+HF_GENERATE = "hf_generate"  # Hugging Face generate(): the external reference, not a registered method
+SPEED_METHODS = (HF_GENERATE, "ar", "sd", "smcsd", "smcsd_paper")
+"""The methods ``smcsd speed`` compares: the reference, then registered methods."""
+
+
+def speed_choices() -> tuple[str, ...]:
+    """Every method a speed comparison can time: the reference and every registered method."""
+    return (HF_GENERATE, *METHODS)
+
+
+def timed_run(
+    pair: SMCSD, method: str, prompt_ids: list[int], config: SMCConfig
+) -> tuple[float, float, float]:
+    """Tokens/s, tokens per target call and loop-overhead share of one run (nan where unknown)."""
+    if method == HF_GENERATE:
+        ids, secs = hf_generate(
+            pair.target.model,
+            prompt_ids,
+            max_new_tokens=config.max_new_tokens,
+            temperature=config.target_temperature,
+            seed=config.seed,
+            exact_length=True,
+        )
+        return len(ids) / secs, 1.0, float("nan")
+    (out,) = pair.generate_ids([prompt_ids], method=method, config=config)
+    return out.stats.tokens_per_second, out.stats.tokens_per_target_call, out.stats.overhead_fraction
 
 
 @dataclass
@@ -40,9 +66,9 @@ def compare_speed(
     Every run emits exactly ``config.max_new_tokens`` tokens (EOS ignored), so
     tokens/s compare like with like; interleaving spreads machine noise evenly.
     """
-    unknown = set(methods) - set(SPEED_METHODS)
+    unknown = set(methods) - set(speed_choices())
     if unknown:
-        raise ValueError(f"unknown methods {sorted(unknown)}; choose from {SPEED_METHODS}")
+        raise ValueError(f"unknown methods {sorted(unknown)}; choose from {speed_choices()}")
     config = dataclasses.replace(config, ignore_eos=True)
     samples: dict[str, list[tuple[float, float, float]]] = {m: [] for m in methods}
     pair.generate(prompts[0], method="smcsd", config=dataclasses.replace(config, max_new_tokens=8))  # warm-up
@@ -50,21 +76,7 @@ def compare_speed(
         for prompt in prompts:
             for method in methods:
                 cfg = dataclasses.replace(config, seed=config.seed + rep)
-                if method == "hf_generate":
-                    ids, secs = hf_generate(
-                        pair.target.model,
-                        pair.encode(prompt),
-                        max_new_tokens=cfg.max_new_tokens,
-                        temperature=cfg.target_temperature,
-                        seed=cfg.seed,
-                        exact_length=True,
-                    )
-                    samples[method].append((len(ids) / secs, 1.0, float("nan")))
-                else:
-                    s = pair.generate(prompt, method=method, config=cfg).stats
-                    samples[method].append(
-                        (s.tokens_per_second, s.tokens_per_target_call, s.overhead_fraction)
-                    )
+                samples[method].append(timed_run(pair, method, pair.encode(prompt), cfg))
                 if on_run is not None:
                     on_run(method)
     ar = statistics.median(t for t, _, _ in samples["ar"]) if "ar" in samples else float("nan")

@@ -8,7 +8,7 @@ from .loading import load_pair
 from .options import model_args
 from .util import check_threads, csv, cut_value, progress
 
-# The names of smcsd_ppl.bench.constrained.METHODS, kept here so that building the parser imports no
+# The names of smcsd_ppl.methods.steering.STEERING_METHODS, kept here so that building the parser imports no
 # torch; a test checks that they match.
 CONSTRAINED_METHODS = (
     "smcsd_proposal",

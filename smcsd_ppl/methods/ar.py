@@ -1,26 +1,24 @@
-"""Autoregressive sampling from the target: the baseline every speed-up is measured against."""
+"""Autoregressive decoding of the target: the baseline every speed-up is measured against.
+
+Greedy at temperature 0 (the reference RACER must reproduce), else sampling at T_t.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 
 from ..backends.base import BatchedLM, check_finite
-from ..results import Generation
 from ..spec import sample_tokens
-from .registry import register
+from .registry import MethodOutput, RunContext, register
 
 NAN_CHECK_EVERY = 16  # forwards between checks for NaN logits (each check is a host read)
 
 
-@dataclass
-class TokenRun:
-    """Token ids per request and what it cost."""
-
-    token_ids: list[list[int]]
-    target_calls: int
+def choose_tokens(logits: torch.Tensor, temperature: float, g: torch.Generator | None) -> torch.Tensor:
+    """Argmax at temperature 0, else one draw per row of ``logits [N, V]`` at that temperature."""
+    return logits.argmax(-1) if temperature == 0 else sample_tokens(logits, temperature, g)
 
 
 def autoregressive(
@@ -30,22 +28,24 @@ def autoregressive(
     eos_token_ids: Sequence[int],
     max_new_tokens: int,
     temperature: float,
-    g: torch.Generator,
+    g: torch.Generator | None = None,
     on_step: Callable[[int], None] | None = None,
-) -> TokenRun:
-    """Sample each prompt's continuation one target forward per token, all prompts batched.
+) -> list[list[int]]:
+    """Each prompt's continuation, one target forward per token, all prompts batched.
 
-    Finished requests leave the batch (one gather), so they cost nothing afterwards.
+    Temperature 0 is greedy; above it, tokens are drawn from softmax(logits / T) with
+    ``g``. Finished requests leave the batch (one gather), so they cost nothing afterwards.
+    Returns the new token ids per prompt (an ending EOS included).
     """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if temperature < 0 or (temperature > 0 and g is None):
+        raise ValueError(f"temperature must be >= 0, and sampling (> 0) needs a generator; got {temperature}")
     eos = set(int(e) for e in eos_token_ids)
     logits = target.prefill(prompts)  # [B, V]
     outs: list[list[int]] = [[] for _ in prompts]
     rows = list(range(len(prompts)))  # request of each row
     calls = 1
     while True:
-        tokens = sample_tokens(logits, temperature, g)  # [R]
+        tokens = choose_tokens(logits, temperature, g)  # [R]
         keep = []
         for i, (req, tok) in enumerate(zip(rows, tokens.tolist())):
             outs[req].append(tok)
@@ -56,7 +56,7 @@ def autoregressive(
         if not keep or calls % NAN_CHECK_EVERY == 0:  # NaN logits end the run a few tokens late
             check_finite(target)
         if not keep:
-            return TokenRun(outs, calls)
+            return outs
         if len(keep) < len(rows):
             index = torch.tensor(keep, device=tokens.device)
             target.fork(index)
@@ -67,15 +67,15 @@ def autoregressive(
 
 
 @register("ar", uses_draft=False, summary="autoregressive sampling from the target")
-def _ar(pair, ids, config, on_progress):
-    g = torch.Generator(device=pair.target_lm.device).manual_seed(config.seed)
-    run = autoregressive(
-        pair.target_lm,
-        ids,
-        eos_token_ids=pair.eos_for(config),
-        max_new_tokens=config.max_new_tokens,
-        temperature=config.target_temperature,
-        g=g,
-        on_step=on_progress,
+def _ar(ctx: RunContext) -> MethodOutput:
+    cfg = ctx.config
+    tokens = autoregressive(
+        ctx.target_lm,
+        ctx.prompts,
+        eos_token_ids=ctx.eos,
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.target_temperature,
+        g=torch.Generator(device=ctx.target_lm.device).manual_seed(cfg.seed),
+        on_step=ctx.on_progress,
     )
-    return [Generation(pair.decode(t), t, "ar", None) for t in run.token_ids]
+    return MethodOutput(tokens)

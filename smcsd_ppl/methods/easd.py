@@ -1,27 +1,15 @@
 """EASD: exact speculative sampling plus an entropy-aware rejection rule (REFERENCE.md §3).
 
-The loop is ``sd.speculative_sampling`` with ``spec_easd.easd_accept`` in place of
+The loop is ``sd.SpeculativeLoop`` with ``spec.easd.easd_accept`` in place of
 ``speculative_accept``: where both models are uncertain and agree on their top-n, the
 drafted token is rejected and replaced by a draw from the target without it.
 
-Default thresholds (``EASDConfig()``) were measured on the default pair (SmolLM2-135M-
-Instruct target, 2-layer slice draft, bf16) with K=4, T_d=0.7, T_t=1.0: entropies at the
-1783 kept drafted positions of SD runs on the first 8 Spec-Bench ``math_reasoning``
-prompts (64 new tokens each, seed 0). Percentiles (nats):
-
-    ==========  ====  ====  ====  ====  ====
-    percentile  50    70    75    80    90
-    H_q         0.84  1.05  1.11  1.17  1.34
-    H_p         2.78  3.71  3.98  4.28  5.05
-    ==========  ====  ====  ====  ====  ====
-
-``tau_q``/``tau_p`` are the 75th percentiles (our choice: the paper sets its thresholds
-from percentiles on a reasoning set; both exceed them at 5% of positions). ``top_n=5``
-and ``overlap=0.6`` (3 of 5) read "strongly overlap" literally. On this pair the weak
-draft rarely shares the target's top-5 (mean overlap 0.11; never >= 0.6 where both are
-uncertain), so the rule almost never fires and EASD behaves like SD there; 8 ``qa``
-prompts gave H_q 1.12 / H_p 4.91 at p75 and the same picture. Re-measure for other
-models or temperatures: entropies depend on both.
+The default thresholds (``EASDConfig()``) are the 75th percentiles of the draft's and the
+target's entropies at drafted positions of SD runs on the default pair (our choice: the
+paper sets its thresholds from percentiles on a reasoning set); ``top_n=5`` and
+``overlap=0.6`` (3 of 5) read "strongly overlap" literally. The measurement, and how to
+repeat it, is in docs/benchmarks.md ("EASD thresholds"). Re-measure for other models or
+temperatures: entropies depend on both.
 """
 
 from __future__ import annotations
@@ -33,10 +21,9 @@ from dataclasses import dataclass
 import torch
 
 from ..inference.engine import BlockEngine
-from ..results import Generation
 from ..spec.easd import easd_accept, uncertain_agreement
-from .registry import register
-from .sd import settle
+from .registry import MethodOutput, RunContext, register
+from .sd import AcceptRule, SpeculativeRun, speculative_sampling
 
 
 @dataclass(frozen=True)
@@ -68,21 +55,17 @@ class EASDConfig:
             raise ValueError(f"overlap must be in [0, 1], got {self.overlap!r}")
 
 
-@dataclass
-class EASDRun:
-    """Token ids and per-request counts of one EASD call."""
+def easd_rule(easd: EASDConfig) -> AcceptRule:
+    """EASD's accept rule: veto where both models are uncertain and agree (none when disabled)."""
 
-    token_ids: list[list[int]]
-    target_calls: int
-    drafted: list[int]  # draft tokens proposed (kept part of each block), per request
-    accepted: list[int]  # draft tokens accepted, per request
-    entropy_rejections: list[int]  # blocks cut by the veto (tokens SD would have accepted)
+    def accept(target_probs, draft_probs, tokens, g):
+        veto = torch.zeros(tokens.shape, dtype=torch.bool, device=tokens.device)
+        if easd.enabled:
+            rule = dict(tau_q=easd.tau_q, tau_p=easd.tau_p, top_n=easd.top_n, overlap=easd.overlap)
+            veto = uncertain_agreement(target_probs[:, :-1], draft_probs, **rule)
+        return easd_accept(target_probs, draft_probs, tokens, veto, g)
 
-    def acceptance(self, i: int | None = None) -> float:
-        """Accepted / drafted tokens, of request ``i`` or of all requests."""
-        if i is None:
-            return sum(self.accepted) / max(1, sum(self.drafted))
-        return self.accepted[i] / max(1, self.drafted[i])
+    return accept
 
 
 def easd_sampling(
@@ -91,59 +74,24 @@ def easd_sampling(
     *,
     easd: EASDConfig | None = None,
     on_step: Callable[[int], None] | None = None,
-) -> EASDRun:
+) -> SpeculativeRun:
     """EASD on the block engine, one row per prompt, K drafted tokens per cycle.
 
     With ``easd.enabled`` False (or infinite thresholds) this is exact speculative
     sampling and draws the same tokens as ``sd.speculative_sampling`` for one seed.
     """
-    easd = easd or EASDConfig()
-    cfg = engine.config
-    if cfg.alpha != 1.0:
-        raise ValueError("EASD samples the target itself: alpha must be 1")
-    x0, _ = engine.start(prompts, copies=1)
-    outs = [[x] for x in x0]
-    n = len(prompts)
-    drafted, accepted, vetoes = [0] * n, [0] * n, [0] * n
-    rows = [i for i, x in enumerate(x0) if x not in engine.eos and cfg.max_new_tokens > 1]
-    engine.reorder(rows)
-    calls = 1
-    while rows:
-        blocks = engine.draft_blocks(
-            range(len(rows)), [cfg.max_new_tokens - len(outs[r]) for r in rows], keep_probs=True
-        )
-        with torch.inference_mode():
-            target_probs = torch.softmax(engine.target_logits(blocks), -1)  # [R, K+1, V]
-            draft_probs = torch.stack([b.draft_probs for b in blocks])  # [R, K, V]
-            tokens = torch.tensor([b.tokens for b in blocks], device=draft_probs.device)
-            veto = torch.zeros(tokens.shape, dtype=torch.bool, device=tokens.device)
-            if easd.enabled:
-                rule = dict(tau_q=easd.tau_q, tau_p=easd.tau_p, top_n=easd.top_n, overlap=easd.overlap)
-                veto = uncertain_agreement(target_probs[:, :-1], draft_probs, **rule)
-            n_acc, nxt, vetoed = easd_accept(target_probs, draft_probs, tokens, veto, engine.g)
-        calls += 1
-        for i, (b, m, v) in enumerate(zip(blocks, n_acc.tolist(), vetoed.tolist())):
-            drafted[rows[i]] += b.kept
-            accepted[rows[i]] += min(m, b.kept)
-            vetoes[rows[i]] += int(v and m < b.kept)
-        going = settle(engine, blocks, n_acc.tolist(), nxt.tolist(), [outs[r] for r in rows])
-        rows = [rows[i] for i in going]
-        if on_step is not None:
-            on_step(max(len(o) for o in outs))
-    return EASDRun(outs, calls, drafted, accepted, vetoes)
+    return speculative_sampling(engine, prompts, accept=easd_rule(easd or EASDConfig()), on_step=on_step)
 
 
-@register("easd", summary="speculative sampling with EASD's entropy-aware rejection (not exact)")
-def _easd(pair, ids, config, on_progress):
-    run = easd_sampling(pair.engine(config), ids, on_step=on_progress)
-    return [
-        Generation(
-            pair.decode(t),
-            t,
-            "easd",
-            None,
-            acceptance=run.acceptance(i),
-            entropy_rejections=run.entropy_rejections[i],
-        )
-        for i, t in enumerate(run.token_ids)
+@register(
+    "easd",
+    samples_target=True,
+    summary="speculative sampling with EASD's entropy-aware rejection (not exact)",
+)
+def _easd(ctx: RunContext) -> MethodOutput:
+    run = easd_sampling(ctx.engine(), ctx.prompts, on_step=ctx.on_progress)
+    extras = [
+        {"acceptance": run.acceptance(i), "entropy_rejections": run.vetoes[i]}
+        for i in range(len(run.token_ids))
     ]
+    return MethodOutput(run.token_ids, extras)

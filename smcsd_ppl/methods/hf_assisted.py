@@ -14,8 +14,8 @@ A layer-slice draft (shared modules) works: the assistant keeps its own KV cache
 its layers' ``layer_idx`` are 0..n-1 as in the target's cache.
 
 ``generate()`` bypasses the backends, so forward hooks on both models count calls,
-seconds and tokens into ``pair.target_lm.stats`` / ``pair.draft_lm.stats``; ``RunStats``
-(target calls, tokens per target call) then stays right.
+seconds and tokens into the backends' ``stats``; ``RunStats`` (target calls, tokens
+per target call) then stays right.
 """
 
 from __future__ import annotations
@@ -24,19 +24,22 @@ import copy
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
+from functools import partial
 
 import torch
 from transformers import PreTrainedModel
 
 from ..backends.base import ForwardStats
-from ..results import Generation
 from .hf import plain_sampling
-from .registry import register
+from .registry import MethodOutput, RunContext, register
 
 
 @contextmanager
-def count_forwards(model: torch.nn.Module, stats: ForwardStats) -> Iterator[None]:
-    """Add calls, wall seconds and fed tokens of ``model``'s top-level forwards to ``stats``."""
+def count_forwards(model: torch.nn.Module, stats: ForwardStats, *, timed: bool = True) -> Iterator[None]:
+    """Add calls, fed tokens and (when ``timed``) wall seconds of ``model``'s forwards to ``stats``.
+
+    Timing a CUDA forward synchronizes after it; ``timed=False`` only counts, without syncs.
+    """
     device = next(model.parameters()).device
     starts: list[float] = []
 
@@ -46,10 +49,12 @@ def count_forwards(model: torch.nn.Module, stats: ForwardStats) -> Iterator[None
         stats.tokens += int(ids.numel()) if isinstance(ids, torch.Tensor) else 0
 
     def after(module, args, kwargs, output):
-        if device.type == "cuda":  # as backends.base.Timer: time the kernels, not the launch
-            torch.cuda.synchronize(device)
+        start = starts.pop()
         stats.calls += 1
-        stats.seconds += time.perf_counter() - starts.pop()
+        if timed:
+            if device.type == "cuda":  # as backends.base.Timer: time the kernels, not the launch
+                torch.cuda.synchronize(device)
+            stats.seconds += time.perf_counter() - start
 
     hooks = [
         model.register_forward_pre_hook(before, with_kwargs=True),
@@ -128,71 +133,88 @@ def hf_speculative(
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    device = next(target.parameters()).device
     eos = [int(e) for e in eos_token_ids]
-    pad = eos[0] if eos else target.generation_config.pad_token_id or 0
+    settings = _generate_settings(target, assistant, block_size, max_new_tokens, temperature, eos)
+    outs: list[list[int]] = []
+    with _generation_scope(target, assistant, block_size, not eos, target_stats, draft_stats):
+        torch.manual_seed(seed)
+        for prompt in prompts:
+            outs.append(_generate_one(target, prompt, settings))
+            if on_step is not None:
+                on_step(max(len(o) for o in outs))
+    return outs
+
+
+def _generate_settings(target, assistant, block_size, max_new_tokens, temperature, eos: list[int]) -> dict:
+    """``generate()`` arguments: plain sampling, our EOS, and assisted or prompt-lookup drafting."""
     if assistant is not None:
         mode = {"assistant_model": assistant}
     else:
         mode = {"prompt_lookup_num_tokens": block_size}
-    outs: list[list[int]] = []
+    return dict(
+        **plain_sampling(temperature, max_new_tokens),
+        eos_token_id=eos or None,
+        pad_token_id=eos[0] if eos else target.generation_config.pad_token_id or 0,
+        **mode,
+    )
+
+
+@contextmanager
+def _generation_scope(target, assistant, block_size, drop_eos, target_stats, draft_stats) -> Iterator[None]:
+    """The caller's RNG kept, forwards counted, the assistant drafting K tokens, EOS as asked."""
+    device = next(target.parameters()).device
     with ExitStack() as stack:
         stack.enter_context(torch.random.fork_rng(devices=[device] if device.type == "cuda" else []))
         # generate() falls back to the model's own EOS when given none: hide it to run on.
-        stack.enter_context(_no_default_eos(target, drop=not eos))
+        stack.enter_context(_no_default_eos(target, drop=drop_eos))
         if target_stats is not None:
             stack.enter_context(count_forwards(target, target_stats))
         if assistant is not None:
             stack.enter_context(assistant_settings(assistant, block_size))
             if draft_stats is not None:
                 stack.enter_context(count_forwards(assistant, draft_stats))
-        torch.manual_seed(seed)
-        for prompt in prompts:
-            ids = torch.tensor([list(prompt)], device=device)
-            out = target.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                **plain_sampling(temperature, max_new_tokens),
-                eos_token_id=eos or None,
-                pad_token_id=pad,
-                **mode,
-            )
-            outs.append(out[0, ids.shape[1] :].tolist())
-            if on_step is not None:
-                on_step(max(len(o) for o in outs))
-    return outs
+        yield
 
 
-def _run(pair, ids, config, on_progress, *, assisted: bool) -> list[Generation]:
-    name = "hf_assisted" if assisted else "hf_prompt_lookup"
-    if config.alpha != 1.0:
-        raise ValueError(f"{name} samples the target itself: alpha must be 1")
-    if assisted and getattr(pair.draft.model, "needs_features", False):
+def _generate_one(target: PreTrainedModel, prompt: Sequence[int], settings: dict) -> list[int]:
+    """New token ids of one ``generate()`` call on ``prompt``."""
+    ids = torch.tensor([list(prompt)], device=next(target.parameters()).device)
+    out = target.generate(ids, attention_mask=torch.ones_like(ids), **settings)
+    return out[0, ids.shape[1] :].tolist()
+
+
+def _run(ctx: RunContext, *, assisted: bool) -> MethodOutput:
+    draft = ctx.draft_model
+    if assisted and getattr(draft.model, "needs_features", False):
         raise ValueError(
-            f"{name} needs a standalone draft model; {pair.draft.name!r} reads the target's hidden "
+            f"hf_assisted needs a standalone draft model; {draft.name!r} reads the target's hidden "
             "states, which Hugging Face's assistant interface cannot pass (use --draft layers:N)"
         )
+    cfg = ctx.config
     tokens = hf_speculative(
-        pair.target.model,
-        ids,
-        assistant=pair.draft.model if assisted else None,
-        block_size=config.block_size,
-        max_new_tokens=config.max_new_tokens,
-        temperature=config.target_temperature,
-        eos_token_ids=pair.eos_for(config),
-        seed=config.seed,
-        target_stats=pair.target_lm.stats,
-        draft_stats=pair.draft_lm.stats if assisted else None,
-        on_step=on_progress,
+        ctx.target_model.model,
+        ctx.prompts,
+        assistant=draft.model if assisted else None,
+        block_size=cfg.block_size,
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.target_temperature,
+        eos_token_ids=ctx.eos,
+        seed=cfg.seed,
+        target_stats=ctx.target_lm.stats,
+        draft_stats=ctx.draft_lm.stats if assisted else None,
+        on_step=ctx.on_progress,
     )
-    return [Generation(pair.decode(t), t, name, None) for t in tokens]
+    return MethodOutput(tokens)
 
 
-@register("hf_assisted", summary="Hugging Face assisted generation (exact SD, batch 1, draft at T_t)")
-def _hf_assisted(pair, ids, config, on_progress):
-    return _run(pair, ids, config, on_progress, assisted=True)
+def _register(name: str, *, assisted: bool, summary: str) -> None:
+    """Register one of the two ``generate()`` modes; only the assisted one feeds the draft."""
+    register(name, uses_draft=assisted, samples_target=True, summary=summary)(
+        partial(_run, assisted=assisted)
+    )
 
 
-@register("hf_prompt_lookup", uses_draft=False, summary="Hugging Face prompt lookup decoding (batch 1)")
-def _hf_prompt_lookup(pair, ids, config, on_progress):
-    return _run(pair, ids, config, on_progress, assisted=False)
+_register(
+    "hf_assisted", assisted=True, summary="Hugging Face assisted generation (exact SD, batch 1, draft at T_t)"
+)
+_register("hf_prompt_lookup", assisted=False, summary="Hugging Face prompt lookup decoding (batch 1)")

@@ -10,21 +10,9 @@ exact draw from softmax(l / T_t) given the emitted prefix): the drafts only chan
 how many tokens one forward yields. The index and the cue table are kept per target
 backend, across requests and calls.
 
-Measured (``SMCSD.load()`` defaults: SmolLM2-135M-Instruct, bf16; CPU, 1 torch thread
-on a 2-core machine shared with other jobs; the first 6 Spec-Bench categories, one
-prompt each; 64 new tokens, EOS ignored, batch 1; interleaved, 2 repeats, medians;
-index and cues kept across the 6 requests), greedy AR = 1.00x at 5.15 tok/s:
-
-    budget  tok/s  vs AR  tokens per verification forward (mean; w/o the extraction prompt)
-      64    5.99   1.16x  3.21 (2.05)   <- reference default, used by ``racer``
-      16    6.59   1.28x  2.27 (1.58)
-       8    6.20   1.20x  1.78 (1.35)
-
-The extraction prompt (copying from a 210-token prompt) reaches 9.0 tokens per call
-and 2.5-3.4x; the others 1.5-2.4 tokens per call. A 64-node tree forward costs ~1.8x
-a one-token forward here (16 nodes ~1.1x), so on CPU smaller trees pay off sooner.
-Outputs equal greedy AR token for token in float32 (6/6 prompts); in bf16, 8 of the 12
-runs diverge at an exact or 1-ulp logit tie (a batched forward rounds differently).
+On CPU a 64-node tree forward costs about twice a one-token forward, so smaller
+trees pay off sooner there; docs/benchmarks.md ("RACER draft-tree budget") has the
+measurements and the command that repeats them.
 """
 
 from __future__ import annotations
@@ -38,19 +26,17 @@ import torch
 from ..backends.base import BatchedLM
 from ..backends.tree import extend_tree, keep_path
 from ..proposals.retrieval import DraftTree, RetrievalDrafter
-from ..results import Generation
-from ..spec import sample_tokens
-from .registry import register
+from .ar import choose_tokens
+from .registry import MethodOutput, RunContext, register
 
 DEFAULT_BUDGET = 64  # draft-tree nodes per step, the reference's max_num_draft
 
 
 @dataclass
 class RacerRun:
-    """Token ids per request and what it cost."""
+    """Token ids per request and how far the drafts carried."""
 
     token_ids: list[list[int]]
-    target_calls: int  # prefill included
     steps: int  # tree verifications (row-steps summed over requests)
     accepted: int  # drafted tokens accepted (roots and bonus tokens excluded)
 
@@ -58,11 +44,6 @@ class RacerRun:
     def tokens_per_step(self) -> float:
         """Mean tokens emitted per verification of one request (accepted drafts + 1)."""
         return 1.0 + self.accepted / max(1, self.steps)
-
-
-def _choose(logits: torch.Tensor, temperature: float, g: torch.Generator | None) -> torch.Tensor:
-    """Argmax at temperature 0, else one draw per row of ``logits [N, V]``."""
-    return logits.argmax(-1) if temperature == 0 else sample_tokens(logits, temperature, g)
 
 
 def _pack(trees: Sequence[DraftTree], device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -76,6 +57,22 @@ def _pack(trees: Sequence[DraftTree], device: torch.device) -> tuple[torch.Tenso
         parents[i, : len(tr)] = torch.tensor(tr.parents)
         valid[i, : len(tr)] = True
     return tokens.to(device), parents.to(device), valid.to(device)
+
+
+@dataclass
+class _Requests:
+    """Every request's output, its whole context (prompt + output) and its retrieval document."""
+
+    outs: list[list[int]]
+    contexts: list[list[int]]
+    docs: list
+    eos: set[int]
+    max_new_tokens: int
+
+    def going(self, req: int) -> bool:
+        """Request ``req`` has neither ended nor spent its budget."""
+        out = self.outs[req]
+        return out[-1] not in self.eos and len(out) < self.max_new_tokens
 
 
 def racer_generate(
@@ -97,81 +94,75 @@ def racer_generate(
     """
     if temperature < 0 or (temperature > 0 and g is None):
         raise ValueError("temperature must be >= 0, and sampling (temperature > 0) needs a generator")
-    eos = set(int(e) for e in eos_token_ids)
-    logits = target.prefill(prompts)  # [B, V]
-    drafter.cues.update(torch.tensor([p[-1] for p in prompts]), logits)
-    first = _choose(logits, temperature, g).tolist()
-    outs = [[x] for x in first]
-    contexts = [list(p) + [x] for p, x in zip(prompts, first)]
-    docs = [drafter.index.feed([], c) for c in contexts]
-    rows = [i for i, x in enumerate(first) if x not in eos and max_new_tokens > 1]
+    reqs = _start(target, prompts, drafter, temperature, g, eos_token_ids, max_new_tokens)
+    rows = [i for i in range(len(prompts)) if reqs.going(i)]
     if len(rows) < len(prompts) and rows:
         target.fork(torch.tensor(rows))
-    calls, steps, accepted = 1, 0, 0
+    steps, accepted = 0, 0
     while rows:
         trees = [
-            drafter.build_draft_tree(contexts[r], budget, max_new_tokens - len(outs[r]) - 1) for r in rows
+            drafter.build_draft_tree(reqs.contexts[r], budget, max_new_tokens - len(reqs.outs[r]) - 1)
+            for r in rows
         ]
-        tokens, parents, valid = _pack(trees, target.device)
-        logits = extend_tree(target, tokens, parents, valid)  # [R, T, V]
-        calls += 1
-        choice = _choose(logits.flatten(0, 1), temperature, g).view(tokens.shape)
-        top = torch.topk(logits, drafter.cues.k, dim=-1).indices  # [R, T, k]
-        keep = torch.zeros_like(valid)
-        news = []
-        for i, (tree, ch) in enumerate(zip(trees, choice.tolist())):
-            path = [0]
-            while (child := tree.children[path[-1]].get(ch[path[-1]])) is not None:
-                path.append(child)
-            keep[i, path] = True
-            news.append([tree.tokens[j] for j in path[1:]] + [ch[path[-1]]])
-        keep_path(target, keep)
-        # Every node's cues are recorded (as in RACER); the accepted path's last, so cues
-        # seen in the true context win over those of rejected branches.
-        drafter.cues.record(tokens[valid], top[valid])
-        drafter.cues.record(tokens[keep], top[keep])
-        going = []
-        for i, (req, new) in enumerate(zip(rows, news)):
-            out, start = outs[req], len(outs[req])
-            for t in new:
-                out.append(t)
-                if t in eos or len(out) >= max_new_tokens:
-                    break
-            added = out[start:]
-            steps, accepted = steps + 1, accepted + min(len(added), len(new) - 1)
-            contexts[req].extend(added)
-            docs[req] = drafter.index.feed(docs[req], added)
-            if out[-1] not in eos and len(out) < max_new_tokens:
-                going.append(i)
+        news = _verify_trees(target, drafter, trees, temperature, g)
+        for req, new in zip(rows, news):
+            steps, accepted = steps + 1, accepted + _emit(reqs, drafter, req, new)
+        going = [i for i, req in enumerate(rows) if reqs.going(req)]
         if going and len(going) < len(rows):
             target.fork(torch.tensor(going))
         rows = [rows[i] for i in going]
         if on_step is not None:
-            on_step(max(len(o) for o in outs))
-    return RacerRun(outs, calls, steps, accepted)
+            on_step(max(len(o) for o in reqs.outs))
+    return RacerRun(reqs.outs, steps, accepted)
 
 
-def greedy_autoregressive(
-    target: BatchedLM, prompts: Sequence[Sequence[int]], *, eos_token_ids: Sequence[int], max_new_tokens: int
-) -> list[list[int]]:
-    """Greedy decoding, one target forward per token (the reference RACER must reproduce)."""
+def _start(target, prompts, drafter, temperature, g, eos_token_ids, max_new_tokens) -> _Requests:
+    """Prefill, draw every request's first token, and index the prompts."""
+    logits = target.prefill(prompts)  # [B, V]
+    drafter.cues.update(torch.tensor([p[-1] for p in prompts]), logits)
+    first = choose_tokens(logits, temperature, g).tolist()
+    contexts = [list(p) + [x] for p, x in zip(prompts, first)]
+    docs = [drafter.index.feed([], c) for c in contexts]
     eos = set(int(e) for e in eos_token_ids)
-    logits = target.prefill(prompts)
-    outs: list[list[int]] = [[] for _ in prompts]
-    rows = list(range(len(prompts)))
-    while True:
-        tokens = logits.argmax(-1)
-        keep = []
-        for i, (req, t) in enumerate(zip(rows, tokens.tolist())):
-            outs[req].append(t)
-            if t not in eos and len(outs[req]) < max_new_tokens:
-                keep.append(i)
-        if not keep:
-            return outs
-        if len(keep) < len(rows):
-            target.fork(torch.tensor(keep))
-            tokens, rows = tokens[keep], [rows[i] for i in keep]
-        logits = target.extend(tokens[:, None])[:, -1]
+    return _Requests([[x] for x in first], contexts, docs, eos, max_new_tokens)
+
+
+def _verify_trees(target, drafter, trees, temperature, g) -> list[list[int]]:
+    """Score every tree in one target forward, walk it, keep the walked path in the cache.
+
+    Returns, per row, the accepted drafted tokens and then the target's own next token.
+    """
+    tokens, parents, valid = _pack(trees, target.device)
+    logits = extend_tree(target, tokens, parents, valid)  # [R, T, V]
+    choice = choose_tokens(logits.flatten(0, 1), temperature, g).view(tokens.shape)
+    top = torch.topk(logits, drafter.cues.k, dim=-1).indices  # [R, T, k]
+    keep = torch.zeros_like(valid)
+    news = []
+    for i, (tree, ch) in enumerate(zip(trees, choice.tolist())):
+        path = [0]
+        while (child := tree.children[path[-1]].get(ch[path[-1]])) is not None:
+            path.append(child)
+        keep[i, path] = True
+        news.append([tree.tokens[j] for j in path[1:]] + [ch[path[-1]]])
+    keep_path(target, keep)
+    # Every node's cues are recorded (as in RACER); the accepted path's last, so cues
+    # seen in the true context win over those of rejected branches.
+    drafter.cues.record(tokens[valid], top[valid])
+    drafter.cues.record(tokens[keep], top[keep])
+    return news
+
+
+def _emit(reqs: _Requests, drafter: RetrievalDrafter, req: int, new: list[int]) -> int:
+    """Append ``new`` to request ``req`` up to an EOS or the budget; returns the drafts it accepted."""
+    out, start = reqs.outs[req], len(reqs.outs[req])
+    for t in new:
+        out.append(t)
+        if t in reqs.eos or len(out) >= reqs.max_new_tokens:
+            break
+    added = out[start:]
+    reqs.contexts[req].extend(added)
+    reqs.docs[req] = drafter.index.feed(reqs.docs[req], added)
+    return min(len(added), len(new) - 1)
 
 
 _DRAFTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -184,30 +175,33 @@ def drafter_for(target: BatchedLM) -> RetrievalDrafter:
     return _DRAFTERS[target]
 
 
-def _run(pair, ids, config, on_progress, temperature: float, name: str) -> list[Generation]:
-    g = torch.Generator(device=pair.target_lm.device).manual_seed(config.seed)
+def _run(ctx: RunContext, temperature: float) -> MethodOutput:
+    g = torch.Generator(device=ctx.target_lm.device).manual_seed(ctx.config.seed)
     run = racer_generate(
-        pair.target_lm,
-        ids,
-        drafter_for(pair.target_lm),
-        eos_token_ids=pair.eos_for(config),
-        max_new_tokens=config.max_new_tokens,
+        ctx.target_lm,
+        ctx.prompts,
+        drafter_for(ctx.target_lm),
+        eos_token_ids=ctx.eos,
+        max_new_tokens=ctx.config.max_new_tokens,
         temperature=temperature,
         g=g,
-        on_step=on_progress,
+        on_step=ctx.on_progress,
     )
-    return [Generation(pair.decode(t), t, name, None) for t in run.token_ids]
+    return MethodOutput(run.token_ids)
 
 
 @register(
     "racer", uses_draft=False, summary="RACER: retrieval + logit-cue draft trees, greedy (target argmax)"
 )
-def _racer(pair, ids, config, on_progress):
-    return _run(pair, ids, config, on_progress, 0.0, "racer")
+def _racer(ctx: RunContext) -> MethodOutput:
+    return _run(ctx, 0.0)
 
 
-@register("racer_sampling", uses_draft=False, summary="RACER draft trees with exact sampling at T_t")
-def _racer_sampling(pair, ids, config, on_progress):
-    if config.alpha != 1.0:
-        raise ValueError("racer_sampling samples the target itself: alpha must be 1")
-    return _run(pair, ids, config, on_progress, config.target_temperature, "racer_sampling")
+@register(
+    "racer_sampling",
+    uses_draft=False,
+    samples_target=True,
+    summary="RACER draft trees with exact sampling at T_t",
+)
+def _racer_sampling(ctx: RunContext) -> MethodOutput:
+    return _run(ctx, ctx.config.target_temperature)

@@ -1,23 +1,78 @@
-"""The generation methods a user can pick by name, on one pair of backends.
+"""The generation methods a user can pick by name, and the contract of their runners.
 
-Each method is a runner ``(pair, prompt_ids, config, on_progress) -> [Generation]``
-registered under a name; ``SMCSD.generate`` times the call and fills in the stats.
-Each runner's module registers it with ``@register``; importing ``smcsd_ppl.methods`` loads them all.
+A runner is ``(context: RunContext) -> MethodOutput``: it gets backends, an engine
+factory and the EOS ids (never the ``SMCSD`` facade) and returns token ids per request
+with its extras; ``SMCSD`` encodes the prompts, decodes the outputs and builds every
+``Generation`` with its stats. Each runner's module registers it with ``@register``;
+importing ``smcsd_ppl.methods`` loads them all.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
+from ..backends.base import BatchedLM
 from ..config import SMCConfig
-from ..results import Generation
+from ..inference.engine import BlockEngine
+from ..models import LoadedModel
 
-if TYPE_CHECKING:
-    from ..api import SMCSD
 
-Runner = Callable[["SMCSD", list[list[int]], SMCConfig, "Callable[[int], None] | None"], list[Generation]]
+@dataclass
+class RunContext:
+    """Everything a runner may use: one batch of requests on one pair of backends.
+
+    Attributes:
+        prompts: token ids, one request each.
+        config: the settings of the call.
+        target_lm: the target's batched backend.
+        draft_lm: the draft's batched backend.
+        eos: EOS ids in force under ``config`` (empty with ``ignore_eos``).
+        make_engine: a ``BlockEngine`` over both backends for a config (the pair's draft
+            record included, so SMC-SD's quality cut learns across calls).
+        on_progress: called with the length of the longest output so far.
+        target_model: the loaded target, for methods that call Hugging Face ``generate``.
+        draft_model: the loaded draft, likewise.
+        encode: text -> token ids, for SMC programs whose prompt is a text.
+        decode: token ids -> text, for SMC programs' particle texts.
+    """
+
+    prompts: list[list[int]]
+    config: SMCConfig
+    target_lm: BatchedLM
+    draft_lm: BatchedLM
+    eos: list[int]
+    make_engine: Callable[[SMCConfig], BlockEngine]
+    on_progress: Callable[[int], None] | None = None
+    target_model: LoadedModel | None = None
+    draft_model: LoadedModel | None = None
+    encode: Callable[[str], list[int]] | None = None
+    decode: Callable[[Sequence[int]], str] | None = None
+
+    def engine(self) -> BlockEngine:
+        """A block engine under this call's config."""
+        return self.make_engine(self.config)
+
+
+@dataclass
+class MethodOutput:
+    """What a runner returns.
+
+    Attributes:
+        token_ids: new token ids per request.
+        extras: per request, the ``Generation`` fields the method fills (``acceptance``,
+            SMC-SD's ``log_z``, ``particles``, ...); empty when it fills none.
+        texts: per request, the output text when the method decides it (SMC programs);
+            None lets the caller decode ``token_ids``.
+    """
+
+    token_ids: list[list[int]]
+    extras: list[dict[str, Any]] = field(default_factory=list)
+    texts: list[str] | None = None
+
+
+Runner = Callable[[RunContext], MethodOutput]
 
 
 @dataclass(frozen=True)
@@ -29,6 +84,8 @@ class Method:
         uses_draft: it feeds the draft model (and may draft past the budget by a block).
         particles: it holds ``n_particles`` rows per prompt.
         summary: one line for help texts.
+        samples_target: it samples the target itself (speculative sampling and its
+            kin), so it needs ``alpha == 1``.
     """
 
     name: str
@@ -36,17 +93,30 @@ class Method:
     uses_draft: bool
     particles: bool
     summary: str
+    samples_target: bool = False
+
+    def check(self, config: SMCConfig) -> None:
+        """Refuse settings this method cannot honour."""
+        if self.samples_target and config.alpha != 1.0:
+            raise ValueError(f"{self.name} samples the target itself: alpha must be 1, got {config.alpha}")
 
 
 METHODS: dict[str, Method] = {}
 """Every registered method by name (filled by ``register``; the baselines register on import)."""
 
 
-def register(name: str, *, uses_draft: bool = True, particles: bool = False, summary: str = ""):
+def register(
+    name: str,
+    *,
+    uses_draft: bool = True,
+    particles: bool = False,
+    samples_target: bool = False,
+    summary: str = "",
+):
     """Decorator adding a runner to ``METHODS`` under ``name``."""
 
     def add(run: Runner) -> Runner:
-        METHODS[name] = Method(name, run, uses_draft, particles, summary)
+        METHODS[name] = Method(name, run, uses_draft, particles, summary, samples_target)
         return run
 
     return add

@@ -1,4 +1,10 @@
-"""Exact speculative sampling on the block engine: the baseline that keeps SMC-SD honest."""
+"""The one draft -> verify -> settle loop, and exact speculative sampling on it.
+
+``SpeculativeLoop`` drafts K tokens per row, scores them in one fused target forward,
+lets an injected accept rule decide, and settles both caches. Exact speculative
+sampling (Leviathan/Chen) injects ``speculative_accept``; EASD injects its entropy-aware
+rule; MineDraft is a schedule over two loops. SD is the baseline that keeps SMC-SD honest.
+"""
 
 from __future__ import annotations
 
@@ -9,61 +15,124 @@ import torch
 
 from ..backends.base import check_finite
 from ..inference.engine import BlockEngine, DraftedBlock
-from ..results import Generation
 from ..spec import speculative_accept
-from .registry import register
+from .registry import MethodOutput, RunContext, register
+
+AcceptRule = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Generator],
+    tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+]
+"""``(target_probs [R, K+1, V], draft_probs [R, K, V], tokens [R, K], g) -> n_acc, next, vetoed``.
+
+Each output is ``[R]``: ``n_acc`` the accepted prefix length, ``next`` the token after
+it (residual, veto or bonus draw), ``vetoed`` whether the rule rejected a token the
+plain test would keep.
+"""
+
+
+def exact_accept(
+    target_probs: torch.Tensor, draft_probs: torch.Tensor, tokens: torch.Tensor, g: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Speculative sampling's rule (``speculative_accept``); it never vetoes."""
+    n_acc, nxt = speculative_accept(target_probs, draft_probs, tokens, g)
+    return n_acc, nxt, torch.zeros_like(n_acc, dtype=torch.bool)
 
 
 @dataclass
 class SpeculativeRun:
-    """Token ids per request, and acceptance statistics."""
+    """Token ids and counts per request of one speculative call."""
 
     token_ids: list[list[int]]
-    target_calls: int
-    drafted: int  # draft tokens proposed
-    accepted: int  # draft tokens accepted
+    drafted: list[int]  # draft tokens proposed (the kept part of each block)
+    accepted: list[int]  # draft tokens accepted
+    vetoes: list[int]  # blocks the rule cut where the plain test would have accepted
+
+    def acceptance(self, i: int | None = None) -> float:
+        """Accepted / drafted tokens, of request ``i`` or of all requests."""
+        if i is None:
+            return sum(self.accepted) / max(1, sum(self.drafted))
+        return self.accepted[i] / max(1, self.drafted[i])
+
+
+class SpeculativeLoop:
+    """One row per request on one engine: draft, then verify and settle, until every row ends.
+
+    ``draft`` and ``verify`` are separate steps so a schedule (MineDraft) can draft
+    one loop while it verifies another. The target is sampled itself, so the
+    engine's ``alpha`` plays no part (the method registry refuses alpha != 1).
+    """
+
+    def __init__(self, engine: BlockEngine, accept: AcceptRule = exact_accept) -> None:
+        self.engine, self.accept = engine, accept
+        self.outs: list[list[int]] = []
+        self.rows: list[int] = []  # request index of each live engine row
+        self.blocks: list[DraftedBlock] | None = None  # drafted, awaiting verification
+        self.drafted: list[int] = []
+        self.accepted: list[int] = []
+        self.vetoes: list[int] = []
 
     @property
-    def acceptance(self) -> float:
-        """Accepted / drafted tokens."""
-        return self.accepted / max(1, self.drafted)
+    def live(self) -> bool:
+        """Some request is still generating."""
+        return bool(self.rows)
+
+    def start(self, prompts: Sequence[Sequence[int]]) -> None:
+        """Prefill both models and draw each request's first token from the target."""
+        if not prompts:
+            return
+        eng, n = self.engine, len(prompts)
+        x0, _ = eng.start(prompts, copies=1)
+        self.outs = [[x] for x in x0]
+        self.drafted, self.accepted, self.vetoes = [0] * n, [0] * n, [0] * n
+        self.rows = [i for i, x in enumerate(x0) if x not in eng.eos and eng.config.max_new_tokens > 1]
+        eng.reorder(self.rows)
+
+    def draft(self) -> None:
+        """Draft the next block of every live row, within each request's budget."""
+        budgets = [self.engine.config.max_new_tokens - len(self.outs[r]) for r in self.rows]
+        self.blocks = self.engine.draft_blocks(range(len(self.rows)), budgets, keep_probs=True)
+
+    @torch.inference_mode()
+    def verify(self) -> None:
+        """Score the drafted blocks in one target forward, apply the rule, settle the rows."""
+        blocks, eng = self.blocks, self.engine
+        target_probs = torch.softmax(eng.target_logits(blocks), -1)  # [R, K+1, V]
+        draft_probs = torch.stack([b.draft_probs for b in blocks])  # [R, K, V]
+        tokens = torch.tensor([b.tokens for b in blocks], device=draft_probs.device)
+        n_acc, nxt, vetoed = self.accept(target_probs, draft_probs, tokens, eng.g)
+        n_acc, nxt, vetoed = torch.stack([n_acc, nxt, vetoed.long()]).tolist()  # one host read
+        for r, b, m, v in zip(self.rows, blocks, n_acc, vetoed):
+            self.drafted[r] += b.kept
+            self.accepted[r] += min(m, b.kept)
+            self.vetoes[r] += int(v and m < b.kept)
+        going = settle(eng, blocks, n_acc, nxt, [self.outs[r] for r in self.rows])
+        self.rows = [self.rows[i] for i in going]
+        self.blocks = None
+
+    def result(self) -> SpeculativeRun:
+        """The outputs and counts so far."""
+        return SpeculativeRun(self.outs, self.drafted, self.accepted, self.vetoes)
 
 
 def speculative_sampling(
     engine: BlockEngine,
     prompts: Sequence[Sequence[int]],
     *,
+    accept: AcceptRule = exact_accept,
     on_step: Callable[[int], None] | None = None,
 ) -> SpeculativeRun:
-    """Leviathan/Chen speculative sampling, one row per prompt, K drafted tokens per cycle.
+    """Speculative sampling, one row per prompt, K drafted tokens per cycle.
 
-    The output distribution equals the target's at T_t exactly; ``alpha`` must be 1.
+    With the default rule the output distribution equals the target's at T_t exactly.
     """
-    cfg = engine.config
-    if cfg.alpha != 1.0:
-        raise ValueError("exact speculative sampling samples the target itself: alpha must be 1")
-    x0, _ = engine.start(prompts, copies=1)
-    outs = [[x] for x in x0]
-    rows = [i for i, x in enumerate(x0) if x not in engine.eos and cfg.max_new_tokens > 1]
-    engine.reorder(rows)
-    calls, drafted, accepted = 1, 0, 0
-    while rows:
-        blocks = engine.draft_blocks(
-            range(len(rows)), [cfg.max_new_tokens - len(outs[r]) for r in rows], keep_probs=True
-        )
-        target_probs = torch.softmax(engine.target_logits(blocks), -1)  # [R, K+1, V]
-        draft_probs = torch.stack([b.draft_probs for b in blocks])  # [R, K, V]
-        tokens = torch.tensor([b.tokens for b in blocks], device=draft_probs.device)
-        n_acc, nxt = speculative_accept(target_probs, draft_probs, tokens, engine.g)
-        n_acc, nxt = torch.stack([n_acc, nxt]).tolist()  # one host read for both
-        calls += 1
-        drafted += sum(b.kept for b in blocks)
-        accepted += sum(min(n, b.kept) for b, n in zip(blocks, n_acc))
-        going = settle(engine, blocks, n_acc, nxt, [outs[r] for r in rows])
-        rows = [rows[i] for i in going]
+    loop = SpeculativeLoop(engine, accept)
+    loop.start(prompts)
+    while loop.live:
+        loop.draft()
+        loop.verify()
         if on_step is not None:
-            on_step(max(len(o) for o in outs))
-    return SpeculativeRun(outs, calls, drafted, accepted)
+            on_step(max(len(o) for o in loop.outs))
+    return loop.result()
 
 
 def settle(
@@ -73,9 +142,8 @@ def settle(
 
     ``outs[i]`` is the output list of ``blocks[i]``'s row (extended in place): its
     accepted prefix, then ``nxt[i]`` (the residual, veto or bonus draw) unless the
-    block itself ended the row. Shared by exact SD, EASD and the MineDraft schedule.
-    Returns the indices of the blocks whose rows go on; the engine keeps exactly
-    those rows, in that order.
+    block itself ended the row. Returns the indices of the blocks whose rows go on;
+    the engine keeps exactly those rows, in that order.
     """
     cfg = engine.config
     check_finite(engine.target, engine.draft)  # once per cycle, not per forward
@@ -101,7 +169,8 @@ def settle(
     return going
 
 
-@register("sd", summary="exact speculative sampling (Leviathan et al.)")
-def _sd(pair, ids, config, on_progress):
-    run = speculative_sampling(pair.engine(config), ids, on_step=on_progress)
-    return [Generation(pair.decode(t), t, "sd", None, acceptance=run.acceptance) for t in run.token_ids]
+@register("sd", samples_target=True, summary="exact speculative sampling (Leviathan et al.)")
+def _sd(ctx: RunContext) -> MethodOutput:
+    run = speculative_sampling(ctx.engine(), ctx.prompts, on_step=ctx.on_progress)
+    acceptance = run.acceptance()  # of the whole call, as SD has always reported it
+    return MethodOutput(run.token_ids, [{"acceptance": acceptance} for _ in run.token_ids])

@@ -29,8 +29,9 @@ import random
 import re
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import torch
@@ -337,3 +338,21 @@ def smcsd_filtered(pair, prompt, constraint, *, seed=0, **kw) -> SteeringRecord:
 
 def _defaults(kw: dict) -> dict:
     return {"temperature": 1.0, "seed": 0, **kw}
+
+
+SteeringRunner = Callable[..., SteeringRecord]
+STEERING_METHODS: dict[str, SteeringRunner] = {
+    "smcsd_proposal": partial(smcsd_constrained, mode="proposal"),
+    "smcsd_critic": partial(smcsd_constrained, mode="critic"),
+    "smcsd_filtered": smcsd_filtered,
+    "smcsd_plain": smcsd_plain,
+    "llamppl_smc": llamppl_smc,
+    "llamppl_masked": partial(llamppl_smc, masked=True),
+    "genlm_awrs": partial(genlm_smc, sampler="awrs"),
+    "genlm_direct": partial(genlm_smc, sampler="direct"),
+    "genlm_critic": partial(genlm_smc, sampler="critic"),
+}
+"""Every constrained-generation method by name: ``(pair, prompt, constraint, **kw) -> SteeringRecord``."""
+
+SMCSD_STEERING = tuple(name for name in STEERING_METHODS if name.startswith("smcsd_"))
+"""The SMC-SD ones (they take a block size K and a quality cut)."""
