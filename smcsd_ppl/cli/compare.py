@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from .loading import load_pair
-from .options import model_args
+from .options import command
 from .util import check_threads, csv, cut_value, progress
 
 # The names of smcsd_ppl.methods.steering.STEERING_METHODS, kept here so that building the parser imports no
@@ -25,11 +25,11 @@ CONSTRAINED_METHODS = (
 
 def add_parser(sub) -> None:
     """Add the ``compare-constrained`` subcommand to the ``smcsd`` parser."""
-    cc = sub.add_parser(
+    cc = command(
+        sub,
         "compare-constrained",
-        help="constrained generation: SMC-SD programs vs LLaMPPL, genlm-control and rejection, one table",
+        "constrained generation: SMC-SD programs vs LLaMPPL, genlm-control and rejection, one table",
     )
-    model_args(cc)
     cc.add_argument("--tasks", default="date,phone,json,short_words", help="comma-separated built-in tasks")
     cc.add_argument(
         "--methods", default=None, help=f"comma-separated (default: all): {', '.join(CONSTRAINED_METHODS)}"

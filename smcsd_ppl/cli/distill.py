@@ -7,21 +7,22 @@ import json
 import pathlib
 
 from .loading import load_pair, load_target
-from .options import model_args
+from .options import command
 from .util import check_output_dir, check_threads, csv, err, progress
 
 
 def add_parsers(sub) -> None:
     """Add the ``distill`` and ``eval-draft`` subcommands to the ``smcsd`` parser."""
-    dist = sub.add_parser(
+    dist = command(
+        sub,
         "distill",
-        help="train a small draft for a target on the target's own outputs (resumable)",
+        "train a small draft for a target on the target's own outputs (resumable)",
+        draft=False,
         description="Collect the target's continuations of prompts (with its top-k next-token "
         "log-probs), then train a draft sharing the target's embeddings and LM head: a few of its "
         "layers, which may also read its hidden states (--kind features). "
         "Every stage resumes where an interrupted run stopped. The draft lands in OUT/draft.",
     )
-    model_args(dist, draft=False)
     dist.add_argument("--out", required=True, help="run directory (data, checkpoint, log, draft)")
     _prompt_args(dist, "training prompts: 'builtin' (a general instruction set) or")
     dist.add_argument("--limit", type=int, default=None, help="at most this many prompts from each file")
@@ -85,11 +86,9 @@ def _training_args(g) -> None:
 
 
 def _add_eval_draft(sub) -> None:
-    ev = sub.add_parser(
-        "eval-draft",
-        help="agreement, acceptance probability and forward cost of a draft against its target",
+    ev = command(
+        sub, "eval-draft", "agreement, acceptance probability and forward cost of a draft against its target"
     )
-    model_args(ev)
     _prompt_args(
         ev,
         "held-out prompts (default: short_answer, the built-in short-answer task): short_answer, "

@@ -8,25 +8,23 @@ import itertools
 import json
 
 from .loading import load_pair
-from .options import model_args
+from .options import command, grid_args, prompt_args
 from .util import check_output_file, check_threads, csv, cut_value, err, progress
 
 
 def add_parser(sub) -> None:
     """Add the ``fidelity`` subcommand to the ``smcsd`` parser."""
-    fid = sub.add_parser(
+    fid = command(
+        sub,
         "fidelity",
-        help="the fidelity map: accuracy and tokens/target call vs draft agreement, N, K and the cut",
+        "the fidelity map: accuracy and tokens/target call vs draft agreement, N, K and the cut",
     )
-    model_args(fid)
     fid.add_argument("--dataset", default="short_answer", help="a dataset with reference answers")
-    fid.add_argument("--limit", type=int, default=None, help="at most this many prompts")
-    fid.add_argument("--per-category", type=int, default=5, help="at most this many prompts per category")
+    prompt_args(fid, per_category=5)
     fid.add_argument(
         "--lams", default="0,0.5,0.8,0.95", help="comma-separated mixture weights of the target in the draft"
     )
-    fid.add_argument("--particles", default="8", help="comma-separated N values")
-    fid.add_argument("--block-sizes", default="8", help="comma-separated K values")
+    grid_args(fid, particles="8", block_sizes="8")
     fid.add_argument("--cuts", default="off,0.3", help="comma-separated cut thresholds ('off': none)")
     fid.add_argument("--cut-divergence", default="tv", help="the divergence the cuts bound: tv, renyi2, kl")
     fid.add_argument("--temperature", type=float, default=0.7, help="T_d = T_t")
@@ -49,12 +47,9 @@ def _fidelity(args: argparse.Namespace) -> int:
             [cut_value(c) for c in csv(args.cuts, str, "--cuts")],
         )
     )
+    both = {"draft_temperature": args.temperature, "target_temperature": args.temperature}  # T_d = T_t
     base = SMCConfig(
-        draft_temperature=args.temperature,
-        target_temperature=args.temperature,
-        max_new_tokens=args.max_new_tokens,
-        seed=args.seed,
-        cut_divergence=args.cut_divergence,
+        **both, max_new_tokens=args.max_new_tokens, seed=args.seed, cut_divergence=args.cut_divergence
     )
     prompts = [
         p for p in load_prompts(args.dataset, limit=args.limit, per_category=args.per_category) if p.answer

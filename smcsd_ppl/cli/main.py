@@ -12,7 +12,7 @@ from ..config import RESAMPLING_SCHEMES, SMCConfig
 from ..text import check_prompt
 from . import compare, device, distill, fidelity
 from .loading import load_pair
-from .options import METHOD_SUMMARIES, model_args, smc_args, smc_config
+from .options import METHOD_SUMMARIES, grid_args, model_args, prompt_args, smc_args, smc_config
 from .util import (
     PROG,
     USER_ERRORS,
@@ -86,15 +86,11 @@ def _add_bench(sub) -> None:
         help="JSONL file (Spec-Bench, GSM8K, or records with a 'prompt' field), "
         "or short_answer|humaneval|spec_bench|gsm8k",
     )
-    bench.add_argument("--limit", type=int, default=None, help="at most this many prompts")
-    bench.add_argument(
-        "--per-category", type=int, default=None, help="at most this many prompts per category"
-    )
+    prompt_args(bench, per_category=None)
     bench.add_argument(
         "--methods", default="ar,sd,smcsd", help=f"comma-separated, from: {', '.join(METHOD_SUMMARIES)}"
     )
-    bench.add_argument("--particles", default="4,8", help="comma-separated N values")
-    bench.add_argument("--block-sizes", default="4,8", help="comma-separated K values")
+    grid_args(bench, particles="4,8", block_sizes="4,8")
     bench.add_argument("--temperatures", default="0.7", help="comma-separated T_d = T_t values")
     bench.add_argument("--repeats", type=int, default=1, help="runs per setting and prompt")
     bench.add_argument("--max-new-tokens", type=int, default=128, help="generation budget per record")

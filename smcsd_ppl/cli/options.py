@@ -1,4 +1,4 @@
-"""Option groups several ``smcsd`` commands share: the models, the sampling settings.
+"""Option groups several ``smcsd`` commands share: the models, the sampling settings, grids.
 
 This module imports no torch, so that building the parser (``smcsd --help``) stays fast.
 """
@@ -105,3 +105,24 @@ def smc_config(args: argparse.Namespace) -> SMCConfig:
         cut=args.cut,
         cut_divergence=args.cut_divergence,
     )
+
+
+def prompt_args(p: argparse.ArgumentParser, *, per_category: int | None) -> None:
+    """How many of a dataset's prompts to use: ``--limit`` and ``--per-category``."""
+    p.add_argument("--limit", type=int, default=None, help="at most this many prompts")
+    p.add_argument(
+        "--per-category", type=int, default=per_category, help="at most this many prompts per category"
+    )
+
+
+def grid_args(p: argparse.ArgumentParser, *, particles: str, block_sizes: str) -> None:
+    """The N and K axes of a grid: ``--particles`` and ``--block-sizes``, comma-separated."""
+    p.add_argument("--particles", default=particles, help="comma-separated N values")
+    p.add_argument("--block-sizes", default=block_sizes, help="comma-separated K values")
+
+
+def command(sub, name: str, help: str, *, draft: bool = True, **kwargs) -> argparse.ArgumentParser:
+    """A subcommand that loads models: its parser, with the ``models`` group already added."""
+    parser = sub.add_parser(name, help=help, **kwargs)
+    model_args(parser, draft=draft)
+    return parser
