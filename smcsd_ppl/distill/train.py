@@ -26,7 +26,7 @@ import torch
 
 from ..models import LoadedModel
 from ..models.drafts import MANIFEST, draft_modules, fingerprint, load_draft, save_draft, student
-from ..models.feature_draft import feature_student, target_hidden
+from ..models.feature_draft import feature_student, final_hidden
 from .data import Example, right_padded
 from .evaluate import match_metrics
 
@@ -181,7 +181,7 @@ def feature_kd_loss(
     for _ in range(unroll):
         previous = torch.cat([torch.zeros_like(fed[:, :1]), fed[:, :-1]], 1)  # x_j goes with h_{j-1}
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            hidden = model.hidden(ids, previous, attention_mask=mask)
+            hidden = model.predict_hidden(ids, previous, attention_mask=mask)
             logits = model.get_output_embeddings()(hidden[rows, cols])
         regression = torch.nn.functional.smooth_l1_loss(hidden.float()[real], true[real])
         loss = loss + _topk_ce(logits, examples) + state_weight * regression
@@ -200,7 +200,7 @@ def hidden_states(target: LoadedModel, examples: Sequence[Example], batch_tokens
             group.append(i)
             continue
         ids, mask = right_padded([examples[g].ids for g in group], target.model.device)
-        h = target_hidden(target.model, ids, mask)
+        h = final_hidden(target.model, ids, mask)
         for row, g in enumerate(group):
             out[g] = h[row, : len(examples[g].ids)].to("cpu", torch.bfloat16)
         group = [i] if i is not None else []
@@ -357,7 +357,7 @@ def distill(
 def _init_draft(directory: str, target: LoadedModel) -> dict:
     """The source layers and trained tensors of the layer draft a feature draft starts from."""
     draft = load_draft(directory, target)
-    if getattr(draft.model, "needs_features", False):
+    if getattr(draft.model, "reads_hidden", False):
         raise ValueError(f"{directory!r} is a feature draft; init_draft takes a layer draft")
     manifest = json.loads((pathlib.Path(directory) / MANIFEST).read_text())
     modules = {

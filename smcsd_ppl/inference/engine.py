@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..backends.base import BatchedLM, check_finite, to_device
+from ..backends.base import BatchedLM, check_finite, pad_left
 from ..config import SMCConfig
 from ..potentials.constraints import Constraint
 from ..spec import (
@@ -104,18 +104,6 @@ def block_length(blocks: Sequence[DraftedBlock]) -> int:
     return lengths.pop()
 
 
-def pad_left(seqs: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token lists -> ``ids [R, T]`` and ``valid [R, T]``, holes on the left."""
-    width = max(1, max(len(s) for s in seqs))
-    ids = torch.zeros(len(seqs), width, dtype=torch.long)
-    valid = torch.zeros(len(seqs), width, dtype=torch.bool)
-    for i, s in enumerate(seqs):
-        if s:
-            ids[i, width - len(s) :] = torch.tensor(list(s), dtype=torch.long)
-            valid[i, width - len(s) :] = True
-    return to_device(ids, device), to_device(valid, device)  # no wait for the device's queue
-
-
 class BlockEngine:
     """Batched draft-and-verify over rows of a draft and a target backend."""
 
@@ -151,11 +139,11 @@ class BlockEngine:
         self.draft_cost = draft_step_cost(
             getattr(draft, "n_params", None), getattr(target, "n_params", None), self.device.type
         )
-        self.features = bool(getattr(draft, "needs_features", False))
+        self.features = bool(getattr(draft, "reads_hidden", False))
         if self.features:
-            if not hasattr(target, "keep_hidden"):
+            if not hasattr(target, "keep_hidden_states"):
                 raise ValueError("a feature draft needs a target backend that returns hidden states")
-            target.keep_hidden = True
+            target.keep_hidden_states()
         self.draft_feats: list[torch.Tensor] = []  # per row: target states paired with draft_pending
         self._verified: tuple[list[int], torch.Tensor] | None = None  # rows, states [n, k+1, H]
 
@@ -182,7 +170,7 @@ class BlockEngine:
         logits = self.target.prefill(prompts)  # [B, V]
         self.draft_ready = draft
         if draft and self.features:  # token j of a prompt goes with the target's state at j-1
-            h = self.target.last_hidden  # [B, W, H], left-padded
+            h = self.target.hidden  # [B, W, H], left-padded
             zero, w = h.new_zeros(1, h.shape[-1]), h.shape[1]
             states = [torch.cat([zero, h[i, w - len(p) : w - 1]]) for i, p in enumerate(prompts)]
             self.draft.prefill(prompts, states)
@@ -289,7 +277,7 @@ class BlockEngine:
                 logqs.append(q.gather(-1, d[:, None])[:, 0].log())
                 ids, valid = d[:, None], asked[:, None]
                 if self.features:  # the draft's own predicted state goes with its next token
-                    feats = self.draft.last_hidden[:, -1:]
+                    feats = self.draft.hidden[:, -1:]
             drafts.append(d)
             if keep_probs:
                 probs.append(q)
@@ -347,7 +335,7 @@ class BlockEngine:
         ids, valid = pad_left(feed, self.device)
         logits = self.target.extend(ids, valid)[:, -(k + 1) :]
         rows = [b.row for b in blocks]
-        hidden = self.target.last_hidden[:, -(k + 1) :] if self.features else None
+        hidden = self.target.hidden[:, -(k + 1) :] if self.features else None
         if rows != list(range(self.n_rows)):  # usually every row asks: skip the copy
             index = torch.tensor(rows, device=self.device)
             logits = logits.index_select(0, index)

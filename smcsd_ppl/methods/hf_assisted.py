@@ -167,7 +167,7 @@ def _run(pair, ids, config, on_progress, *, assisted: bool) -> list[Generation]:
     name = "hf_assisted" if assisted else "hf_prompt_lookup"
     if config.alpha != 1.0:
         raise ValueError(f"{name} samples the target itself: alpha must be 1")
-    if assisted and getattr(pair.draft.model, "needs_features", False):
+    if assisted and getattr(pair.draft.model, "reads_hidden", False):
         raise ValueError(
             f"{name} needs a standalone draft model; {pair.draft.name!r} reads the target's hidden "
             "states, which Hugging Face's assistant interface cannot pass (use --draft layers:N)"

@@ -36,7 +36,6 @@ from dataclasses import dataclass
 import torch
 
 from ..backends.base import BatchedLM
-from ..backends.tree import extend_tree, keep_path
 from ..proposals.retrieval import DraftTree, RetrievalDrafter
 from ..results import Generation
 from ..spec import sample_tokens
@@ -113,7 +112,7 @@ def racer_generate(
             drafter.build_draft_tree(contexts[r], budget, max_new_tokens - len(outs[r]) - 1) for r in rows
         ]
         tokens, parents, valid = _pack(trees, target.device)
-        logits = extend_tree(target, tokens, parents, valid)  # [R, T, V]
+        logits = target.extend_tree(tokens, parents, valid)  # [R, T, V]
         calls += 1
         choice = _choose(logits.flatten(0, 1), temperature, g).view(tokens.shape)
         top = torch.topk(logits, drafter.cues.k, dim=-1).indices  # [R, T, k]
@@ -125,7 +124,7 @@ def racer_generate(
                 path.append(child)
             keep[i, path] = True
             news.append([tree.tokens[j] for j in path[1:]] + [ch[path[-1]]])
-        keep_path(target, keep)
+        target.keep_path(keep)
         # Every node's cues are recorded (as in RACER); the accepted path's last, so cues
         # seen in the true context win over those of rejected branches.
         drafter.cues.record(tokens[valid], top[valid])
