@@ -75,16 +75,23 @@ class BatchedLMContract:
             getattr(self, f"check_{name}")()
 
     def check_fused_equals_stepwise(self) -> None:
-        """One forward over a block gives the logits of feeding it token by token."""
+        """ONE forward over a block gives the logits of feeding it token by token, and of recomputing."""
         prompts, block = self._prompts(), self._tokens(len(PROMPT_LENGTHS), 4)
         fused_lm, stepwise_lm = self._started(prompts), self._started(prompts)
+        calls = fused_lm.stats.calls
         fused = fused_lm.extend(block)
+        if fused_lm.stats.calls != calls + 1:
+            raise ContractError(
+                f"fused_equals_stepwise: one extend counted {fused_lm.stats.calls - calls} forwards"
+            )
         if tuple(fused.shape) != (len(prompts), 4, fused_lm.vocab_size) or fused.dtype != torch.float32:
             raise ContractError(f"fused_equals_stepwise: logits {tuple(fused.shape)} {fused.dtype}")
         steps = torch.stack([stepwise_lm.extend(block[:, j : j + 1])[:, 0] for j in range(4)], 1)
-        for i in range(len(prompts)):
+        for i, p in enumerate(prompts):
             for j in range(4):
-                self._same(fused[i, j], steps[i, j], f"fused_equals_stepwise: row {i} position {j}")
+                what = f"fused_equals_stepwise: row {i} position {j}"
+                self._same(fused[i, j], steps[i, j], what)
+                self._same(fused[i, j], self.reference(p + block[i, : j + 1].tolist()), what)
 
     def check_padding_invisible(self) -> None:
         """Left-padded prompts give the logits of each prompt fed alone."""
