@@ -175,13 +175,19 @@ def test_constraint_no_particle_can_finish_ends_with_a_message(mode):
     assert "no particle" in result.message
 
 
+def forced_prefix(seq) -> bool:
+    return all(t == (2 if i % 4 == 1 else 1) for i, t in enumerate(seq) if i % 4 in (1, 2))
+
+
 class Forced:
     """Tokens 2 then 1 at positions 1, 2 (and 5, 6, 9, 10, ...); anything elsewhere."""
 
     def next_mask(self, contexts):
         out = torch.ones(len(contexts), V, dtype=torch.bool)
         for i, c in enumerate(contexts):
-            if len(c) % 4 in (1, 2):
+            if not forced_prefix(c):  # off the forced tokens already: nothing may follow
+                out[i] = False
+            elif len(c) % 4 in (1, 2):
                 out[i] = False
                 out[i, 2 if len(c) % 4 == 1 else 1] = True
         return out

@@ -19,7 +19,7 @@ from smcsd_ppl.inference.loop import run_smc_sd
 from smcsd_ppl.inference.program import SMCSDModel
 from smcsd_ppl.methods.sd import speculative_sampling
 from smcsd_ppl.models import LoadedModel
-from smcsd_ppl.models.feature_draft import FeatureDraft, feature_student, target_hidden
+from smcsd_ppl.models.feature_draft import FeatureDraft, feature_student, final_hidden
 
 PROMPTS = [[5, 17, 33, 2, 250, 9, 11], [40, 41], [7, 8, 99]]
 METHODS_WITH_A_DRAFT = ("smcsd", "sd", "easd", "minedraft")
@@ -39,11 +39,11 @@ def scratch_logq(target, draft, seq, block, temperature):
     the target's states, each drafted token with the draft's own predicted state."""
     with torch.inference_mode():
         ids = torch.tensor([seq])
-        states = target_hidden(target, ids, torch.ones_like(ids))[0]
+        states = final_hidden(target, ids, torch.ones_like(ids))[0]
         feats = torch.cat([torch.zeros(1, states.shape[1]), states[:-1]])
         out = []
         for d in block:
-            hidden = draft.hidden(ids, feats[None])[0]
+            hidden = draft.predict_hidden(ids, feats[None])[0]
             logq = torch.log_softmax(draft.get_output_embeddings()(hidden[-1]) / temperature, -1)
             out.append(float(logq[d]))
             ids = torch.cat([ids, torch.tensor([[d]])], 1)
@@ -54,16 +54,16 @@ def scratch_logq(target, draft, seq, block, temperature):
 def test_hidden_states_kept_without_changing_logits():
     model = llama(seed=0, layers=3)
     plain, keeping = HFBatchedLM(model), HFBatchedLM(model)
-    keeping.keep_hidden = True
+    keeping.keep_hidden_states()
     torch.testing.assert_close(plain.prefill(PROMPTS), keeping.prefill(PROMPTS))
     step = torch.tensor([[3, 4], [5, 6], [7, 8]])
     valid = torch.tensor([[True, True], [False, True], [True, False]])
     torch.testing.assert_close(plain.extend(step, valid), keeping.extend(step, valid))
-    assert plain.last_hidden is None and keeping.last_hidden.shape == (3, 2, 64)
+    assert plain.hidden is None and keeping.hidden.shape == (3, 2, 64)
     seq = PROMPTS[0] + [3, 4]
     ids = torch.tensor([seq])
-    expect = target_hidden(model, ids, torch.ones_like(ids))[0, -2:]
-    torch.testing.assert_close(keeping.last_hidden[0], expect, atol=1e-4, rtol=1e-4)
+    expect = final_hidden(model, ids, torch.ones_like(ids))[0, -2:]
+    torch.testing.assert_close(keeping.hidden[0], expect, atol=1e-4, rtol=1e-4)
 
 
 def test_feature_backend_refuses_missing_or_stray_states():
@@ -183,7 +183,7 @@ def test_every_method_runs_with_a_feature_draft():
     draft = LoadedModel(random_feature_draft(target.model), target.tokenizer, "feature", "random init")
     pair = SMCSD(target, draft)
     config = SMCConfig(n_particles=3, block_size=3, max_new_tokens=10, seed=1)
-    assert pair.engine(config).features
+    assert pair.engine(config).reads_hidden
     for method in METHODS_WITH_A_DRAFT:
         out = pair.generate("The quick brown fox", method=method, config=config)
         assert 0 < len(out.token_ids) <= 10, method

@@ -13,7 +13,6 @@ from tiny import llama, pair, tokenizer
 from smcsd_ppl.api import SMCSD
 from smcsd_ppl.backends.hf import HFBatchedLM
 from smcsd_ppl.backends.mock import MockLM
-from smcsd_ppl.backends.tree import extend_tree, keep_path
 from smcsd_ppl.config import SMCConfig
 from smcsd_ppl.methods.ar import autoregressive
 from smcsd_ppl.methods.racer import drafter_for, racer_generate
@@ -107,7 +106,7 @@ def test_tree_logits_equal_paths_from_scratch_and_keep_path(attn):
     tokens = torch.tensor([[11, 12, 13, 14, 15], [31, 32, 33, 34, 35]])
     parents = torch.tensor([[-1, 0, 0, 1, 3], [-1, 0, 1, 1, 0]])
     valid = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]).bool()
-    logits = extend_tree(lm, tokens, parents, valid)
+    logits = lm.extend_tree(tokens, parents, valid)
     for r in range(2):
         for j in range(5):
             if valid[r, j]:
@@ -117,7 +116,7 @@ def test_tree_logits_equal_paths_from_scratch_and_keep_path(attn):
                     k = int(parents[r, k])
                 expect = scratch(model, seqs[r] + path)
                 torch.testing.assert_close(logits[r, j], expect, atol=1e-4, rtol=1e-4)
-    keep_path(lm, torch.tensor([[1, 1, 0, 1, 0], [1, 0, 0, 0, 0]]).bool())
+    lm.keep_path(torch.tensor([[1, 1, 0, 1, 0], [1, 0, 0, 0, 0]]).bool())
     seqs = [seqs[0] + [11, 12, 14], seqs[1] + [31]]
     out = lm.extend(torch.tensor([[3], [4]]))[:, -1]
     for r, nxt in enumerate((3, 4)):
@@ -129,9 +128,9 @@ def test_tree_errors():
     lm = HFBatchedLM(llama(seed=3, layers=1))
     lm.prefill([[1, 2]])
     with pytest.raises(ValueError, match="parent"):
-        extend_tree(lm, torch.tensor([[1, 2]]), torch.tensor([[-1, 1]]))
+        lm.extend_tree(torch.tensor([[1, 2]]), torch.tensor([[-1, 1]]))
     with pytest.raises(ValueError, match="must both be"):
-        extend_tree(lm, torch.tensor([[1, 2]]), torch.tensor([[-1]]))
+        lm.extend_tree(torch.tensor([[1, 2]]), torch.tensor([[-1]]))
 
 
 @pytest.mark.parametrize("budget", [1, 6, 64])

@@ -52,31 +52,49 @@ class ForwardStats:
 
 @runtime_checkable
 class BatchedLM(Protocol):
-    """What the inference code needs from a language model.
+    """Everything the inference code, the runners and the benchmarks use of a language model.
 
-    A backend whose ``needs_features`` is true (a feature draft, ``feature_draft``) also
-    takes the target's hidden states with its tokens: ``prefill(prompts, features)`` and
-    ``extend(tokens, valid, features)``; one with ``keep_hidden`` set keeps its last
-    forward's final hidden states in ``last_hidden``.
+    Hidden states are the model's final hidden states (what its LM head reads). A backend
+    whose ``reads_hidden`` is true (a feature draft, ``models.feature_draft``) takes the
+    target's hidden states with its tokens; one told to ``keep_hidden_states()`` keeps those
+    of its last forward in ``hidden``. ``contract.BatchedLMContract`` checks a backend.
     """
 
-    vocab_size: int
-    max_length: int
-    stats: ForwardStats
+    name: str  # names the backend in error messages
+    device: torch.device  # where its forwards run and its returned tensors live
+    vocab_size: int  # V, the width of its logits
+    max_length: int  # its context: no row may hold more tokens
+    stats: ForwardStats  # its forwards so far
+    n_params: int | None  # parameters one forward reads (None: unknown); prices a draft step
+    max_cache_bytes: int  # the KV-cache budget it refuses to pass
+    bytes_per_token: int  # what one row's cache grows by per position
+    reads_hidden: bool  # prefill and extend take the target's hidden states with the tokens
+    hidden: torch.Tensor | None  # ``[R, T, H]`` of the last forward, once kept (else None)
 
     @property
     def n_rows(self) -> int:
         """Rows currently held."""
 
-    def prefill(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Start afresh with one row per prompt; logits of each prompt's next token ``[B, V]``."""
+    def prefill(
+        self, prompts: Sequence[Sequence[int]], hidden: Sequence[torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """Start afresh with one row per prompt; logits of each prompt's next token ``[B, V]``.
+
+        ``hidden[i] [len(prompts[i]), H]``: the states read with prompt i (``reads_hidden`` only).
+        """
 
     def extend(
-        self, tokens: torch.Tensor, valid: torch.Tensor | None = None, *, vocab: torch.Tensor | None = None
+        self,
+        tokens: torch.Tensor,
+        valid: torch.Tensor | None = None,
+        hidden: torch.Tensor | None = None,
+        *,
+        vocab: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Append ``tokens [R, T]`` to every row in ONE forward; logits ``[R, T, V]`` (float32).
 
-        ``valid [R, T]`` marks holes (False): fed but invisible to later tokens. ``vocab [U]``
+        ``valid [R, T]`` marks holes (False): fed but invisible to later tokens. ``hidden
+        [R, T, H]``: the states read with the tokens (``reads_hidden`` only). ``vocab [U]``
         asks for the logits of those tokens only (``[R, T, U]``), as constrained drafting does.
         """
 
@@ -85,6 +103,56 @@ class BatchedLM(Protocol):
 
     def drop_tail(self, n: torch.Tensor) -> None:
         """Forget the last ``n[r]`` real tokens of each row (rejected or cut drafts)."""
+
+    def keep_hidden_states(self) -> None:
+        """From now on keep each forward's hidden states in ``hidden`` (a feature draft's target)."""
+
+    def check_finite(self) -> None:
+        """Raise if a forward since the last check produced NaN logits."""
+
+
+@runtime_checkable
+class TreeLM(BatchedLM, Protocol):
+    """A backend that also verifies token trees in one forward (``backends.tree``)."""
+
+    def extend_tree(
+        self, tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Feed a tree of ``tokens [R, T]`` (``parents [R, T]``, -1 = root) per row; logits ``[R, T, V]``."""
+
+    def keep_path(self, keep: torch.Tensor) -> None:
+        """Keep the tree nodes ``keep [R, T]`` (one root-to-node path per row); forget the rest."""
+
+
+def pad_left(
+    seqs: Sequence[Sequence[int]], device: torch.device | None = None, *, fill: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists -> ``ids [R, T]`` and ``valid [R, T]``, holes (``fill``) on the left.
+
+    Left padding puts every row's last token in the last column, where a batched forward
+    reads the next-token logits. Built on the host, then moved without waiting for the
+    device's queue (``to_device``).
+    """
+    width = max(1, max((len(s) for s in seqs), default=0))
+    ids = torch.full((len(seqs), width), fill, dtype=torch.long)
+    valid = torch.zeros(len(seqs), width, dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        if len(s):
+            ids[i, width - len(s) :] = torch.as_tensor(s, dtype=torch.long)
+            valid[i, width - len(s) :] = True
+    if device is None:
+        return ids, valid
+    return to_device(ids, device), to_device(valid, device)
+
+
+def pad_left_hidden(hidden: Sequence[torch.Tensor], width: int) -> torch.Tensor:
+    """Per-row hidden states ``[L_i, H]`` -> ``[R, width, H]``, zeros on the left (as ``pad_left``)."""
+    some = hidden[0]
+    out = some.new_zeros(len(hidden), width, some.shape[-1])
+    for i, h in enumerate(hidden):
+        if len(h):
+            out[i, width - len(h) :] = h
+    return out
 
 
 class RowMask:
@@ -103,6 +171,11 @@ class RowMask:
         """Record appended positions ``[R, T]``."""
         self.valid = torch.cat([self.valid, valid_new], 1)
         self.n_real = self.n_real + valid_new.sum(1)
+
+    def replace_tail(self, start: int, valid_new: torch.Tensor) -> None:
+        """Mark the columns from ``start`` on as ``valid_new [R, L - start]`` (a tree's kept nodes)."""
+        self.valid = torch.cat([self.valid[:, :start], valid_new], 1)
+        self.n_real = self.valid.sum(1)
 
     def gather(self, rows: torch.Tensor) -> None:
         """Keep ``rows`` in this order."""
@@ -195,10 +268,13 @@ def check_logits(logits: torch.Tensor, what: str) -> torch.Tensor:
 def check_finite(*backends: BatchedLM) -> None:
     """Raise if a backend produced NaN logits since its last check: one host read for all.
 
-    Backends that keep a device-side ``nonfinite`` flag (``HFBatchedLM``) are checked
-    here, once per cycle, instead of syncing on every forward; others check themselves.
+    Backends that keep a device-side ``nonfinite`` flag (``HFBatchedLM``) are read
+    together, once per cycle, instead of syncing on every forward; others check themselves.
     """
     flagged = [lm for lm in backends if isinstance(getattr(lm, "nonfinite", None), torch.Tensor)]
+    for lm in backends:
+        if lm not in flagged:
+            lm.check_finite()
     if flagged and any(
         torch.stack([lm.nonfinite.to(flagged[0].nonfinite.device) for lm in flagged]).tolist()
     ):

@@ -9,14 +9,15 @@ import torch
 from transformers import PreTrainedModel
 
 from . import kv
-from .base import ForwardStats, Timer, check_prompts, to_device
+from .base import ForwardStats, Timer, check_prompts, pad_left, pad_left_hidden, to_device
 from .kv import RowCache, attention_mask, plan
+from .tree import TreeOps, kept_first
 
 DEFAULT_CACHE_BUDGET = 8 * 2**30  # bytes of KV cache one backend may hold
 HEADROOM = 256  # columns allocated past the first forward's need (a typical generation)
 
 
-class HFBatchedLM:
+class HFBatchedLM(TreeOps):
     """Rows of one HF model's preallocated KV cache; particles live in the batch dimension.
 
     Row lengths live on the device (``lengths``) for masks and position ids; the host
@@ -52,60 +53,56 @@ class HFBatchedLM:
         self.nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)  # NaN seen since last check
         self.tree_width = 0  # columns of an unsettled extend_tree (keep_path settles them)
         # A feature draft reads the target's hidden states with its tokens; a target
-        # serving one keeps the hidden states of its last forward (`keep_hidden`).
-        self.needs_features = bool(getattr(model, "needs_features", False))
-        self.keep_hidden = self.needs_features
-        self.last_hidden: torch.Tensor | None = None  # [R, T, H] of the last forward
+        # serving one keeps the hidden states of its last forward (`keep_hidden_states`).
+        self.reads_hidden = bool(getattr(model, "reads_hidden", False))
+        self.keeps_hidden = self.reads_hidden
+        self.hidden: torch.Tensor | None = None  # [R, T, H] of the last forward, when kept
         # The decoder both of those call, and its cache argument (looked up once, not per forward).
-        owner = model.body if self.needs_features else model
+        owner = model.body if self.reads_hidden else model
         decoder = owner.get_decoder() if hasattr(owner, "get_decoder") else None
         self.decoder_cache_kw = _cache_keyword(decoder) if decoder is not None else None
         # A feature draft's head is plain by construction; others are checked on first use.
-        self.plain_head: bool | None = True if self.needs_features else None
+        self.plain_head: bool | None = True if self.reads_hidden else None
 
     @property
     def n_rows(self) -> int:
         """Rows currently held."""
         return len(self.bound)
 
+    def keep_hidden_states(self) -> None:
+        """From now on keep each forward's hidden states ``[R, T, H]`` in ``hidden``."""
+        self.keeps_hidden = True
+
     def prefill(
-        self, prompts: Sequence[Sequence[int]], features: Sequence[torch.Tensor] | None = None
+        self, prompts: Sequence[Sequence[int]], hidden: Sequence[torch.Tensor] | None = None
     ) -> torch.Tensor:
         """Start afresh with one row per prompt (left-padded); next-token logits ``[B, V]``.
 
-        ``features[i]`` (``[len(prompts[i]), H]``) are the hidden states a feature draft
-        reads with prompt ``i``'s tokens.
+        ``hidden[i]`` (``[len(prompts[i]), H]``) are the target's hidden states a feature
+        draft reads with prompt ``i``'s tokens.
         """
         check_prompts(prompts, self.max_length)
-        width = max(len(p) for p in prompts)
-        ids = torch.zeros(len(prompts), width, dtype=torch.long)
-        valid = torch.zeros(len(prompts), width, dtype=torch.bool)
-        for i, p in enumerate(prompts):  # left padding keeps every row's last token in the last column
-            ids[i, width - len(p) :] = torch.tensor(list(p), dtype=torch.long)
-            valid[i, width - len(p) :] = True
-        feats = None
-        if features is not None:
-            feats = torch.zeros(len(prompts), width, features[0].shape[-1], device=self.device)
-            for i, f in enumerate(features):
-                feats[i, width - len(f) :] = f
+        ids, valid = pad_left(prompts)
+        if hidden is not None:
+            hidden = pad_left_hidden(hidden, ids.shape[1]).to(self.device)
         self.cache = RowCache(0)
         self.lengths = torch.zeros(len(prompts), dtype=torch.long, device=self.device)
         self.bound = [0] * len(prompts)
         self.nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)
         self.tree_width = 0
-        return self._forward(ids, valid, last_only=True, features=feats)[:, -1]
+        return self._forward(ids, valid, last_only=True, hidden=hidden)[:, -1]
 
     def extend(
         self,
         tokens: torch.Tensor,
         valid: torch.Tensor | None = None,
-        features: torch.Tensor | None = None,
+        hidden: torch.Tensor | None = None,
         *,
         vocab: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Append ``tokens [R, T]`` in one forward; logits ``[R, T, V]`` (float32).
 
-        ``features [R, T, H]``: the hidden states a feature draft reads with the tokens.
+        ``hidden [R, T, H]``: the target's hidden states a feature draft reads with the tokens.
         ``vocab [U]``: return the logits of these tokens only, ``[R, T, U]``; the LM head
         then reads only their rows (a large share of a small draft's forward).
         """
@@ -115,13 +112,13 @@ class HFBatchedLM:
             raise ValueError(f"{self.name}: tokens must be [{self.n_rows}, T], got {list(tokens.shape)}")
         if valid is None:
             valid = torch.ones(tokens.shape, dtype=torch.bool)
-        if features is not None:
-            features = features.to(self.device)
+        if hidden is not None:
+            hidden = hidden.to(self.device)
         return self._forward(
             tokens,
             valid,
             last_only=False,
-            features=features,
+            hidden=hidden,
             vocab=None if vocab is None else to_device(vocab, self.device),
         )
 
@@ -152,6 +149,60 @@ class HFBatchedLM:
             self.bound = [b - d for b, d in zip(self.bound, drop)]
         self.tree_width = 0
         self.lengths = self.lengths - to_device(n, self.device)
+
+    @torch.inference_mode()
+    def _tree_logits(
+        self, tokens: torch.Tensor, anc: torch.Tensor, depth: torch.Tensor, valid: torch.Tensor
+    ) -> torch.Tensor:
+        """``TreeOps`` hook: write the nodes after each row's tokens, one forward under a tree mask."""
+        if self.cache is None:
+            raise ValueError(f"{self.name}: extend_tree() before prefill()")
+        r, t = tokens.shape
+        width = max(self.bound, default=0) + t
+        if width > self.max_length:
+            raise ValueError(f"{self.name}: the tree would pass the model's context of {self.max_length}")
+        try:
+            self.reserve(r, width)
+        except ValueError as err:
+            raise ValueError(
+                f"{self.name}: KV cache for the tree would pass max_cache_bytes; use a smaller tree"
+            ) from err
+        dest, allowed = kv.tree_plan(self.lengths, anc, width)
+        self.cache.plan(dest, width)
+        self.tree_width = t  # the nodes sit after each row's tokens until keep_path
+        kwargs = {self.cache_kw: self.cache}
+        with Timer(self.stats, self.device, r * t):
+            out = self.model(
+                input_ids=tokens,
+                attention_mask=attention_mask(allowed, self.model),
+                position_ids=self.lengths[:, None] + depth,
+                use_cache=True,
+                **kwargs,
+            )
+            logits = out.logits.float()
+            self.nonfinite |= torch.isnan(logits).any()
+        return logits
+
+    @torch.inference_mode()
+    def _keep_nodes(self, keep: torch.Tensor) -> None:
+        """``TreeOps`` hook: move each row's kept nodes to its next columns, in order."""
+        r, t = keep.shape
+        if t != self.tree_width:
+            raise ValueError("keep_path() must directly follow extend_tree() with the same tree width")
+        host_n = keep.sum(1).tolist() if kv.on_host(keep) else [t] * r
+        keep = to_device(keep, self.device)
+        cols = self.lengths[:, None] + kept_first(keep)  # where each node is now
+        dest = self.lengths[:, None] + torch.arange(t, device=self.device)[None, :]
+
+        def move(x: torch.Tensor) -> torch.Tensor:
+            shape = (r, x.shape[1], t, x.shape[3])
+            nodes = x.gather(2, cols[:, None, :, None].expand(shape))
+            return x.scatter_(2, dest[:, None, :, None].expand(shape), nodes)
+
+        self.cache.map(move)
+        self.lengths = self.lengths + keep.sum(1)
+        self.bound = [b + n for b, n in zip(self.bound, host_n)]
+        self.tree_width = 0
 
     def check_finite(self) -> None:
         """Raise if any forward since the last check produced NaN logits (one host read)."""
@@ -185,15 +236,15 @@ class HFBatchedLM:
         valid: torch.Tensor,
         *,
         last_only: bool,
-        features: torch.Tensor | None = None,
+        hidden: torch.Tensor | None = None,
         vocab: torch.Tensor | None = None,
     ) -> torch.Tensor:
         r, t = ids.shape
-        if self.needs_features != (features is not None):
-            what = "needs the target's hidden states" if self.needs_features else "takes no hidden states"
+        if self.reads_hidden != (hidden is not None):
+            what = "needs the target's hidden states" if self.reads_hidden else "takes no hidden states"
             raise ValueError(f"{self.name}: this model {what}")
-        if features is not None and features.shape[:2] != ids.shape:
-            raise ValueError(f"{self.name}: features must be [{r}, {t}, H], got {list(features.shape)}")
+        if hidden is not None and hidden.shape[:2] != ids.shape:
+            raise ValueError(f"{self.name}: hidden must be [{r}, {t}, H], got {list(hidden.shape)}")
         bound = [b + c for b, c in zip(self.bound, kv.host_counts(valid, r, t))]
         if max(bound, default=0) > self.max_length:
             raise ValueError(
@@ -214,17 +265,17 @@ class HFBatchedLM:
             "use_cache": True,
         }
         with Timer(self.stats, self.device, r * t), torch.inference_mode():
-            logits = self._logits(ids, kwargs, last_only, features, vocab)
+            logits = self._logits(ids, kwargs, last_only, hidden, vocab)
             self.nonfinite |= torch.isnan(logits).any()
         return logits
 
-    def _logits(self, ids, kwargs, last_only, features, vocab) -> torch.Tensor:
-        """The forward itself: float32 logits ``[R, T or 1, V or U]``."""
+    def _logits(self, ids, kwargs, last_only, read, vocab) -> torch.Tensor:
+        """The forward itself (``read``: the hidden states fed); float32 logits ``[R, T or 1, V or U]``."""
         t = ids.shape[1]
-        if features is not None:
+        if read is not None:
             kwargs[self.decoder_cache_kw] = self.cache
-            hidden = self.model.hidden(ids, features, **kwargs)
-        elif self.keep_hidden or (vocab is not None and self._plain_head()):
+            hidden = self.model.predict_hidden(ids, read, **kwargs)
+        elif self.keeps_hidden or (vocab is not None and self._plain_head()):
             kwargs[self.decoder_cache_kw] = self.cache
             hidden = self.model.get_decoder()(input_ids=ids, **kwargs).last_hidden_state
         else:
@@ -234,10 +285,10 @@ class HFBatchedLM:
             # the LM head per row (measured ~30x slower); indexing gives a fresh tensor.
             keep = torch.tensor([t - 1], device=self.device) if last_only else 0
             out = self.model(input_ids=ids, logits_to_keep=keep, **kwargs)
-            self.last_hidden = None
+            self.hidden = None
             logits = out.logits if vocab is None else out.logits.index_select(-1, vocab)
             return logits.float()
-        self.last_hidden = hidden if self.keep_hidden else None
+        self.hidden = hidden if self.keeps_hidden else None
         if last_only:
             hidden = hidden.index_select(1, torch.tensor([t - 1], device=self.device))  # see above
         return _head(self.model.get_output_embeddings(), hidden, vocab).float()

@@ -10,11 +10,12 @@ from collections.abc import Sequence
 
 import torch
 
-from .base import ForwardStats, RowMask, Timer, check_logits, check_prompts
+from .base import ForwardStats, RowMask, Timer, check_logits, check_prompts, pad_left
+from .tree import TreeOps, kept_first
 
 
-class MockLM:
-    """Tiny n-gram LM implementing the ``BatchedLM`` protocol.
+class MockLM(TreeOps):
+    """Tiny n-gram LM implementing the ``BatchedLM`` protocol (tree operations included).
 
     Args:
         vocab_size: V (<= 8 keeps enumeration cheap).
@@ -23,6 +24,7 @@ class MockLM:
         scale: spread of the logits (larger = peakier distributions).
         table: explicit logits ``[V] * order + [V]``, overriding the random one.
         max_length: context limit, to exercise over-long prompt errors.
+        name: used in error messages.
     """
 
     def __init__(
@@ -34,6 +36,7 @@ class MockLM:
         scale: float = 1.5,
         table: torch.Tensor | None = None,
         max_length: int = 64,
+        name: str = "mock model",
     ) -> None:
         if table is None:
             g = torch.Generator().manual_seed(seed)
@@ -42,8 +45,14 @@ class MockLM:
         self.vocab_size = self.table.shape[-1]
         self.order = self.table.dim() - 1
         self.max_length = max_length
+        self.name = name
         self.stats = ForwardStats()
         self.device = torch.device("cpu")
+        self.n_params = None  # unknown: the engine prices a mock draft step as a third of the target
+        self.bytes_per_token = 9  # a token id and its hole flag per position
+        self.max_cache_bytes = 2**40  # no real budget: max_length bounds every row
+        self.reads_hidden = False  # an n-gram table has no hidden states, read or kept
+        self.hidden = None
         self.history = torch.zeros(0, 0, dtype=torch.long)
         self.rows = RowMask(torch.zeros(0, 0, dtype=torch.bool))
 
@@ -57,23 +66,32 @@ class MockLM:
         last = [0] * max(0, self.order - len(context)) + list(context)[-self.order :]
         return self.table[tuple(last)] if self.order else self.table
 
-    def prefill(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+    def keep_hidden_states(self) -> None:
+        """Refused: the mock has no hidden states to keep."""
+        raise ValueError(f"{self.name} has no hidden states: a feature draft needs an HF target")
+
+    def check_finite(self) -> None:
+        """Nothing to do: every forward checks its logits itself."""
+
+    def prefill(self, prompts: Sequence[Sequence[int]], hidden: None = None) -> torch.Tensor:
         """Start afresh with one row per prompt; next-token logits ``[B, V]``."""
+        _no_hidden(self, hidden)
         check_prompts(prompts, self.max_length)
-        width = max(len(p) for p in prompts)
-        ids = torch.zeros(len(prompts), width, dtype=torch.long)
-        valid = torch.zeros(len(prompts), width, dtype=torch.bool)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p) :] = torch.tensor(list(p))
-            valid[i, width - len(p) :] = True
+        ids, valid = pad_left(prompts)
         self.history = torch.zeros(len(prompts), 0, dtype=torch.long)
         self.rows = RowMask(torch.zeros(len(prompts), 0, dtype=torch.bool))
         return self._forward(ids, valid)[:, -1]
 
     def extend(
-        self, tokens: torch.Tensor, valid: torch.Tensor | None = None, *, vocab: torch.Tensor | None = None
+        self,
+        tokens: torch.Tensor,
+        valid: torch.Tensor | None = None,
+        hidden: None = None,
+        *,
+        vocab: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Append ``tokens [R, T]``; logits ``[R, T, V]`` (``[R, T, U]`` for the tokens ``vocab [U]``)."""
+        _no_hidden(self, hidden)
         if tokens.dim() != 2 or tokens.shape[0] != self.n_rows:
             raise ValueError(f"tokens must be [{self.n_rows}, T], got {list(tokens.shape)}")
         out = self._forward(tokens, torch.ones_like(tokens, dtype=torch.bool) if valid is None else valid)
@@ -89,6 +107,36 @@ class MockLM:
         self.rows.drop_tail(n)
         if self.rows.wasteful():
             self.history = self.history.gather(1, self.rows.compaction())
+
+    def _tree_logits(
+        self, tokens: torch.Tensor, anc: torch.Tensor, depth: torch.Tensor, valid: torch.Tensor
+    ) -> torch.Tensor:
+        """``TreeOps`` hook: each node's logits from its root-to-node path; the columns stay holes."""
+        prefixes = [self.history[i][self.rows.valid[i]].tolist() for i in range(self.n_rows)]
+        r, t = tokens.shape
+        out = torch.zeros(r, t, self.vocab_size)
+        with Timer(self.stats, self.device, r * t):
+            self.history = torch.cat([self.history, tokens], 1)
+            self.rows.append(torch.zeros_like(valid))
+            for i in range(r):
+                for j in range(t):
+                    if valid[i, j]:
+                        path = tokens[i][anc[i, j]].tolist()  # ancestors in index order = root first
+                        out[i, j] = self.next_logits(prefixes[i] + path)
+        return out
+
+    def _keep_nodes(self, keep: torch.Tensor) -> None:
+        """``TreeOps`` hook: the kept nodes become the row's next real positions, in order."""
+        r, t = keep.shape
+        if t > self.rows.length or bool(self.rows.valid[:, self.rows.length - t :].any()):
+            raise ValueError("keep_path() must directly follow extend_tree() with the same tree width")
+        n = keep.sum(1)
+        start = self.rows.length - t
+        tail = self.history[:, start:].gather(1, kept_first(keep))
+        self.history = torch.cat([self.history[:, :start], tail], 1)
+        kept_cols = torch.arange(t)[None, :] < n[:, None]
+        self.rows.replace_tail(start, kept_cols)
+        self.drop_tail(torch.zeros(r, dtype=torch.long))  # dropping nothing lets the backend compact holes
 
     def _forward(self, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         if int(self.rows.n_real.max()) + ids.shape[1] > self.max_length:
@@ -112,3 +160,8 @@ class MockLM:
         idx = seen[:, :, None] - self.order + torch.arange(self.order)  # [R, T, order]
         ctx = torch.where(idx >= 0, compact.gather(1, idx.clamp(min=0).view(r, -1)).view(idx.shape), 0)
         return self.table[tuple(ctx.unbind(-1))] if self.order else self.table.expand(r, t, -1)
+
+
+def _no_hidden(lm: MockLM, hidden: object) -> None:
+    if hidden is not None:
+        raise ValueError(f"{lm.name}: this model takes no hidden states")

@@ -23,7 +23,6 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from ..api import SMCSD
 from ..backends.hf import HFBatchedLM
 from ..backends.syncs import reads_per_cycle
-from ..backends.tree import extend_tree, keep_path
 from ..config import SMCConfig
 from ..models import LoadedModel
 from .speed import HF_GENERATE, timed_run
@@ -137,12 +136,12 @@ def _tree_error(lm: HFBatchedLM, model, seqs: list[list[int]], g: torch.Generato
     """Tree nodes against their root-to-node paths, then the kept path against its sequence."""
     parents = torch.tensor([[-1, 0, 0, 1, 3]] * len(seqs))
     tokens = torch.randint(3, vocab, parents.shape, generator=g)
-    got = extend_tree(lm, tokens, parents)
+    got = lm.extend_tree(tokens, parents)
     err = 0.0
     for r, s in enumerate(seqs):
         for j, path in enumerate(([0], [0, 1], [0, 2], [0, 1, 3], [0, 1, 3, 4])):
             err = max(err, rel_err(got[r, j], scratch(model, s + tokens[r, path].tolist(), 1)[0]))
-    keep_path(lm, torch.tensor([[1, 1, 0, 1, 0]] * len(seqs), dtype=torch.bool))
+    lm.keep_path(torch.tensor([[1, 1, 0, 1, 0]] * len(seqs), dtype=torch.bool))
     nxt = torch.randint(3, vocab, (len(seqs), 1), generator=g)
     after = lm.extend(nxt)[:, -1]
     for r, s in enumerate(seqs):

@@ -39,6 +39,7 @@ class MixedDraft:
         self.bytes_per_token = target.bytes_per_token + draft.bytes_per_token
         self.max_cache_bytes = min(target.max_cache_bytes, draft.max_cache_bytes)
         self.name = f"mixture draft (lam {lam})"
+        self.reads_hidden, self.hidden = False, None  # a mixture of two models has no states of its own
 
     @property
     def n_rows(self) -> int:
@@ -54,8 +55,10 @@ class MixedDraft:
         """Start afresh with one row per prompt; mixed next-token logits ``[B, V]``."""
         return self._mix(self.target.prefill(prompts), self.draft.prefill(prompts))
 
-    def extend(self, tokens, valid=None, *, vocab=None) -> torch.Tensor:
+    def extend(self, tokens, valid=None, hidden=None, *, vocab=None) -> torch.Tensor:
         """Append ``tokens [R, T]`` to both models; mixed logits ``[R, T, V]`` (or ``[R, T, U]``)."""
+        if hidden is not None:
+            raise ValueError(f"{self.name} takes no hidden states")
         mixed = self._mix(self.target.extend(tokens, valid), self.draft.extend(tokens, valid))
         return mixed if vocab is None else mixed.index_select(-1, vocab.to(mixed.device))
 
@@ -63,6 +66,15 @@ class MixedDraft:
         """Keep ``rows`` in order, in both models."""
         self.target.fork(rows)
         self.draft.fork(rows)
+
+    def keep_hidden_states(self) -> None:
+        """Refused: the mixture is a draft and has no hidden states of its own."""
+        raise ValueError(f"{self.name} has no hidden states to keep")
+
+    def check_finite(self) -> None:
+        """Raise if either model produced NaN logits since the last check."""
+        self.target.check_finite()
+        self.draft.check_finite()
 
     def drop_tail(self, n: torch.Tensor) -> None:
         """Hole out the last ``n[r]`` real positions of each row, in both models."""

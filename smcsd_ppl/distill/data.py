@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import transformers
 
+from ..backends.base import pad_left
 from ..methods.hf import plain_sampling
 
 SHARD_GLOB = "shard-*.pt"
@@ -57,13 +58,9 @@ def continue_prompts(
     The global torch RNG is left as it was.
     """
     device = model.device
-    width = max(len(p) for p in prompts)
     pad = int(eos_ids[0])
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long, device=device)
-    mask = torch.zeros_like(ids)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt) :] = torch.tensor(list(prompt), device=device)
-        mask[row, width - len(prompt) :] = 1
+    ids, valid = pad_left(prompts, device, fill=pad)
+    mask, width = valid.long(), ids.shape[1]
     if temperature is None:
         settings = dict(
             do_sample=False, max_new_tokens=max_new_tokens, top_k=None, top_p=None, temperature=None

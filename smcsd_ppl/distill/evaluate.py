@@ -24,7 +24,7 @@ import torch
 import transformers
 
 from ..backends.hf import HFBatchedLM
-from ..models.feature_draft import target_hidden
+from ..models.feature_draft import final_hidden
 from .data import Example, right_padded
 
 
@@ -51,7 +51,7 @@ def _block_logits(
     are fed again with the target's states.
     """
     ids = example.ids[None].to(target.device)
-    hidden = target_hidden(target, ids, torch.ones_like(ids))[0]  # [L, H]
+    hidden = final_hidden(target, ids, torch.ones_like(ids))[0]  # [L, H]
     first, end = max(example.start, 1), len(example.ids)  # predict x_first .. x_{end-1}
     p = target.get_output_embeddings()(hidden[first - 1 : end - 1]).float()
     lm = HFBatchedLM(draft, name="draft")
@@ -61,12 +61,12 @@ def _block_logits(
     while j < end:
         n = min(block_size, end - j)
         for step in range(1, n):  # x_j .. x_{j+n-2} with predicted states
-            state = lm.last_hidden[:, -1:]
-            out.append(lm.extend(ids[:, j + step - 1 : j + step], features=state)[:, -1])
+            state = lm.hidden[:, -1:]
+            out.append(lm.extend(ids[:, j + step - 1 : j + step], hidden=state)[:, -1])
         if n > 1:
             lm.drop_tail(torch.tensor([n - 1]))
         if j + n < end:  # the block again, with the target's states; predicts x_{j+n}
-            out.append(lm.extend(ids[:, j : j + n], features=hidden[None, j - 1 : j + n - 1])[:, -1])
+            out.append(lm.extend(ids[:, j : j + n], hidden=hidden[None, j - 1 : j + n - 1])[:, -1])
         j += n
     return p, torch.cat(out).float()
 
@@ -90,7 +90,7 @@ def match_metrics(
     agree, accept, count = 0.0, {t: 0.0 for t in temperatures}, 0
     for first in range(0, len(examples), batch_size):
         group = examples[first : first + batch_size]
-        if getattr(draft, "needs_features", False):
+        if getattr(draft, "reads_hidden", False):
             head = draft.get_output_embeddings().weight.dtype
             with torch.autocast(draft.device.type, dtype=head, enabled=draft.dtype != head):
                 pairs = [_block_logits(target, draft, e, block_size) for e in group]
@@ -132,10 +132,10 @@ def forward_cost(
     def prepare(model, rows):
         lm = HFBatchedLM(model, name="cost")
         size = target.config.hidden_size
-        feats = [torch.randn(context, size, generator=gen)] * rows if lm.needs_features else None
+        feats = [torch.randn(context, size, generator=gen)] * rows if lm.reads_hidden else None
         lm.prefill(torch.randint(0, vocab, (rows, context), generator=gen).tolist(), feats)
         step = torch.randint(0, vocab, (rows, 1), generator=gen)
-        extra = {"features": torch.randn(rows, 1, size, generator=gen)} if lm.needs_features else {}
+        extra = {"hidden": torch.randn(rows, 1, size, generator=gen)} if lm.reads_hidden else {}
         return (step, extra), lm
 
     def timed(lm, inputs) -> float:

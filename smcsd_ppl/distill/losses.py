@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from ..models import LoadedModel
-from ..models.feature_draft import target_hidden
+from ..models.feature_draft import final_hidden
 from .data import Example, right_padded
 
 
@@ -64,7 +64,7 @@ def feature_kd_loss(
     for _ in range(unroll):
         previous = torch.cat([torch.zeros_like(fed[:, :1]), fed[:, :-1]], 1)  # x_j goes with h_{j-1}
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            hidden = model.hidden(ids, previous, attention_mask=mask)
+            hidden = model.predict_hidden(ids, previous, attention_mask=mask)
             logits = model.get_output_embeddings()(hidden[rows, cols])
         regression = torch.nn.functional.smooth_l1_loss(hidden.float()[real], true[real])
         loss = loss + _topk_ce(logits, examples) + state_weight * regression
@@ -83,7 +83,7 @@ def hidden_states(target: LoadedModel, examples: Sequence[Example], batch_tokens
             group.append(i)
             continue
         ids, mask = right_padded([examples[g].ids for g in group], target.model.device)
-        h = target_hidden(target.model, ids, mask)
+        h = final_hidden(target.model, ids, mask)
         for row, g in enumerate(group):
             out[g] = h[row, : len(examples[g].ids)].to("cpu", torch.bfloat16)
         group = [i] if i is not None else []

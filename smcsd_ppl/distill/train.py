@@ -323,7 +323,7 @@ def _checkpoint(run: _Run, state: dict) -> None:
 def _init_draft(directory: str, target: LoadedModel) -> dict:
     """The source layers and trained tensors of the layer draft a feature draft starts from."""
     draft = load_draft(directory, target)
-    if getattr(draft.model, "needs_features", False):
+    if getattr(draft.model, "reads_hidden", False):
         raise ValueError(f"{directory!r} is a feature draft; init_draft takes a layer draft")
     manifest = json.loads((pathlib.Path(directory) / MANIFEST).read_text())
     modules = {

@@ -8,7 +8,6 @@ token is fed with the next one). It then cuts each row's block from ``Drafting.d
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -16,18 +15,6 @@ import torch
 from ..backends.base import BatchedLM
 from ..spec import sample_probs
 from . import constrained
-
-
-def pending_features(
-    feats: Sequence[torch.Tensor], width: int, asked: Sequence[bool], device: torch.device
-) -> torch.Tensor:
-    """The queued target states ``[R, width, H]`` of the asked rows, left-padded like ``pad_left``."""
-    some = feats[0]
-    out = torch.zeros(len(feats), width, some.shape[-1], dtype=some.dtype, device=device)
-    for r, (f, a) in enumerate(zip(feats, asked)):
-        if a and len(f):
-            out[r, width - len(f) :] = f
-    return out
 
 
 @dataclass
@@ -40,7 +27,7 @@ class Drafting:
         rows: backend row of each request.
         masking: the proposal-mode constraints of the requests.
         ids, valid: the draft's next input ``[R, T]``, holes where ``valid`` is False.
-        feats: a feature draft's input states ``[R, T, H]`` (None for a token draft).
+        hidden: a feature draft's input states ``[R, T, H]`` (None for a token draft).
         asked: ``[R]`` rows that draft (the others are fed holes).
         budget: ``[R]`` tokens each row may still draft in this block.
         eos: the end-of-sequence token ids.
@@ -56,7 +43,7 @@ class Drafting:
     masking: constrained.Masking
     ids: torch.Tensor
     valid: torch.Tensor
-    feats: torch.Tensor | None
+    hidden: torch.Tensor | None
     asked: torch.Tensor
     budget: torch.Tensor
     eos: torch.Tensor
@@ -72,7 +59,7 @@ class Drafting:
 
     def __post_init__(self) -> None:
         self.ended = ~self.asked
-        self.features = self.feats is not None
+        self.reads_hidden = self.hidden is not None
         self.device = self.asked.device
         self.n_rows = len(self.asked)
 
@@ -82,7 +69,7 @@ class Drafting:
         self._end_dead_rows()
         masks = constrained.live_masks(allowed, self.rows, self.ended)  # None: some row samples freely
         # A feature draft never skips: its next input is the state this forward predicts.
-        d = None if masks is None or self.features else constrained.forced_tokens(masks, self.n_rows)
+        d = None if masks is None or self.reads_hidden else constrained.forced_tokens(masks, self.n_rows)
         d, q = self._forced_step(d.to(self.device)) if d is not None else self._draft_step(masks, allowed)
         self.drafts.append(d)
         if self.keep_probs:
@@ -119,7 +106,7 @@ class Drafting:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft forward over the pending input, then a token from q (masked where constrained)."""
         vocab_size = self.draft.vocab_size
-        extra = (self.feats,) if self.features else ()
+        extra = (self.hidden,) if self.reads_hidden else ()
         vocab = None if masks is None else constrained.shared_vocab(masks, vocab_size)
         kw = {} if vocab is None else {"vocab": vocab}  # logits of allowed tokens only
         logits = self.draft.extend(self.ids, self.valid, *extra, **kw)
@@ -131,6 +118,6 @@ class Drafting:
         d = sample_probs(q, self.g)
         self.logqs.append(q.gather(-1, d[:, None])[:, 0].log())
         self.ids, self.valid = d[:, None], self.asked[:, None]
-        if self.features:  # the draft's own predicted state goes with its next token
-            self.feats = self.draft.last_hidden[:, -1:]
+        if self.reads_hidden:  # the draft's own predicted state goes with its next token
+            self.hidden = self.draft.hidden[:, -1:]
         return d, q

@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import torch
 
-from ..backends.base import BatchedLM, check_finite, to_device
+from ..backends.base import BatchedLM, check_finite, pad_left, pad_left_hidden
 from ..config import SMCConfig
 from ..potentials.constraints import Constraint
 from ..spec import (
@@ -31,20 +31,8 @@ from ..spec import (
 )
 from . import constrained
 from .blocks import DraftedBlock, FirstToken, RowConstraint, ScoredBlock, block_length
-from .drafting import Drafting, pending_features
+from .drafting import Drafting
 from .schedule import DraftRecord, draft_step_cost
-
-
-def pad_left(seqs: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token lists -> ``ids [R, T]`` and ``valid [R, T]``, holes on the left."""
-    width = max(1, max(len(s) for s in seqs))
-    ids = torch.zeros(len(seqs), width, dtype=torch.long)
-    valid = torch.zeros(len(seqs), width, dtype=torch.bool)
-    for i, s in enumerate(seqs):
-        if s:
-            ids[i, width - len(s) :] = torch.tensor(list(s), dtype=torch.long)
-            valid[i, width - len(s) :] = True
-    return to_device(ids, device), to_device(valid, device)  # no wait for the device's queue
 
 
 class BlockEngine:
@@ -82,12 +70,12 @@ class BlockEngine:
         self.draft_cost = draft_step_cost(
             getattr(draft, "n_params", None), getattr(target, "n_params", None), self.device.type
         )
-        self.features = bool(getattr(draft, "needs_features", False))
-        if self.features:
-            if not hasattr(target, "keep_hidden"):
+        self.reads_hidden = bool(getattr(draft, "reads_hidden", False))
+        if self.reads_hidden:
+            if not hasattr(target, "keep_hidden_states"):
                 raise ValueError("a feature draft needs a target backend that returns hidden states")
-            target.keep_hidden = True
-        self.draft_feats: list[torch.Tensor] = []  # per row: target states paired with draft_pending
+            target.keep_hidden_states()
+        self.draft_hidden: list[torch.Tensor] = []  # per row: target states paired with draft_pending
         self._verified: tuple[list[int], torch.Tensor] | None = None  # rows, states [n, k+1, H]
 
     @property
@@ -112,8 +100,8 @@ class BlockEngine:
         """
         logits = self.target.prefill(prompts)  # [B, V]
         self.draft_ready = draft
-        if draft and self.features:  # token j of a prompt goes with the target's state at j-1
-            h = self.target.last_hidden  # [B, W, H], left-padded
+        if draft and self.reads_hidden:  # token j of a prompt goes with the target's state at j-1
+            h = self.target.hidden  # [B, W, H], left-padded
             zero, w = h.new_zeros(1, h.shape[-1]), h.shape[1]
             states = [torch.cat([zero, h[i, w - len(p) : w - 1]]) for i, p in enumerate(prompts)]
             self.draft.prefill(prompts, states)
@@ -137,7 +125,7 @@ class BlockEngine:
             self.draft.fork(rows)
         self.target_pending = [[int(x0[i])] for i in rows.tolist()]
         self.draft_pending = [[int(x0[i])] for i in rows.tolist()]
-        self.draft_feats = [last[i][None] for i in rows.tolist()] if self.features and draft else []
+        self.draft_hidden = [last[i][None] for i in rows.tolist()] if self.reads_hidden and draft else []
         return x0.tolist(), log_z0.tolist()
 
     @torch.inference_mode()
@@ -192,9 +180,10 @@ class BlockEngine:
         asked[[r for r, n in zip(rows, limits) if n > 0]] = True
         feed = [p if a else [] for p, a in zip(self.draft_pending, asked.tolist())]
         ids, valid = pad_left(feed, self.device)
-        feats = None
-        if self.features:  # the target's states queued with the tokens
-            feats = pending_features(self.draft_feats, ids.shape[1], asked.tolist(), self.device)
+        hidden = None
+        if self.reads_hidden:  # the target's states queued with the tokens
+            queued = [f if a else f[:0] for f, a in zip(self.draft_hidden, asked.tolist())]
+            hidden = pad_left_hidden(queued, ids.shape[1]).to(self.device)
         caps = [min(b, n) for b, n in zip(budgets, limits)]
         budget = torch.full((self.n_rows,), self.config.block_size, device=self.device)
         budget[rows] = torch.tensor(caps, device=self.device)
@@ -206,7 +195,7 @@ class BlockEngine:
             masking=masking,
             ids=ids,
             valid=valid,
-            feats=feats,
+            hidden=hidden,
             asked=asked.to(self.device),
             budget=budget,
             eos=torch.tensor(sorted(self.eos), dtype=torch.long, device=self.device),
@@ -225,8 +214,8 @@ class BlockEngine:
         for r, n in zip(run.rows, limits):
             if run.pending_fed and n:  # else the draft has read nothing yet: the pending tokens stay queued
                 self.draft_pending[r] = []
-            if self.features and n:
-                self.draft_feats[r] = self.draft_feats[r][:0]
+            if self.reads_hidden and n:
+                self.draft_hidden[r] = self.draft_hidden[r][:0]
         blocks = []
         for i, (r, b, n) in enumerate(zip(run.rows, budgets, limits)):
             q = q_all[r] if run.keep_probs else None
@@ -257,7 +246,7 @@ class BlockEngine:
         ids, valid = pad_left(feed, self.device)
         logits = self.target.extend(ids, valid)[:, -(k + 1) :]
         rows = [b.row for b in blocks]
-        hidden = self.target.last_hidden[:, -(k + 1) :] if self.features else None
+        hidden = self.target.hidden[:, -(k + 1) :] if self.reads_hidden else None
         if rows != list(range(self.n_rows)):  # usually every row asks: skip the copy
             index = torch.tensor(rows, device=self.device)
             logits = logits.index_select(0, index)
@@ -339,7 +328,7 @@ class BlockEngine:
         k = block_length(blocks) if blocks else 0
         drop_t, drop_d = {}, {}
         states = None
-        if self.features:
+        if self.reads_hidden:
             rows, hidden = self._verified
             states = dict(zip(rows, hidden))
         for b, n, nxt in zip(blocks, kept, nexts):
@@ -347,7 +336,7 @@ class BlockEngine:
             self.target_pending[b.row] = tail
             if states is not None:
                 self.draft_pending[b.row] = b.tokens[:n] + tail if tail else []
-                self.draft_feats[b.row] = states[b.row][: n + 1] if tail else states[b.row][:0]
+                self.draft_hidden[b.row] = states[b.row][: n + 1] if tail else states[b.row][:0]
             else:
                 self.draft_pending[b.row] = self.draft_pending[b.row] + b.tokens[b.fed : n] + tail
             if nxt is not None:
@@ -376,5 +365,5 @@ class BlockEngine:
                 self.draft.fork(index)
         self.target_pending = [list(self.target_pending[r]) for r in rows]
         self.draft_pending = [list(self.draft_pending[r]) for r in rows]
-        if self.features:
-            self.draft_feats = [self.draft_feats[r] for r in rows]
+        if self.reads_hidden:
+            self.draft_hidden = [self.draft_hidden[r] for r in rows]

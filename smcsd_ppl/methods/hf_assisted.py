@@ -185,7 +185,7 @@ def _generate_one(target: PreTrainedModel, prompt: Sequence[int], settings: dict
 
 def _run(ctx: RunContext, *, assisted: bool) -> MethodOutput:
     draft = ctx.draft_model
-    if assisted and getattr(draft.model, "needs_features", False):
+    if assisted and getattr(draft.model, "reads_hidden", False):
         raise ValueError(
             f"hf_assisted needs a standalone draft model; {draft.name!r} reads the target's hidden "
             "states, which Hugging Face's assistant interface cannot pass (use --draft layers:N)"

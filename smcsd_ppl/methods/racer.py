@@ -2,7 +2,7 @@
 
 Each step drafts a token tree per request (``RetrievalDrafter.build_draft_tree``:
 root = the next token, already drawn from the target), scores all its nodes in ONE
-target forward (``backends.tree.extend_tree``), and walks it from the root: at a
+target forward (the backend's ``extend_tree``), and walks it from the root: at a
 node, the target's choice (argmax for ``racer``; a sample at T_t for
 ``racer_sampling``) either matches a child, which is accepted, or becomes the next
 root. Every emitted token is therefore exactly the target's greedy token (or an
@@ -23,8 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..backends.base import BatchedLM
-from ..backends.tree import extend_tree, keep_path
+from ..backends.base import BatchedLM, TreeLM
 from ..proposals.retrieval import DraftTree, RetrievalDrafter
 from .ar import choose_tokens
 from .registry import MethodOutput, RunContext, register
@@ -76,7 +75,7 @@ class _Requests:
 
 
 def racer_generate(
-    target: BatchedLM,
+    target: TreeLM,
     prompts: Sequence[Sequence[int]],
     drafter: RetrievalDrafter,
     *,
@@ -133,7 +132,7 @@ def _verify_trees(target, drafter, trees, temperature, g) -> list[list[int]]:
     Returns, per row, the accepted drafted tokens and then the target's own next token.
     """
     tokens, parents, valid = _pack(trees, target.device)
-    logits = extend_tree(target, tokens, parents, valid)  # [R, T, V]
+    logits = target.extend_tree(tokens, parents, valid)  # [R, T, V]
     choice = choose_tokens(logits.flatten(0, 1), temperature, g).view(tokens.shape)
     top = torch.topk(logits, drafter.cues.k, dim=-1).indices  # [R, T, k]
     keep = torch.zeros_like(valid)
@@ -144,7 +143,7 @@ def _verify_trees(target, drafter, trees, temperature, g) -> list[list[int]]:
             path.append(child)
         keep[i, path] = True
         news.append([tree.tokens[j] for j in path[1:]] + [ch[path[-1]]])
-    keep_path(target, keep)
+    target.keep_path(keep)
     # Every node's cues are recorded (as in RACER); the accepted path's last, so cues
     # seen in the true context win over those of rejected branches.
     drafter.cues.record(tokens[valid], top[valid])

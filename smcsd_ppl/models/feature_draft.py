@@ -34,7 +34,7 @@ class FeatureDraft(nn.Module):
         fc: ``Linear(2 * hidden, hidden)`` joining a token's embedding and a hidden state.
     """
 
-    needs_features = True  # backends feed ``features`` with every token
+    reads_hidden = True  # backends feed the target's hidden states with every token
 
     def __init__(self, body: transformers.PreTrainedModel, fc: nn.Linear) -> None:
         super().__init__()
@@ -56,24 +56,25 @@ class FeatureDraft(nn.Module):
         """The target's LM head (shared)."""
         return self.body.get_output_embeddings()
 
-    def hidden(self, input_ids: torch.Tensor, features: torch.Tensor, **kwargs) -> torch.Tensor:
-        """Predicted target hidden states ``[B, T, H]`` for tokens ``[B, T]`` and the previous states.
+    def predict_hidden(self, input_ids: torch.Tensor, hidden: torch.Tensor, **kwargs) -> torch.Tensor:
+        """The target's hidden states ``[B, T, H]`` predicted from tokens ``[B, T]`` and the states before.
 
+        ``hidden [B, T, H]`` holds, at position j, the target's hidden state at j - 1.
         ``kwargs`` go to the decoder (attention mask, position ids, cache).
         """
         embeds = self.body.model.embed_tokens(input_ids)
-        joined = self.fc(torch.cat([embeds, features.to(embeds.dtype)], -1))
+        joined = self.fc(torch.cat([embeds, hidden.to(embeds.dtype)], -1))
         return self.body.model(inputs_embeds=joined, **kwargs).last_hidden_state
 
-    def forward(self, input_ids: torch.Tensor, features: torch.Tensor, **kwargs) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, **kwargs) -> torch.Tensor:
         """Next-token logits ``[B, T, V]``."""
-        return self.get_output_embeddings()(self.hidden(input_ids, features, **kwargs))
+        return self.get_output_embeddings()(self.predict_hidden(input_ids, hidden, **kwargs))
 
 
-def target_hidden(
+def final_hidden(
     model: transformers.PreTrainedModel, ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs
 ) -> torch.Tensor:
-    """The target's final hidden states (what its LM head reads) ``[B, T, H]``."""
+    """A model's hidden states (the final ones, what its LM head reads) ``[B, T, H]``."""
     return model.get_decoder()(input_ids=ids, attention_mask=attention_mask, **kwargs).last_hidden_state
 
 
