@@ -151,7 +151,7 @@ class SMCSD:
     ) -> list[Generation]:
         """Run user programs (``SMCSDModel`` subclasses), one request each, in one batch."""
         self._check_token_prompts([p.prompt for p in programs if not isinstance(p.prompt, str)])
-        context = self._context([], config or SMCConfig(), None)  # the programs hold the prompts
+        context = self.context(config)  # the programs hold the prompts
         start = self.start_clock()
         out = methods.run_programs(context, list(programs), on_cycle)
         return self._generations("smcsd", out, start)
@@ -172,16 +172,26 @@ class SMCSD:
         """Run ``method`` on token-id prompts and build each request's ``Generation``."""
         method.check(config)
         self._check_fits(ids, config, method)
-        context = self._context(ids, config, on_progress)
+        context = self.context(config, ids, on_progress)
         start = self.start_clock()
         return self._generations(method.name, method.run(context), start)
 
-    def _context(
-        self, ids: list[list[int]], config: SMCConfig, on_progress: Callable[[int], None] | None
+    def context(
+        self,
+        config: SMCConfig | None = None,
+        prompts: Sequence[Sequence[int]] = (),
+        on_progress: Callable[[int], None] | None = None,
     ) -> methods.RunContext:
-        """What a runner gets of this pair: backends, an engine factory, EOS ids, the models, text."""
+        """What a runner gets of this pair: backends, an engine factory, EOS ids, the models, text.
+
+        Args:
+            config: the settings of the call (``SMCConfig()`` when None).
+            prompts: token-id prompts, one request each (none for SMC programs, which hold theirs).
+            on_progress: called with the length of the longest output so far.
+        """
+        config = config or SMCConfig()
         return methods.RunContext(
-            ids,
+            [list(p) for p in prompts],
             config,
             self.target_lm,
             self.draft_lm,

@@ -38,8 +38,13 @@ def pair():
 
 
 @pytest.fixture(scope="module")
+def ctx(pair):
+    return pair.context()
+
+
+@pytest.fixture(scope="module")
 def task(pair):
-    return steering.TaskConstraint(pair, PATTERN)
+    return steering.TaskConstraint(pair.tokenizer, pair.eos_token_ids, PATTERN)
 
 
 def check_record(pair, rec, n, max_new_tokens):
@@ -61,8 +66,8 @@ def check_record(pair, rec, n, max_new_tokens):
 
 
 @pytest.mark.parametrize("name", list(RUNNERS))
-def test_runner_returns_well_formed_record(pair, task, name):
-    rec = RUNNERS[name](pair, PROMPT, task, **KW)
+def test_runner_returns_well_formed_record(pair, ctx, task, name):
+    rec = RUNNERS[name](ctx, PROMPT, task, **KW)
     assert rec.method == name
     check_record(pair, rec, KW["n_particles"], KW["max_new_tokens"])
     if name in ALWAYS_VALID:
@@ -71,32 +76,34 @@ def test_runner_returns_well_formed_record(pair, task, name):
 
 
 @pytest.mark.parametrize("name", ["smcsd_proposal", "genlm_awrs", "llamppl_masked"])
-def test_genlm_potential_as_constraint(pair, name):
+def test_genlm_potential_as_constraint(pair, ctx, name):
     from genlm.control import BoolFSA
 
-    rec = RUNNERS[name](pair, PROMPT, BoolFSA.from_regex(PATTERN), **KW)
+    rec = RUNNERS[name](ctx, PROMPT, BoolFSA.from_regex(PATTERN), **KW)
     check_record(pair, rec, KW["n_particles"], KW["max_new_tokens"])
     assert rec.validity == 1.0
-    assert all(steering.TaskConstraint(pair, PATTERN).check(t) for t in rec.texts)
+    assert all(
+        steering.TaskConstraint(pair.tokenizer, pair.eos_token_ids, PATTERN).check(t) for t in rec.texts
+    )
 
 
 class Only(steering.TaskConstraint):
     """Valid texts are exactly those in ``accepted``."""
 
     def __init__(self, pair, accepted):
-        super().__init__(pair, PATTERN)
+        super().__init__(pair.tokenizer, pair.eos_token_ids, PATTERN)
         self.accepted = set(accepted)
 
     def check(self, text):
         return text.strip() in self.accepted
 
 
-def test_filtered_counts_valid_particles(pair):
-    plain = steering.smcsd_plain(pair, PROMPT, PATTERN, **KW)
-    again = steering.smcsd_plain(pair, PROMPT, PATTERN, **KW)
+def test_filtered_counts_valid_particles(pair, ctx):
+    plain = steering.smcsd_plain(ctx, PROMPT, PATTERN, **KW)
+    again = steering.smcsd_plain(ctx, PROMPT, PATTERN, **KW)
     assert again.texts == plain.texts  # seeded: the filter sees the same particles
     target = plain.texts[0].strip()
-    rec = steering.smcsd_filtered(pair, PROMPT, Only(pair, [target]), **KW)
+    rec = steering.smcsd_filtered(ctx, PROMPT, Only(pair, [target]), **KW)
     expected = [t.strip() == target for t in plain.texts]
     assert rec.texts == plain.texts and rec.valid == expected
     assert rec.validity == sum(expected) / len(expected)
@@ -105,7 +112,7 @@ def test_filtered_counts_valid_particles(pair):
     share = torch.logsumexp(w[torch.tensor(expected)], 0) - torch.logsumexp(w, 0)
     assert rec.log_z == pytest.approx(plain.log_z + float(share))
 
-    none = steering.smcsd_filtered(pair, PROMPT, Only(pair, []), **KW)
+    none = steering.smcsd_filtered(ctx, PROMPT, Only(pair, []), **KW)
     assert none.validity == 0.0 and none.chosen == -1 and none.text == "" and none.log_z == -math.inf
 
 

@@ -23,6 +23,7 @@ import torch
 from ..backends.base import ForwardStats
 from ..methods import steering
 from ..methods.hf_assisted import count_forwards
+from ..methods.registry import RunContext
 from ..methods.steering import SteeringRecord, TaskConstraint
 
 
@@ -118,9 +119,10 @@ def compare_constrained(
         raise ValueError(f"unknown methods {unknown}; choose from {tuple(METHODS)}")
     if not tasks:
         raise ValueError("give at least one task")
-    constraints = {t.name: TaskConstraint(pair, t.constraint) for t in tasks}
+    constraints = {t.name: TaskConstraint(pair.tokenizer, pair.eos_token_ids, t.constraint) for t in tasks}
+    ctx = pair.context()  # the runners' view of the pair; each SMC-SD run sets its own config
     kw = dict(n_particles=n_particles, max_new_tokens=max_new_tokens, temperature=temperature)
-    _warm_up(pair, tasks[0], constraints[tasks[0].name], methods, **kw)
+    _warm_up(ctx, tasks[0], constraints[tasks[0].name], methods, **kw)
     runs: dict[tuple[str, str], list[tuple[SteeringRecord, float]]] = {}
     forwards = ForwardStats()  # on the decoder: the batched backend runs it and its own LM head
     with count_forwards(pair.target.model.get_decoder(), forwards, timed=False):
@@ -135,7 +137,7 @@ def compare_constrained(
                     }
                 before = forwards.calls
                 rec = METHODS[method](
-                    pair, task.prompt, constraints[task.name], seed=seed + rep, **{**kw, **extra}
+                    ctx, task.prompt, constraints[task.name], seed=seed + rep, **{**kw, **extra}
                 )
                 rec.extra["target_forwards"] = forwards.calls - before
                 done[method] = rec
@@ -146,13 +148,13 @@ def compare_constrained(
     return [_row(task, method, recs) for (task, method), recs in runs.items()]
 
 
-def _warm_up(pair, task: Task, constraint: TaskConstraint, methods: Sequence[str], **kw) -> None:
+def _warm_up(ctx: RunContext, task: Task, constraint: TaskConstraint, methods: Sequence[str], **kw) -> None:
     """Untimed short runs: lazy imports, the shared token-level backend, first-call kernels."""
     kw = {**kw, "max_new_tokens": 2}
     if any(m in SMCSD_METHODS for m in methods):
-        steering.smcsd_plain(pair, task.prompt, constraint, **kw)
+        steering.smcsd_plain(ctx, task.prompt, constraint, **kw)
     if any(m.startswith(("genlm", "llamppl")) for m in methods):
-        steering.genlm_smc(pair, task.prompt, constraint, **kw)
+        steering.genlm_smc(ctx, task.prompt, constraint, **kw)
 
 
 def _median(values: list[float]) -> float:

@@ -1,7 +1,8 @@
 """Constrained-generation baselines: LLaMPPL and genlm-control SMC next to SMC-SD (REFERENCE.md §6).
 
-Every runner takes the same inputs (a pair, a text prompt, a constraint, N, a token
-budget, one temperature T for every model, a seed) and returns a ``SteeringRecord``:
+Every runner takes the same inputs (a ``RunContext`` of the pair, a text prompt, a
+constraint, N, a token budget, one temperature T for every model, a seed) and returns a
+``SteeringRecord``; ``SMCSD.context()`` builds the context:
 
 * ``llamppl_smc``: a ``llamppl.Model`` sampling token by token from the target
   (``CachedCausalLM`` over genlm-backend's ``AsyncTransformer`` built from the in-memory
@@ -24,6 +25,7 @@ coercions and DFA tables once per pair or constraint is not timed.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import random
 import re
@@ -40,6 +42,8 @@ from .. import smc
 from ..config import SMCConfig
 from ..inference.program import SMCSDModel
 from ..potentials.constraints import PotentialConstraint, RegexConstraint, _run
+from .registry import RunContext
+from .smcsd import run_programs
 
 
 @dataclass
@@ -101,28 +105,29 @@ class TaskConstraint:
     """A regex or a genlm-control byte potential, in every form the runners need.
 
     Args:
-        pair: the ``SMCSD`` pair (its tokenizer and EOS ids).
-        spec: a regex (Python ``re`` syntax, matched against the whole stripped text)
+        tokenizer: the target's tokenizer.
+        eos_token_ids: the EOS ids (allowed once the text is complete).
+        pattern: a regex (Python ``re`` syntax, matched against the whole stripped text)
             or a genlm-control ``Potential`` over bytes.
     """
 
-    def __init__(self, pair, spec) -> None:
-        self.spec = spec
-        self.pattern = spec if isinstance(spec, str) else None
-        if self.pattern is not None:
+    def __init__(self, tokenizer, eos_token_ids: Sequence[int], pattern) -> None:
+        self.pattern = pattern
+        self.regex = pattern if isinstance(pattern, str) else None
+        if self.regex is not None:
             from genlm.control import BoolFSA
 
-            self.tokens = RegexConstraint(spec, pair.tokenizer, pair.eos_token_ids)
-            self.potential = BoolFSA.from_regex(spec)
+            self.tokens = RegexConstraint(pattern, tokenizer, eos_token_ids)
+            self.potential = BoolFSA.from_regex(pattern)
         else:
-            self.tokens = PotentialConstraint(spec, pair.tokenizer, pair.eos_token_ids)
-            self.potential = spec
+            self.tokens = PotentialConstraint(pattern, tokenizer, eos_token_ids)
+            self.potential = pattern
 
     def check(self, text: str) -> bool:
         """The whole (stripped) text satisfies the constraint."""
         text = text.strip()
-        if self.pattern is not None:
-            return re.fullmatch(self.pattern, text) is not None
+        if self.regex is not None:
+            return re.fullmatch(self.regex, text) is not None
         return _run(self.potential.complete(list(text.encode()))) > -math.inf
 
     def allows(self, ids: Sequence[int]) -> bool:
@@ -134,28 +139,31 @@ class TaskConstraint:
         return set(torch.nonzero(self.tokens.next_mask([list(ids)])[0]).flatten().tolist())
 
 
-def as_constraint(pair, constraint) -> TaskConstraint:
-    """``constraint`` itself if it is a ``TaskConstraint``, else one built from it."""
-    return constraint if isinstance(constraint, TaskConstraint) else TaskConstraint(pair, constraint)
+def as_constraint(ctx: RunContext, constraint) -> TaskConstraint:
+    """``constraint`` itself if it is a ``TaskConstraint``, else one built on the context's target."""
+    if isinstance(constraint, TaskConstraint):
+        return constraint
+    return TaskConstraint(ctx.target_model.tokenizer, ctx.eos, constraint)
 
 
 _ASYNC_LMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def async_lm(pair):
-    """The pair's target as a genlm-backend ``AsyncTransformer`` (built once, no hub)."""
-    if pair not in _ASYNC_LMS:
+def async_lm(ctx: RunContext):
+    """The context's target as a genlm-backend ``AsyncTransformer`` (built once per model, no hub)."""
+    target = ctx.target_model
+    if target.model not in _ASYNC_LMS:
         from genlm.backend.llm import AsyncTransformer
         from llamppl import CachedCausalLM
 
-        backend = AsyncTransformer(pair.target.model, pair.tokenizer)
-        _ASYNC_LMS[pair] = (backend, CachedCausalLM(backend))
-    return _ASYNC_LMS[pair]
+        backend = AsyncTransformer(target.model, target.tokenizer)
+        _ASYNC_LMS[target.model] = (backend, CachedCausalLM(backend))
+    return _ASYNC_LMS[target.model]
 
 
-def _fresh(pair, n_particles: int, seed: int):
+def _fresh(ctx: RunContext, n_particles: int, seed: int):
     """Reset the shared backend, seed every RNG; returns (backend, cached LM)."""
-    backend, lm = async_lm(pair)
+    backend, lm = async_lm(ctx)
     backend.clear_cache()
     backend.reset_async_queries()
     backend.batch_size = n_particles
@@ -165,12 +173,12 @@ def _fresh(pair, n_particles: int, seed: int):
     return backend, lm
 
 
-def _finish(method, pair, task, ids_per_particle, log_w, seconds, seed, lengths=None) -> SteeringRecord:
+def _finish(method, ctx, task, ids_per_particle, log_w, seconds, seed, lengths=None) -> SteeringRecord:
     """Drop EOS, decode, check, pick the output by final weight; log Z and ESS from ``log_w``."""
-    eos = set(pair.eos_token_ids)
+    eos = set(ctx.eos)
     lengths = [len(p) for p in ids_per_particle] if lengths is None else lengths
     ids = [[int(t) for t in p if int(t) not in eos] for p in ids_per_particle]
-    texts = [pair.decode(p) for p in ids]
+    texts = [ctx.decode(p) for p in ids]
     w = smc.clean_log_weights(torch.tensor(log_w, dtype=torch.float64))
     # A zero-weight particle is not an output, even if its (cut) text happens to match.
     valid = [bool(torch.isfinite(x)) and task.check(t) for x, t in zip(w, texts)]
@@ -192,20 +200,20 @@ def _select(rec: SteeringRecord, log_w: torch.Tensor, seed: int) -> None:
 
 
 def llamppl_smc(
-    pair, prompt, constraint, *, n_particles, max_new_tokens, temperature=1.0, seed=0, masked=False
+    ctx: RunContext, prompt, constraint, *, n_particles, max_new_tokens, temperature=1.0, seed=0, masked=False
 ) -> SteeringRecord:
     """LLaMPPL ``smc_standard`` over a token-by-token target program (see the module doc)."""
     from llamppl import LMContext, Model, smc_standard
     from llamppl.util import log_softmax
 
-    task = as_constraint(pair, constraint)
-    prompt_ids = pair.encode(prompt)
-    eos = set(pair.eos_token_ids)
+    task = as_constraint(ctx, constraint)
+    prompt_ids = ctx.encode(prompt)
+    eos = set(ctx.eos)
 
     class TokenProgram(Model):
-        def __init__(self, ctx):
+        def __init__(self, lm_ctx):
             super().__init__()
-            self.ctx, self.ids = ctx, []
+            self.ctx, self.ids = lm_ctx, []
 
         async def step(self):
             if masked:  # weight by the allowed mass, then sample among allowed tokens
@@ -216,22 +224,22 @@ def llamppl_smc(
             if self.ids[-1] in eos or len(self.ids) >= max_new_tokens:
                 self.finish()
 
-    backend, lm = _fresh(pair, n_particles, seed)
+    backend, lm = _fresh(ctx, n_particles, seed)
 
     async def go():
         lm.cache_kv(prompt_ids)
-        ctx = LMContext.__new__(LMContext)  # LMContext takes text; we have chat-template ids
-        ctx._init_common(lm, "", temperature, False, True)
-        ctx.tokens, ctx.prompt_token_count = list(prompt_ids), len(prompt_ids)
-        ctx.prompt_string_length = len(lm.tokenizer.decode(prompt_ids))
-        ctx.next_token_logprobs = log_softmax(await lm.next_token_logprobs(ctx.tokens) / temperature)
-        return await smc_standard(TokenProgram(ctx), n_particles, 0.5, resampling_method="systematic")
+        lm_ctx = LMContext.__new__(LMContext)  # LMContext takes text; we have chat-template ids
+        lm_ctx._init_common(lm, "", temperature, False, True)
+        lm_ctx.tokens, lm_ctx.prompt_token_count = list(prompt_ids), len(prompt_ids)
+        lm_ctx.prompt_string_length = len(lm.tokenizer.decode(prompt_ids))
+        lm_ctx.next_token_logprobs = log_softmax(await lm.next_token_logprobs(lm_ctx.tokens) / temperature)
+        return await smc_standard(TokenProgram(lm_ctx), n_particles, 0.5, resampling_method="systematic")
 
     start = time.perf_counter()
     ps = asyncio.run(go())
     name = "llamppl_masked" if masked else "llamppl_smc"
     return _finish(
-        name, pair, task, [p.ids for p in ps], [p.weight for p in ps], time.perf_counter() - start, seed
+        name, ctx, task, [p.ids for p in ps], [p.weight for p in ps], time.perf_counter() - start, seed
     )
 
 
@@ -239,17 +247,25 @@ GENLM_SAMPLERS = ("awrs", "direct", "critic")
 
 
 def genlm_smc(
-    pair, prompt, constraint, *, n_particles, max_new_tokens, temperature=1.0, seed=0, sampler="awrs"
+    ctx: RunContext,
+    prompt,
+    constraint,
+    *,
+    n_particles,
+    max_new_tokens,
+    temperature=1.0,
+    seed=0,
+    sampler="awrs",
 ) -> SteeringRecord:
     """genlm-control ``SMC``: ``sampler`` is ``awrs``, ``direct`` (llm x constraint) or ``critic``."""
     from genlm.control import AWRS, SMC, PromptedLLM, direct_token_sampler
 
     if sampler not in GENLM_SAMPLERS:
         raise ValueError(f"sampler must be one of {GENLM_SAMPLERS}, got {sampler!r}")
-    task = as_constraint(pair, constraint)
-    prompt_ids = pair.encode(prompt)
-    backend, _ = _fresh(pair, n_particles, seed)
-    eos_bytes = [backend.byte_vocab[i].byte_string for i in pair.eos_token_ids]
+    task = as_constraint(ctx, constraint)
+    prompt_ids = ctx.encode(prompt)
+    backend, _ = _fresh(ctx, n_particles, seed)
+    eos_bytes = [backend.byte_vocab[i].byte_string for i in ctx.eos]
     llm = PromptedLLM(backend, prompt_ids=prompt_ids, eos_byte_strings=eos_bytes, temperature=temperature)
     condition = task.potential.coerce(llm, f=b"".join)
     if sampler == "awrs":
@@ -268,14 +284,15 @@ def genlm_smc(
 
     start = time.perf_counter()
     seqs = asyncio.run(go())
-    ids = [[t.token_id for t in ctx if hasattr(t, "token_id")] for ctx in seqs.contexts]  # EOS has none
-    seconds, lengths = time.perf_counter() - start, [len(ctx) for ctx in seqs.contexts]
-    rec = _finish(f"genlm_{sampler}", pair, task, ids, list(seqs.log_weights), seconds, seed, lengths)
+    ids = [[t.token_id for t in seq if hasattr(t, "token_id")] for seq in seqs.contexts]  # EOS has none
+    seconds, lengths = time.perf_counter() - start, [len(seq) for seq in seqs.contexts]
+    rec = _finish(f"genlm_{sampler}", ctx, task, ids, list(seqs.log_weights), seconds, seed, lengths)
     rec.log_z, rec.ess = float(seqs.log_ml), float(seqs.ess)  # the library's own estimates
     return rec
 
 
-def _smcsd(pair, program, task, name, *, n_particles, max_new_tokens, temperature, seed, block_size, **cfg):
+def _smcsd(ctx, program, task, name, *, n_particles, max_new_tokens, temperature, seed, block_size, **cfg):
+    """Run one SMC-SD program under the call's settings; the record keeps SMC-SD's own log Z."""
     cfg.setdefault("cut", None)  # the paper's algorithm unless asked: filtering needs all N particles
     config = SMCConfig(
         n_particles=n_particles,
@@ -286,45 +303,55 @@ def _smcsd(pair, program, task, name, *, n_particles, max_new_tokens, temperatur
         seed=seed,
         **cfg,
     )
-    (out,) = pair.run([program], config)
-    ids, log_w = [p.token_ids for p in out.particles], [p.log_weight for p in out.particles]
-    rec = _finish(name, pair, task, ids, log_w, out.stats.seconds, seed)
+    # The program holds its prompt; the engine follows this call's config (ignore_eos included).
+    eos = [] if config.ignore_eos else ctx.eos
+    run_ctx = dataclasses.replace(ctx, prompts=[], config=config, eos=eos, on_progress=None)
+    ctx.target_lm.stats.reset()
+    start = time.perf_counter()
+    (out,) = run_programs(run_ctx, [program]).extras
+    seconds, particles = time.perf_counter() - start, out["particles"]
+    ids, log_w = [p.token_ids for p in particles], [p.log_weight for p in particles]
+    rec = _finish(name, ctx, task, ids, log_w, seconds, seed)
     rec.extra = {
-        "n_resamples": out.n_resamples,
-        "mean_ess": out.mean_ess,
-        "target_calls": out.stats.target_calls,
+        "n_resamples": out["n_resamples"],
+        "mean_ess": out["mean_ess"],
+        "target_calls": ctx.target_lm.stats.calls,
     }
-    rec.log_z = out.log_z  # includes the log Z increments of earlier resampling rounds
+    rec.log_z = out["log_z"]  # includes the log Z increments of earlier resampling rounds
     return rec
 
 
-def smcsd_constrained(pair, prompt, constraint, *, mode="proposal", block_size=8, **kw) -> SteeringRecord:
+def smcsd_constrained(
+    ctx: RunContext, prompt, constraint, *, mode="proposal", block_size=8, **kw
+) -> SteeringRecord:
     """SMC-SD program ``SMCSDModel(prompt, constraint, mode)``; ``kw`` as for ``llamppl_smc``."""
-    task = as_constraint(pair, constraint)
+    task = as_constraint(ctx, constraint)
     program = SMCSDModel(prompt, task.tokens, mode)
-    return _smcsd(pair, program, task, f"smcsd_{mode}", block_size=block_size, **_defaults(kw))
+    return _smcsd(ctx, program, task, f"smcsd_{mode}", block_size=block_size, **_defaults(kw))
 
 
-def smcsd_plain(pair, prompt, constraint, *, block_size=8, ignore_eos=False, **kw) -> SteeringRecord:
+def smcsd_plain(
+    ctx: RunContext, prompt, constraint, *, block_size=8, ignore_eos=False, **kw
+) -> SteeringRecord:
     """SMC-SD without the constraint (validity still checked), the same loop: the speed reference.
 
     ``ignore_eos`` emits exactly ``max_new_tokens`` tokens (for length-matched timing).
     """
-    task = as_constraint(pair, constraint)
+    task = as_constraint(ctx, constraint)
     program = SMCSDModel(prompt)
     return _smcsd(
-        pair, program, task, "smcsd_plain", block_size=block_size, ignore_eos=ignore_eos, **_defaults(kw)
+        ctx, program, task, "smcsd_plain", block_size=block_size, ignore_eos=ignore_eos, **_defaults(kw)
     )
 
 
-def smcsd_filtered(pair, prompt, constraint, *, seed=0, **kw) -> SteeringRecord:
+def smcsd_filtered(ctx: RunContext, prompt, constraint, *, seed=0, **kw) -> SteeringRecord:
     """SMC-SD without the constraint, then rejection: only valid particles may be returned.
 
     ``validity`` is the share of the N returned particles that satisfy the constraint;
     ``log_z`` becomes the unconstrained log Z plus the log of the valid weight share,
     an estimate of the constrained normalizer (-inf when no particle is valid).
     """
-    rec = smcsd_plain(pair, prompt, constraint, seed=seed, **kw)
+    rec = smcsd_plain(ctx, prompt, constraint, seed=seed, **kw)
     rec.method = "smcsd_filtered"
     log_w = torch.tensor(rec.log_weights, dtype=torch.float64)
     kept = log_w.masked_fill(~torch.tensor(rec.valid, dtype=torch.bool), -math.inf)
@@ -352,7 +379,7 @@ STEERING_METHODS: dict[str, SteeringRunner] = {
     "genlm_direct": partial(genlm_smc, sampler="direct"),
     "genlm_critic": partial(genlm_smc, sampler="critic"),
 }
-"""Every constrained-generation method by name: ``(pair, prompt, constraint, **kw) -> SteeringRecord``."""
+"""Every constrained-generation method by name: ``(ctx, prompt, constraint, **kw) -> SteeringRecord``."""
 
 SMCSD_STEERING = tuple(name for name in STEERING_METHODS if name.startswith("smcsd_"))
 """The SMC-SD ones (they take a block size K and a quality cut)."""
