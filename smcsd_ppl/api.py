@@ -15,7 +15,7 @@ from .inference.engine import BlockEngine
 from .inference.loop import CycleInfo
 from .inference.program import SMCSDModel
 from .inference.schedule import DraftRecord
-from .models import LoadedModel, load_model
+from .models import LoadedModel, eos_ids, load_model
 from .models.drafts import resolve_draft
 from .results import Generation, RunStats
 from .text import check_prompt
@@ -51,7 +51,7 @@ class SMCSD:
         self.tokenizer = target.tokenizer
         self.target_lm = HFBatchedLM(target.model, max_cache_bytes=max_cache_bytes, name="target")
         self.draft_lm = HFBatchedLM(draft.model, max_cache_bytes=max_cache_bytes, name="draft")
-        self.eos_token_ids = _eos_ids(target)
+        self.eos_token_ids = eos_ids(target)
         self.draft_record = DraftRecord()  # what SMC-SD's quality cut has seen of this draft
 
     @classmethod
@@ -248,18 +248,6 @@ class SMCSD:
         return RunStats(
             method, new_tokens, time.perf_counter() - start, t.calls, d.calls, t.seconds, d.seconds
         )
-
-
-def _eos_ids(model: LoadedModel) -> list[int]:
-    """End-of-sequence ids from the tokenizer and the generation config."""
-    ids = {model.tokenizer.eos_token_id}
-    gen = getattr(model.model, "generation_config", None)
-    extra = getattr(gen, "eos_token_id", None)
-    ids |= set(extra) if isinstance(extra, (list, tuple)) else {extra}
-    ids.discard(None)
-    if not ids:
-        raise ValueError(f"model {model.name!r} defines no EOS token")
-    return sorted(int(i) for i in ids)
 
 
 def _check_ids(ids: Sequence[int], vocab: int) -> None:

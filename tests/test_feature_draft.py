@@ -17,6 +17,7 @@ from smcsd_ppl.config import SMCConfig as Config
 from smcsd_ppl.inference.engine import BlockEngine
 from smcsd_ppl.inference.loop import run_smc_sd
 from smcsd_ppl.inference.program import SMCSDModel
+from smcsd_ppl.inference.schedule import DraftRecord
 from smcsd_ppl.methods.sd import speculative_sampling
 from smcsd_ppl.models import LoadedModel
 from smcsd_ppl.models.feature_draft import FeatureDraft, feature_student, final_hidden
@@ -191,3 +192,16 @@ def test_every_method_runs_with_a_feature_draft():
         pair.generate(
             "The quick brown fox", method="hf_assisted", config=dataclasses.replace(config, n_particles=1)
         )
+
+
+def test_a_feature_draft_known_not_to_pay_decodes_alone():
+    # The pair's record says the draft does not pay: requests start without even prefilling it,
+    # and committing blocks must leave the unprefilled feature draft's bookkeeping alone.
+    target = LoadedModel(llama(seed=0, layers=3), tokenizer(), "tiny-target", "random init")
+    draft = LoadedModel(random_feature_draft(target.model), target.tokenizer, "feature", "random init")
+    pair = SMCSD(target, draft)
+    pair.draft_record = DraftRecord(passed=0.0, failed=50.0)
+    config = SMCConfig(n_particles=3, block_size=3, max_new_tokens=10, seed=1, cut=0.3)
+    out = pair.generate("The quick brown fox", config=config)
+    assert 0 < len(out.token_ids) <= 10 and not any(out.draft_lengths)
+    assert pair.draft_lm.stats.calls == 0  # never prefilled

@@ -182,10 +182,11 @@ def _collect_data(args: argparse.Namespace, target, texts: list[str], out: pathl
     """
     from ..api import encode_prompt
     from ..distill import collect, corpus_examples, load_examples
+    from ..models import eos_ids
 
     tok, chat = target.tokenizer, not args.no_chat
     common = dict(max_prompt_tokens=args.max_prompt_tokens, top_k=args.top_k, seed=args.seed)
-    common["eos_ids"] = [tok.eos_token_id]
+    common["eos_ids"] = eos_ids(target)  # as generation stops: the generation config's too
 
     def answers(texts: list[str], where: str, unit: str, **kw) -> None:
         with progress(len(texts), unit) as bar:

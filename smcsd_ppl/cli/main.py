@@ -157,8 +157,8 @@ def _generate(args: argparse.Namespace) -> int:
         f"[{out.method}] {record['new_tokens']} tokens in {s.seconds:.2f} s = "
         f"{s.tokens_per_second:.1f} tok/s, {s.tokens_per_target_call:.2f} tokens/target call"
     )
+    ess = f"{out.mean_ess:.2f}/{config.n_particles}" if out.mean_ess is not None else "n/a"
     if out.log_z is not None:
-        ess = f"{out.mean_ess:.2f}/{config.n_particles}" if out.mean_ess is not None else "n/a"
         line += f", {out.n_resamples} resamples, mean ESS {ess}, log Z {out.log_z:.2f}"
         line += _drafting(out.draft_lengths)
     if out.acceptance is not None:

@@ -15,7 +15,8 @@ PROG = "smcsd"
 
 # What a user's mistake raises (a bad value, an unusable path, text that is not UTF-8).
 # main() turns these into one line and exit status 2; anything else is a bug and keeps its traceback.
-USER_ERRORS = (ValueError, OSError)
+# ArgumentTypeError: a type check (cut_value) also runs outside argparse, on comma lists.
+USER_ERRORS = (ValueError, OSError, argparse.ArgumentTypeError)
 
 
 class HelpFormatter(argparse.HelpFormatter):

@@ -4,7 +4,7 @@ It owns the draft and target backends, the tokens each row has generated but
 not yet fed to each model (the deferred bonus token, the last drafted token),
 and the run's random generator. Particles only hold their row index.
 
-A feature draft (``feature_draft.FeatureDraft``) reads, with each token, the target's
+A feature draft (``models.feature_draft.FeatureDraft``) reads, with each token, the target's
 hidden state at the position before it. Inside a block it feeds back its own predicted
 states; after verification those speculative positions are dropped and the kept tokens
 are queued again with the target's true states from the fused forward.
@@ -328,7 +328,7 @@ class BlockEngine:
         k = block_length(blocks) if blocks else 0
         drop_t, drop_d = {}, {}
         states = None
-        if self.reads_hidden:
+        if self.reads_hidden and self.draft_ready:
             rows, hidden = self._verified
             states = dict(zip(rows, hidden))
         for b, n, nxt in zip(blocks, kept, nexts):
@@ -337,7 +337,7 @@ class BlockEngine:
             if states is not None:
                 self.draft_pending[b.row] = b.tokens[:n] + tail if tail else []
                 self.draft_hidden[b.row] = states[b.row][: n + 1] if tail else states[b.row][:0]
-            else:
+            elif self.draft_ready:  # else decoding alone: the draft has nothing to keep in step
                 self.draft_pending[b.row] = self.draft_pending[b.row] + b.tokens[b.fed : n] + tail
             if nxt is not None:
                 drop_t[b.row] = k - n

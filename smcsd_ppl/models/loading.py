@@ -242,3 +242,15 @@ def _answers(host: str, port: int, timeout: float) -> bool:
             return True
     except OSError:
         return False
+
+
+def eos_ids(model: LoadedModel) -> list[int]:
+    """End-of-sequence ids from the tokenizer and the generation config."""
+    ids = {model.tokenizer.eos_token_id}
+    gen = getattr(model.model, "generation_config", None)
+    extra = getattr(gen, "eos_token_id", None)
+    ids |= set(extra) if isinstance(extra, (list, tuple)) else {extra}
+    ids.discard(None)
+    if not ids:
+        raise ValueError(f"model {model.name!r} defines no EOS token")
+    return sorted(int(i) for i in ids)
