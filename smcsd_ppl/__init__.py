@@ -24,7 +24,19 @@ _EXPORTS = {
     "load_model": "models.loading",
 }
 
-__all__ = list(_EXPORTS)
+__all__ = [  # noqa: RUF022 (the order of _EXPORTS)
+    "SMCConfig",
+    "SMCSD",
+    "Generation",
+    "RunStats",
+    "BlockEngine",
+    "SMCSDModel",
+    "SMCResult",
+    "smc_sd",
+    "run_smc_sd",
+    "LoadedModel",
+    "load_model",
+]
 
 if TYPE_CHECKING:
     from .api import SMCSD

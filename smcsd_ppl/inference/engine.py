@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import torch
 
-from ..backends.base import BatchedLM, check_finite, pad_left, pad_left_hidden
+from ..backends.base import BatchedLM, check_finite, pad_left, pad_left_hidden, to_device
 from ..config import SMCConfig
 from ..potentials.constraints import Constraint
 from ..spec import (
@@ -303,9 +303,8 @@ class BlockEngine:
         c = self.config
         q = torch.stack([b.draft_probs for b in blocks]).to(logits.device)  # [n, k, V]
         restrict = [b.constraint is not None and b.constraint.mode == "proposal" for b in blocks]
-        div = cut_divergence(logits, q, c.alpha, c.cut_divergence, torch.tensor(restrict, device=q.device))
-        full = torch.full((len(blocks),), logits.shape[1], device=div.device)
-        cuts = first_cut(div, c.cut, full).tolist()
+        mask = to_device(torch.tensor(restrict), q.device) if any(restrict) else None  # decided on the host
+        cuts = first_cut(cut_divergence(logits, q, c.alpha, c.cut_divergence, mask), c.cut).tolist()
         out = []
         for b, at in zip(blocks, cuts):
             if at < b.kept or (b.dead and at == b.kept):

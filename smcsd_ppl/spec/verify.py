@@ -78,7 +78,7 @@ def cut_divergence(
     draft_probs: torch.Tensor,  # [R, k, V] q at the same positions (zero where a constraint forbids)
     alpha: float,
     name: str,
-    restrict: torch.Tensor | None = None,  # [R] bool: compare with p restricted to q's support
+    restrict: torch.Tensor | None = None,  # [R] bool: compare with p restricted to q's support; None: no row
 ) -> torch.Tensor:
     """D(p^alpha / Z || q) at every drafted position (``[R, k]``).
 
@@ -87,7 +87,7 @@ def cut_divergence(
     """
     log_p = torch.log_softmax(alpha * target_logits.float(), -1)
     q = draft_probs.float()
-    if restrict is not None and bool(restrict.any()):
+    if restrict is not None:
         masked = log_p.masked_fill(q <= 0, -torch.inf)
         masked = masked - torch.logsumexp(masked, -1, keepdim=True)
         log_p = torch.where(restrict[:, None, None], masked, log_p)
@@ -95,18 +95,16 @@ def cut_divergence(
     return DIVERGENCES[name](log_p.exp(), q, log_p, log_q)
 
 
-def first_cut(divergence: torch.Tensor, threshold: float, limit: torch.Tensor) -> torch.Tensor:
+def first_cut(divergence: torch.Tensor, threshold: float) -> torch.Tensor:
     """Where each block is cut (``[R]``): the first position whose divergence exceeds ``threshold``.
 
     ``divergence [R, k]`` describes the next-token distributions before each drafted token,
     so the cut depends on the prefix only, never on the token drawn where it falls: the
-    bonus drawn from the target there keeps the block properly weighted. ``limit [R]``
-    caps the result (a row's draft length or its kept tokens).
+    bonus drawn from the target there keeps the block properly weighted. A block with no
+    such position is cut at k (not at all).
     """
-    k = divergence.shape[1]
     over = divergence > threshold
-    first = torch.where(over.any(1), over.float().argmax(1), torch.full_like(limit, k))
-    return torch.minimum(first, limit)
+    return torch.where(over.any(1), over.float().argmax(1), divergence.shape[1])
 
 
 def speculative_accept(
