@@ -1,4 +1,4 @@
-"""Validated settings for SMC speculative decoding and its baselines."""
+"""Validated settings for SMC speculative decoding and the other methods."""
 
 from __future__ import annotations
 

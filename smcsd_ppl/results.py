@@ -66,8 +66,9 @@ class Generation:
         entropy_rejections: EASD only (drafted tokens SD accepted but its rule rejected).
         message: why an output is empty, or incomplete (a constrained output cut short by
             ``max_new_tokens``), if it is.
-        collapsed: SMC-SD only: the ESS averaged under 30% of the particles, so the output
-            follows the draft more than the target (see ``SMCResult``).
+        collapsed: SMC-SD only: the ESS averaged under ``inference.loop.COLLAPSE_ESS_FRACTION`` of
+            the particles, so the output follows the draft more than the target (see
+            ``SMCResult``).
         draft_lengths: SMC-SD with a quality cut: the draft length of each cycle (0: the
             target alone).
     """

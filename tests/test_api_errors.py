@@ -116,7 +116,7 @@ def test_bench_refuses_records_of_other_settings_or_prompt_texts(pair, tmp_path)
     out = tmp_path / "r.jsonl"
     grid = Grid(["ar", "smcsd"], (2,), (2,), (0.7,), BASE)
     first = run_bench(pair, PROMPTS, grid, out, warmup=False)
-    assert {r["prompt_sha"] for r in first} and all(r["base_seed"] == 0 for r in first)
+    assert all(r["prompt_sha"] for r in first) and all(r["base_seed"] == 0 for r in first)
     size = out.stat().st_size
     changes = [
         ("base_seed", dict(seed=5)),

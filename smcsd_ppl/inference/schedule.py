@@ -30,7 +30,7 @@ PRIOR_POSITIONS = 8.0  # how many drafted positions the record counts for in a n
 MEMORY = 0.8  # the record's counts decay by this factor per request
 
 # Relative cost of one more verified position per drafted token: small on an accelerator,
-# where the fused forward is memory-bound, about a tenth of a step on a CPU (MODELS.md).
+# where the fused forward is memory-bound, larger on a CPU (docs/algorithm.md, the quality cut).
 VERIFY_POSITION_COST = {"cpu": 0.1}
 DEFAULT_POSITION_COST = 0.02
 

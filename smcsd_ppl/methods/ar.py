@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..backends.base import BatchedLM, check_finite
+from ..backends.base import BatchedLM, check_finite, to_device
 from ..spec import sample_tokens
 from .registry import MethodOutput, RunContext, register
 
@@ -58,9 +58,9 @@ def autoregressive(
         if not keep:
             return outs
         if len(keep) < len(rows):
-            index = torch.tensor(keep, device=tokens.device)
+            index = torch.tensor(keep)  # on the host: the backend knows the rows without a read
             target.fork(index)
-            tokens = tokens.index_select(0, index)
+            tokens = tokens.index_select(0, to_device(index, tokens.device))
             rows = [rows[i] for i in keep]
         logits = target.extend(tokens[:, None])[:, -1]
         calls += 1

@@ -304,8 +304,7 @@ def _smcsd(ctx, program, task, name, *, n_particles, max_new_tokens, temperature
         **cfg,
     )
     # The program holds its prompt; the engine follows this call's config (ignore_eos included).
-    eos = [] if config.ignore_eos else ctx.eos
-    run_ctx = dataclasses.replace(ctx, prompts=[], config=config, eos=eos, on_progress=None)
+    run_ctx = dataclasses.replace(ctx, prompts=[], config=config, on_progress=None)
     ctx.target_lm.stats.reset()
     start = time.perf_counter()
     (out,) = run_programs(run_ctx, [program]).extras
