@@ -118,15 +118,16 @@ class BlockEngine:
             if not torch.isfinite(log_z0).all():
                 raise ValueError("the constraint allows no first token: no output can satisfy it")
         x0 = sample_tokens(power, 1.0, self.g)
-        copies = torch.as_tensor(copies, device=self.device)  # one count for all, or one per prompt
-        rows = torch.arange(len(prompts), device=self.device).repeat_interleave(copies)
+        # Rows on the host: the backends fork without reading them back (one count, or one per prompt).
+        rows = torch.arange(len(prompts)).repeat_interleave(torch.as_tensor(copies))
         self.target.fork(rows)
         if draft:
             self.draft.fork(rows)
-        self.target_pending = [[int(x0[i])] for i in rows.tolist()]
-        self.draft_pending = [[int(x0[i])] for i in rows.tolist()]
-        self.draft_hidden = [last[i][None] for i in rows.tolist()] if self.reads_hidden and draft else []
-        return x0.tolist(), log_z0.tolist()
+        firsts, rows = x0.tolist(), rows.tolist()
+        self.target_pending = [[firsts[i]] for i in rows]
+        self.draft_pending = [[firsts[i]] for i in rows]
+        self.draft_hidden = [last[i][None] for i in rows] if self.reads_hidden and draft else []
+        return firsts, log_z0.tolist()
 
     @torch.inference_mode()
     def draft_blocks(

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..backends.base import check_finite
+from ..backends.base import check_finite, to_device
 from ..inference.engine import BlockEngine, DraftedBlock
 from ..spec import speculative_accept
 from .registry import MethodOutput, RunContext, register
@@ -98,7 +98,7 @@ class SpeculativeLoop:
         blocks, eng = self.blocks, self.engine
         target_probs = torch.softmax(eng.target_logits(blocks), -1)  # [R, K+1, V]
         draft_probs = torch.stack([b.draft_probs for b in blocks])  # [R, K, V]
-        tokens = torch.tensor([b.tokens for b in blocks], device=draft_probs.device)
+        tokens = to_device(torch.tensor([b.tokens for b in blocks]), draft_probs.device)
         n_acc, nxt, vetoed = self.accept(target_probs, draft_probs, tokens, eng.g)
         n_acc, nxt, vetoed = torch.stack([n_acc, nxt, vetoed.long()]).tolist()  # one host read
         for r, b, m, v in zip(self.rows, blocks, n_acc, vetoed):
