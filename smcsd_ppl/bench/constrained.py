@@ -18,13 +18,12 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import torch
-
 from ..backends.base import ForwardStats
 from ..methods import steering
 from ..methods.hf_assisted import count_forwards
 from ..methods.registry import RunContext
 from ..methods.steering import SteeringRecord, TaskConstraint
+from .quality import target_loglik_per_token
 
 
 @dataclass(frozen=True)
@@ -88,17 +87,6 @@ class CompareRow:
     example: str
 
 
-def target_loglik(pair, prompt_ids: Sequence[int], ids: Sequence[int]) -> float:
-    """Mean log p_target of ``ids`` after ``prompt_ids`` (nan for an empty output)."""
-    if not ids:
-        return math.nan
-    x = torch.tensor([list(prompt_ids) + list(ids)], device=pair.target_lm.device)
-    with torch.no_grad():
-        logits = pair.target.model(x).logits[0, len(prompt_ids) - 1 : -1].float()  # [T, V]
-    lp = torch.log_softmax(logits, -1).gather(1, x[0, len(prompt_ids) :, None])
-    return float(lp.mean())
-
-
 def compare_constrained(
     pair,
     tasks: Sequence[Task],
@@ -141,7 +129,8 @@ def compare_constrained(
                 )
                 rec.extra["target_forwards"] = forwards.calls - before
                 done[method] = rec
-                ll = target_loglik(pair, pair.encode(task.prompt), rec.token_ids)
+                ll = target_loglik_per_token(pair, pair.encode(task.prompt), rec.token_ids)
+                ll = math.nan if ll is None else ll  # an empty output
                 runs.setdefault((task.name, method), []).append((rec, ll))
                 if on_run is not None:
                     on_run(task.name, method, rec)
