@@ -10,7 +10,6 @@ plus a manifest (``smcsd_draft.json``) naming the target it fits.
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import os
@@ -23,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .feature_draft import FeatureDraft, feature_student, own_modules
-from .layers import assemble, decoder_layers
+from .layers import assemble, decoder_layers, trainable_copy
 from .loading import DEFAULT_TARGET, LoadedModel, load_model
 
 logger = logging.getLogger(__name__)
@@ -56,23 +55,8 @@ def slice_draft(target: LoadedModel, n_layers: int) -> LoadedModel:
 
 
 def student(target: LoadedModel, source_layers: Sequence[int]) -> transformers.PreTrainedModel:
-    """A trainable draft: fp32 copies of the target's ``source_layers`` and final norm.
-
-    Embeddings, rotary embedding and LM head stay shared with the target and frozen.
-    """
-    layers = decoder_layers(target.model)
-    indices = [int(i) for i in source_layers]
-    if not indices or len(set(indices)) != len(indices) or not all(0 <= i < len(layers) for i in indices):
-        raise ValueError(f"source layers must be distinct indices in [0, {len(layers) - 1}], got {indices}")
-    own = nn.ModuleList(copy.deepcopy(layers[i]).float() for i in indices)
-    for j, layer in enumerate(own):  # the KV cache is indexed by layer_idx
-        if hasattr(getattr(layer, "self_attn", None), "layer_idx"):
-            layer.self_attn.layer_idx = j
-    norm = copy.deepcopy(target.model.model.norm).float()
-    draft = assemble(target.model, indices, own, norm)
-    for module in (own, norm):
-        module.requires_grad_(True)
-    return draft
+    """A trainable draft: fp32 copies of the target's ``source_layers`` and final norm."""
+    return trainable_copy(target.model, source_layers)
 
 
 def draft_modules(draft: nn.Module) -> dict[str, nn.Module]:

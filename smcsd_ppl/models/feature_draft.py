@@ -16,14 +16,13 @@ the map starts by ignoring the states, so training begins from that draft's qual
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 
 import torch
 import transformers
 from torch import nn
 
-from .layers import assemble, decoder_layers
+from .layers import trainable_copy
 
 
 class FeatureDraft(nn.Module):
@@ -84,25 +83,14 @@ def feature_student(target: transformers.PreTrainedModel, source_layers: Sequenc
     The input map starts as [identity, 0]: the draft first reads only its tokens, exactly
     like a layer draft of the same layers, and training teaches it to use the states.
     """
-    layers = decoder_layers(target)
-    indices = [int(i) for i in source_layers]
-    if not indices or len(set(indices)) != len(indices) or not all(0 <= i < len(layers) for i in indices):
-        raise ValueError(f"source layers must be distinct indices in [0, {len(layers) - 1}], got {indices}")
-    own = nn.ModuleList(copy.deepcopy(layers[i]).float() for i in indices)
-    for j, layer in enumerate(own):  # the draft's KV cache is indexed by layer_idx
-        if hasattr(getattr(layer, "self_attn", None), "layer_idx"):
-            layer.self_attn.layer_idx = j
-    norm = copy.deepcopy(target.model.norm).float()
-    body = assemble(target, indices, own, norm)
+    body = trainable_copy(target, source_layers)
     size = target.config.hidden_size
     fc = nn.Linear(2 * size, size, bias=False, device=target.device)
     with torch.no_grad():
         fc.weight.zero_()
         fc.weight[:, :size] = torch.eye(size)
-    draft = FeatureDraft(body, fc)
-    for module in (own, norm, fc):
-        module.requires_grad_(True)
-    return draft
+    fc.requires_grad_(True)
+    return FeatureDraft(body, fc)
 
 
 def own_modules(draft: FeatureDraft) -> dict[str, nn.Module]:

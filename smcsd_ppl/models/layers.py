@@ -45,3 +45,25 @@ def assemble(
         raise ValueError(f"cannot build a draft of {type(full).__name__}: unshared tensors {leftover[:3]}")
     draft.generation_config = copy.deepcopy(full.generation_config)
     return draft
+
+
+def trainable_copy(
+    full: transformers.PreTrainedModel, source_layers: Sequence[int]
+) -> transformers.PreTrainedModel:
+    """``full`` with fp32, trainable copies of its ``source_layers`` and final norm; the rest shared.
+
+    Embeddings, rotary embedding and LM head stay the target's (and frozen with it).
+    """
+    layers = decoder_layers(full)
+    indices = [int(i) for i in source_layers]
+    if not indices or len(set(indices)) != len(indices) or not all(0 <= i < len(layers) for i in indices):
+        raise ValueError(f"source layers must be distinct indices in [0, {len(layers) - 1}], got {indices}")
+    own = nn.ModuleList(copy.deepcopy(layers[i]).float() for i in indices)
+    for j, layer in enumerate(own):  # the draft's KV cache is indexed by layer_idx
+        if hasattr(getattr(layer, "self_attn", None), "layer_idx"):
+            layer.self_attn.layer_idx = j
+    norm = copy.deepcopy(full.model.norm).float()
+    draft = assemble(full, indices, own, norm)
+    for module in (own, norm):
+        module.requires_grad_(True)
+    return draft
