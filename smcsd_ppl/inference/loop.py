@@ -75,6 +75,10 @@ class _Population:
     n_resamples: int = 0
     schedule: DraftSchedule | None = None
 
+    def log_weights(self) -> torch.Tensor:
+        """The particles' log-weights ``[N]`` (float64; NaN cleaned to -inf)."""
+        return smc.clean_log_weights(torch.tensor([p.weight for p in self.particles], dtype=torch.float64))
+
 
 async def smc_sd(
     programs: Sequence[SMCSDModel],
@@ -211,8 +215,7 @@ async def _step_all(live: list[SMCSDModel], barrier: CycleBarrier) -> None:
 
 
 def _maybe_resample(pop: _Population, cfg: SMCConfig, g: torch.Generator) -> tuple[float, bool]:
-    log_w = torch.tensor([p.weight for p in pop.particles], dtype=torch.float64)
-    log_w = smc.clean_log_weights(log_w)
+    log_w = pop.log_weights()
     n = len(pop.particles)
     if not torch.isfinite(log_w).any():
         pop.ess_trace.append(0.0)
@@ -255,9 +258,9 @@ def _adapt(pop: _Population, g: torch.Generator) -> None:
         return
     length, want = pop.schedule.next_length(), pop.schedule.n_particles()
     if want < len(pop.particles):
-        log_w = smc.clean_log_weights(torch.tensor([p.weight for p in pop.particles], dtype=torch.float64))
+        log_w = pop.log_weights()
         if torch.isfinite(log_w).any():
-            chosen = int(torch.multinomial(smc.normalize(log_w), 1, generator=g))
+            chosen = _draw_one(log_w, g)
             pop.log_z += smc.log_mean_exp(log_w)
             pop.particles = [pop.particles[chosen]]
             pop.particles[0].weight = 0.0
@@ -281,7 +284,7 @@ def _pack_rows(pops: list[_Population], engine: BlockEngine) -> None:
 
 
 def _result(pop: _Population, cfg: SMCConfig, g: torch.Generator) -> SMCResult:
-    log_w = smc.clean_log_weights(torch.tensor([p.weight for p in pop.particles], dtype=torch.float64))
+    log_w = pop.log_weights()
     outs = [ParticleOut(list(p.token_ids), p.text, float(w)) for p, w in zip(pop.particles, log_w)]
     stats = dict(
         ess_trace=pop.ess_trace,
@@ -296,10 +299,15 @@ def _result(pop: _Population, cfg: SMCConfig, g: torch.Generator) -> SMCResult:
     if cfg.selection == "argmax":
         chosen = int(torch.argmax(log_w))
     else:
-        chosen = int(torch.multinomial(smc.normalize(log_w), 1, generator=g))
+        chosen = _draw_one(log_w, g)
     best = outs[chosen]
     msg = _cut_short(pop.particles[chosen])
     return SMCResult(best.token_ids, best.text, log_z, outs, chosen, message=msg, **stats)
+
+
+def _draw_one(log_w: torch.Tensor, g: torch.Generator) -> int:
+    """One particle index drawn in proportion to its weight."""
+    return int(torch.multinomial(smc.normalize(log_w), 1, generator=g))
 
 
 def _cut_short(p: SMCSDModel) -> str:
