@@ -113,7 +113,7 @@ def compare_constrained(
     _warm_up(ctx, tasks[0], constraints[tasks[0].name], methods, **kw)
     runs: dict[tuple[str, str], list[tuple[SteeringRecord, float]]] = {}
     forwards = ForwardStats()  # on the decoder: the batched backend runs it and its own LM head
-    with count_forwards(pair.target.model.get_decoder(), forwards, timed=False):
+    with count_forwards(pair.target.model.get_decoder(), forwards):
         for rep, task in itertools.product(range(repeats), tasks):
             done: dict[str, SteeringRecord] = {}
             for method in methods:

@@ -240,7 +240,7 @@ def _eval_draft(args: argparse.Namespace) -> int:
     check_threads(args.threads)
     pair = load_pair(args)
     _warn_overlap(args.draft, pair, texts)
-    result = _measure_draft(pair, texts, args.max_new_tokens, progress)
+    result = _measure_draft(pair, texts, args.max_new_tokens)
     if args.json:
         print(json.dumps(result))
         return 0
@@ -264,7 +264,7 @@ def _eval_draft(args: argparse.Namespace) -> int:
     return 0
 
 
-def _measure_draft(pair, texts: list[str], max_new_tokens: int, progress) -> dict:
+def _measure_draft(pair, texts: list[str], max_new_tokens: int) -> dict:
     from ..distill import forward_cost, match_metrics
     from ..distill.data import greedy_examples
 

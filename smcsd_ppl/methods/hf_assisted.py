@@ -21,7 +21,6 @@ per target call) then stays right.
 from __future__ import annotations
 
 import copy
-import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from functools import partial
@@ -29,32 +28,24 @@ from functools import partial
 import torch
 from transformers import PreTrainedModel
 
-from ..backends.base import ForwardStats
+from ..backends.base import ForwardStats, Timer
 from .hf import plain_sampling
 from .registry import MethodOutput, RunContext, register
 
 
 @contextmanager
-def count_forwards(model: torch.nn.Module, stats: ForwardStats, *, timed: bool = True) -> Iterator[None]:
-    """Add calls, fed tokens and (when ``timed``) wall seconds of ``model``'s forwards to ``stats``.
-
-    Timing a CUDA forward synchronizes after it; ``timed=False`` only counts, without syncs.
-    """
+def count_forwards(model: torch.nn.Module, stats: ForwardStats) -> Iterator[None]:
+    """Add calls, fed tokens and time of ``model``'s forwards to ``stats`` (a ``Timer`` each: no syncs)."""
     device = next(model.parameters()).device
-    starts: list[float] = []
+    open_timers: list[Timer] = []
 
     def before(module, args, kwargs):
-        starts.append(time.perf_counter())
         ids = kwargs.get("input_ids", args[0] if args else None)
-        stats.tokens += int(ids.numel()) if isinstance(ids, torch.Tensor) else 0
+        tokens = int(ids.numel()) if isinstance(ids, torch.Tensor) else 0
+        open_timers.append(Timer(stats, device, tokens).__enter__())
 
     def after(module, args, kwargs, output):
-        start = starts.pop()
-        stats.calls += 1
-        if timed:
-            if device.type == "cuda":  # as backends.base.Timer: time the kernels, not the launch
-                torch.cuda.synchronize(device)
-            stats.seconds += time.perf_counter() - start
+        open_timers.pop().__exit__(None, None, None)
 
     hooks = [
         model.register_forward_pre_hook(before, with_kwargs=True),
