@@ -38,7 +38,9 @@ def main(pair=None, config=None):
     prompt = "Write an arithmetic expression whose value is 12, using only digits and + - * /."
     [out] = pair.run([Expression(prompt, grammar, mode=MODE)], config)
     print(out.text if out.text else out.message)
-    print(f"{out.stats.tokens_per_second:.1f} tok/s, mean ESS {out.mean_ess:.2f}, log Z {out.log_z:.2f}")
+    print(
+        f"{out.stats.tokens_per_second:.1f} tok/s, mean ESS {out.smc.mean_ess:.2f}, log Z {out.smc.log_z:.2f}"
+    )
     return out
 
 

@@ -31,7 +31,9 @@ def main(pair=None, config=None):
     [out] = pair.run([Extract(prompt, schema)], config)
     # An empty output, or one the budget cut short, is no JSON: its message says why.
     print(out.message if out.message else json.loads(out.text))
-    print(f"{out.stats.tokens_per_second:.1f} tok/s, mean ESS {out.mean_ess:.2f}, log Z {out.log_z:.2f}")
+    print(
+        f"{out.stats.tokens_per_second:.1f} tok/s, mean ESS {out.smc.mean_ess:.2f}, log Z {out.smc.log_z:.2f}"
+    )
     return out
 
 

@@ -20,7 +20,7 @@ def main(pair=None, config=None):
     s = out.stats
     print(
         f"{s.tokens_per_second:.1f} tok/s, {s.tokens_per_target_call:.1f} tokens/target call, "
-        f"{out.n_resamples} resamples, mean ESS {out.mean_ess:.2f}, log Z {out.log_z:.2f}"
+        f"{out.smc.n_resamples} resamples, mean ESS {out.smc.mean_ess:.2f}, log Z {out.smc.log_z:.2f}"
     )
     return out
 

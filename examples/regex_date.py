@@ -22,7 +22,9 @@ def main(pair=None, config=None):
     question = "On what date did Apollo 11 land on the Moon? Answer with the date only, as YYYY-MM-DD."
     [out] = pair.run([DateAnswer(question, date)], config)
     print(out.text if not out.message else f"{out.text} ({out.message})")
-    print(f"{out.stats.tokens_per_second:.1f} tok/s, mean ESS {out.mean_ess:.2f}, log Z {out.log_z:.2f}")
+    print(
+        f"{out.stats.tokens_per_second:.1f} tok/s, mean ESS {out.smc.mean_ess:.2f}, log Z {out.smc.log_z:.2f}"
+    )
     return out
 
 

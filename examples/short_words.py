@@ -22,7 +22,7 @@ def main(pair=None, config=None):
     longest = max((len(w) for w in "".join(c if c.isalpha() else " " for c in out.text).split()), default=0)
     print(
         f"longest word: {longest} letters; {out.stats.tokens_per_second:.1f} tok/s, "
-        f"mean ESS {out.mean_ess:.2f}"
+        f"mean ESS {out.smc.mean_ess:.2f}"
     )
     return out
 

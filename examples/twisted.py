@@ -24,7 +24,9 @@ def main(pair=None, config=None):
     )
     [out] = pair.run([Gardener("Write two sentences about spring.")], config)
     print(out.text)
-    print(f"{out.stats.tokens_per_second:.1f} tok/s, {out.n_resamples} resamples, log Z {out.log_z:.2f}")
+    print(
+        f"{out.stats.tokens_per_second:.1f} tok/s, {out.smc.n_resamples} resamples, log Z {out.smc.log_z:.2f}"
+    )
     return out
 
 

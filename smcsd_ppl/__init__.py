@@ -9,43 +9,41 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-# public name -> the submodule that defines it
+# public name -> the submodule that defines it; everything else is internal
 _EXPORTS = {
-    "SMCConfig": "config",
     "SMCSD": "api",
-    "Generation": "results",
-    "RunStats": "results",
-    "BlockEngine": "inference.engine",
+    "SMCConfig": "config",
+    "DraftRecord": "config",
     "SMCSDModel": "inference.program",
-    "SMCResult": "inference.loop",
-    "smc_sd": "inference.loop",
-    "run_smc_sd": "inference.loop",
-    "LoadedModel": "models.loading",
-    "load_model": "models.loading",
+    "Generation": "results",
+    "SMCInfo": "results",
+    "SpeculativeInfo": "results",
+    "RunStats": "results",
+    "Constraint": "potentials.constraints",
+    "RegexConstraint": "potentials.constraints",
+    "PotentialConstraint": "potentials.constraints",
 }
 
 __all__ = [  # noqa: RUF022 (the order of _EXPORTS)
-    "SMCConfig",
     "SMCSD",
-    "Generation",
-    "RunStats",
-    "BlockEngine",
+    "SMCConfig",
+    "DraftRecord",
     "SMCSDModel",
-    "SMCResult",
-    "smc_sd",
-    "run_smc_sd",
-    "LoadedModel",
-    "load_model",
+    "Generation",
+    "SMCInfo",
+    "SpeculativeInfo",
+    "RunStats",
+    "Constraint",
+    "RegexConstraint",
+    "PotentialConstraint",
 ]
 
 if TYPE_CHECKING:
     from .api import SMCSD
-    from .config import SMCConfig
-    from .inference.engine import BlockEngine
-    from .inference.loop import SMCResult, run_smc_sd, smc_sd
+    from .config import DraftRecord, SMCConfig
     from .inference.program import SMCSDModel
-    from .models import LoadedModel, load_model
-    from .results import Generation, RunStats
+    from .potentials.constraints import Constraint, PotentialConstraint, RegexConstraint
+    from .results import Generation, RunStats, SMCInfo, SpeculativeInfo
 
 
 def __getattr__(name: str):

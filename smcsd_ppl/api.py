@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import numbers
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -10,19 +12,23 @@ import torch
 
 from . import methods
 from .backends.hf import DEFAULT_CACHE_BUDGET, HFBatchedLM
-from .config import SMCConfig
-from .inference.engine import BlockEngine
-from .inference.loop import CycleInfo
+from .config import DraftRecord, SMCConfig
 from .inference.program import SMCSDModel
-from .inference.schedule import DraftRecord
+from .inference.rows import RowStore
+from .inference.state import StepInfo
 from .models import LoadedModel, eos_ids, load_model
 from .models.drafts import resolve_draft
-from .results import Generation, RunStats
+from .proposals.retrieval import RetrievalDrafter
+from .results import Generation, RunStats, SMCInfo, SpeculativeInfo
 from .text import check_prompt
 
 
 class SMCSD:
     """A target and a draft model sharing a tokenizer, with batched backends.
+
+    Calls are reproducible and safe to share: the same call with the same seed returns the
+    same output whatever ran before, and calls from several threads (or asyncio tasks, with
+    ``agenerate``) wait their turn, each returning what it would have returned alone.
 
     Args:
         target: the target model, loaded (see ``smcsd_ppl.models``).
@@ -52,7 +58,13 @@ class SMCSD:
         self.target_lm = HFBatchedLM(target.model, max_cache_bytes=max_cache_bytes, name="target")
         self.draft_lm = HFBatchedLM(draft.model, max_cache_bytes=max_cache_bytes, name="draft")
         self.eos_token_ids = eos_ids(target)
-        self.draft_record = DraftRecord()  # what SMC-SD's quality cut has seen of this draft
+        # What SMC-SD's adaptive drafting knows of this draft before a request: a value each
+        # request starts from and none changes (assign a learned one to change it).
+        self.draft_record = DraftRecord()
+        # RACER's index and cues, kept across calls only if the caller sets one (as the RACER
+        # reference does): faster on repeated content, but later outputs depend on earlier calls.
+        self.retrieval_memory: RetrievalDrafter | None = None
+        self._lock = threading.RLock()  # one call at a time on the backends' rows
 
     @classmethod
     def load(
@@ -72,18 +84,22 @@ class SMCSD:
         return cls(t, resolve_draft(draft, t, device=device, dtype=dtype), **kwargs)
 
     def calibrate(self, prompt: str, config: SMCConfig | None = None) -> DraftRecord:
-        """Learn how far this draft pays from one request, then stop learning.
+        """Learn from one request how far this draft pays, and start every later request from that.
 
-        SMC-SD with the quality cut starts each request from what earlier requests saw of
-        the draft, so outputs depend on what ran before. After ``calibrate`` every request
-        starts from this one's evidence, so runs are reproducible whatever their order.
+        Requests start from ``draft_record``; this replaces it with what one request, started
+        from nothing, saw of the draft. It changes outputs (and speed) of later calls in a
+        documented way; nothing else does.
         """
-        self.draft_record = DraftRecord()
         config = config or SMCConfig()
-        if config.cut is not None:
-            self.generate(prompt, config=config)
-        self.draft_record.frozen = True
-        return self.draft_record
+        with self._lock:
+            record = DraftRecord()
+            if config.cut is not None:
+                ids = [self.encode(prompt)]
+                self._check_fits(ids, config, methods.get("smcsd"))
+                out = methods.get("smcsd").run(self.context(config, ids, record=record))
+                record = out.info[0].draft_record
+            self.draft_record = record
+            return record
 
     def encode(self, prompt: str) -> list[int]:
         """Token ids of a text prompt (chat template applied for instruct models)."""
@@ -93,9 +109,14 @@ class SMCSD:
         """Text of token ids (special tokens dropped)."""
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
-    def engine(self, config: SMCConfig) -> BlockEngine:
-        """A block engine over this pair's backends, for custom loops."""
-        return BlockEngine(self.target_lm, self.draft_lm, self.eos_for(config), config, self.draft_record)
+    def rows(self) -> RowStore:
+        """A row store over this pair's backends, for custom loops (hold ``lock`` while using it)."""
+        return RowStore(self.target_lm, self.draft_lm)
+
+    @property
+    def lock(self) -> threading.RLock:
+        """The lock every call holds while it uses the backends."""
+        return self._lock
 
     def eos_for(self, config: SMCConfig) -> list[int]:
         """EOS ids in force under ``config`` (none with ``ignore_eos``)."""
@@ -127,6 +148,10 @@ class SMCSD:
         outs = self._generate(ids, chosen, config or SMCConfig(), on_progress)
         return outs[0] if single else outs
 
+    async def agenerate(self, prompts: str | Sequence[str], **kwargs) -> Generation | list[Generation]:
+        """``generate`` from asyncio code: runs on a worker thread, so the event loop keeps going."""
+        return await asyncio.to_thread(self.generate, prompts, **kwargs)
+
     def generate_ids(
         self,
         prompt_ids: Sequence[Sequence[int]],
@@ -147,14 +172,15 @@ class SMCSD:
         self,
         programs: Sequence[SMCSDModel],
         config: SMCConfig | None = None,
-        on_cycle: Callable[[CycleInfo], None] | None = None,
+        on_cycle: Callable[[StepInfo], None] | None = None,
     ) -> list[Generation]:
         """Run user programs (``SMCSDModel`` subclasses), one request each, in one batch."""
         self._check_token_prompts([p.prompt for p in programs if not isinstance(p.prompt, str)])
         context = self.context(config)  # the programs hold the prompts
-        start = self.start_clock()
-        out = methods.run_programs(context, list(programs), on_cycle)
-        return self._generations("smcsd", out, start)
+        with self._lock:
+            start = self.start_clock()
+            out = methods.run_programs(context, list(programs), on_cycle)
+            return self._generations("smcsd", out, start)
 
     def _check_token_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
         """Refuse a token-id prompt that is empty or holds ids outside the target's vocabulary."""
@@ -173,21 +199,25 @@ class SMCSD:
         method.check(config)
         self._check_fits(ids, config, method)
         context = self.context(config, ids, on_progress)
-        start = self.start_clock()
-        return self._generations(method.name, method.run(context), start)
+        with self._lock:
+            start = self.start_clock()
+            return self._generations(method.name, method.run(context), start)
 
     def context(
         self,
         config: SMCConfig | None = None,
         prompts: Sequence[Sequence[int]] = (),
         on_progress: Callable[[int], None] | None = None,
+        *,
+        record: DraftRecord | None = None,
     ) -> methods.RunContext:
-        """What a runner gets of this pair: backends, an engine factory, EOS ids, the models, text.
+        """What a runner gets of this pair: backends, a row-store factory, EOS ids, the models, text.
 
         Args:
             config: the settings of the call (``SMCConfig()`` when None).
             prompts: token-id prompts, one request each (none for SMC programs, which hold theirs).
             on_progress: called with the length of the longest output so far.
+            record: the draft record SMC-SD starts from (``draft_record`` when None).
         """
         config = config or SMCConfig()
         return methods.RunContext(
@@ -196,20 +226,34 @@ class SMCSD:
             self.target_lm,
             self.draft_lm,
             self.eos_for(config),
-            self.engine,
+            self.rows,
             on_progress,
             target_model=self.target,
             draft_model=self.draft,
             encode=self.encode,
             decode=self.decode,
+            draft_record=self.draft_record if record is None else record,
+            retrieval=self.retrieval_memory,
         )
 
     def _generations(self, name: str, out: methods.MethodOutput, start: float) -> list[Generation]:
         """One ``Generation`` per request, sharing the call's stats; decoded unless the method gave texts."""
         stats = self.stats(name, start, sum(len(t) for t in out.token_ids))
         texts = out.texts if out.texts is not None else [self.decode(t) for t in out.token_ids]
-        extras = out.extras or [{} for _ in out.token_ids]
-        return [Generation(text, t, name, stats, **x) for text, t, x in zip(texts, out.token_ids, extras)]
+        info = list(out.info) or [None] * len(texts)
+        messages = list(out.messages) or [""] * len(texts)
+        return [
+            Generation(
+                text,
+                ids,
+                name,
+                stats,
+                message,
+                smc=x if isinstance(x, SMCInfo) else None,
+                speculative=x if isinstance(x, SpeculativeInfo) else None,
+            )
+            for text, ids, x, message in zip(texts, out.token_ids, info, messages)
+        ]
 
     def _check_fits(self, ids: list[list[int]], config: SMCConfig, method: methods.Method) -> None:
         """Refuse up front what would fail mid-generation (context length, KV budget)."""

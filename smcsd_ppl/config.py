@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 RESAMPLING_SCHEMES = ("systematic", "multinomial", "stratified", "residual")
 SELECTIONS = ("sample", "argmax")
-DIVERGENCE_NAMES = ("tv", "renyi2", "kl")  # see spec.DIVERGENCES
+DIVERGENCE_NAMES = ("tv", "renyi2", "kl")  # see verification.DIVERGENCES
 # Below this, tempered log-probabilities (log p / T) grow past what float weights resolve: the ESS
 # and the resampling of near-greedy particles stop meaning anything. Use selection="argmax" or
 # the "ar" method at a low temperature instead.
@@ -93,3 +93,26 @@ def _check_int(name: str, value: object, low: int) -> None:
 def _check_positive(name: str, value: object) -> None:
     if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class DraftRecord:
+    """What is known of a draft before a request starts, for SMC-SD's adaptive drafting.
+
+    A value: requests start from it and never change it, so outputs do not depend on what
+    ran before. Empty, requests probe the draft; a record saying the draft does not pay lets
+    them decode with the target alone from their first token.
+
+    Attributes:
+        passed: drafted positions the quality cut kept.
+        failed: cuts that fired.
+    """
+
+    passed: float = 0.0
+    failed: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("passed", "failed"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"DraftRecord.{name} must be a finite count >= 0, got {value!r}")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .config import DraftRecord
+
 
 @dataclass
 class ParticleOut:
@@ -49,6 +51,46 @@ class RunStats:
 
 
 @dataclass
+class SMCInfo:
+    """What SMC-SD reports of one request.
+
+    Attributes:
+        log_z: the log normalizer estimate (unbiased in Z; see docs/algorithm.md).
+        particles: every final particle with its log-weight.
+        ess_trace: the ESS before each cycle's resampling decision.
+        mean_ess: the mean of ``ess_trace`` (the final weights' ESS when no cycle ran).
+        n_resamples: resampling rounds.
+        collapsed: the ESS averaged under ``inference.loop.COLLAPSE_ESS_FRACTION`` of the
+            particles, so the output follows the draft more than the target.
+        draft_lengths: with a quality cut, the draft length of each cycle (0: the target alone).
+        draft_record: the record the request started from, with its own evidence added:
+            pass it on (``SMCSD.draft_record``) to let later requests learn from this one.
+    """
+
+    log_z: float
+    particles: list[ParticleOut]
+    ess_trace: list[float]
+    mean_ess: float
+    n_resamples: int
+    collapsed: bool = False
+    draft_lengths: list[int] = field(default_factory=list)
+    draft_record: DraftRecord = field(default_factory=DraftRecord)
+
+
+@dataclass
+class SpeculativeInfo:
+    """What the speculative baselines (SD, EASD, MineDraft) report of one request.
+
+    Attributes:
+        acceptance: accepted / drafted tokens.
+        entropy_rejections: EASD only: drafted tokens SD accepted but its rule rejected.
+    """
+
+    acceptance: float
+    entropy_rejections: int | None = None
+
+
+@dataclass
 class Generation:
     """One request's output.
 
@@ -57,33 +99,16 @@ class Generation:
         token_ids: its token ids.
         method: the method's name (see ``smcsd_ppl.methods``).
         stats: the cost of the whole call this request was part of.
-        log_z: SMC-SD only: the log normalizer estimate (see ``SMCResult``).
-        n_resamples: SMC-SD only: resampling rounds.
-        mean_ess: SMC-SD only: the mean of ``ess_trace``.
-        particles: SMC-SD only: every final particle with its log-weight.
-        ess_trace: SMC-SD only: the ESS before each cycle's resampling decision.
-        acceptance: speculative methods (accepted / drafted tokens).
-        entropy_rejections: EASD only (drafted tokens SD accepted but its rule rejected).
         message: why an output is empty, or incomplete (a constrained output cut short by
             ``max_new_tokens``), if it is.
-        collapsed: SMC-SD only: the ESS averaged under ``inference.loop.COLLAPSE_ESS_FRACTION`` of
-            the particles, so the output follows the draft more than the target (see
-            ``SMCResult``).
-        draft_lengths: SMC-SD with a quality cut: the draft length of each cycle (0: the
-            target alone).
+        smc: SMC-SD's report (log Z, particles, ESS), for the SMC-SD methods.
+        speculative: the speculative baselines' report (acceptance).
     """
 
     text: str
     token_ids: list[int]
     method: str
     stats: RunStats | None
-    log_z: float | None = None
-    n_resamples: int | None = None
-    mean_ess: float | None = None
-    acceptance: float | None = None
-    entropy_rejections: int | None = None
-    particles: list[ParticleOut] = field(default_factory=list)
-    ess_trace: list[float] = field(default_factory=list)
     message: str = ""
-    collapsed: bool = False
-    draft_lengths: list[int] = field(default_factory=list)
+    smc: SMCInfo | None = None
+    speculative: SpeculativeInfo | None = None

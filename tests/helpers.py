@@ -1,4 +1,4 @@
-"""Exact enumeration of tiny mock LMs, shared by the statistical tests."""
+"""Shared test support: exact enumeration of tiny mock LMs, the mock pair, and test programs."""
 
 from __future__ import annotations
 
@@ -10,10 +10,14 @@ import torch
 from scipy import stats
 
 from smcsd_ppl.backends.mock import MockLM
-from smcsd_ppl.config import SMCConfig
-from smcsd_ppl.inference.engine import BlockEngine
+from smcsd_ppl.config import DraftRecord, SMCConfig
+from smcsd_ppl.inference.loop import SMCResult, run_smc_sd
+from smcsd_ppl.inference.program import SMCSDModel
+from smcsd_ppl.inference.rows import RowStore
+from smcsd_ppl.methods.sd import AcceptRule, SpeculativeRun, exact_accept, speculative_sampling
 
 EOS = 3
+V = 4
 
 
 def exact_target(lm: MockLM, prompt, horizon, *, temperature=1.0, alpha=1.0):
@@ -56,9 +60,126 @@ def total_variation(p: dict, q: dict) -> float:
     return 0.5 * sum(abs(p.get(k, 0.0) - q.get(k, 0.0)) for k in set(p) | set(q))
 
 
+def marginals(dist: dict, horizon: int) -> list[Counter]:
+    """Per position, the distribution of the token there (-1: the output ended before it)."""
+    out = [Counter() for _ in range(horizon)]
+    for seq, p in dist.items():
+        for j in range(horizon):
+            out[j][seq[j] if j < len(seq) else -1] += p
+    return out
+
+
+def marginal_tv(outputs, exact: dict, horizon: int) -> float:
+    """The largest TV, over positions, between the outputs' token marginals and the exact ones."""
+    n = len(outputs)
+    empirical = {k: c / n for k, c in Counter(map(tuple, outputs)).items()}
+    z = sum(exact.values())
+    a, b = marginals(empirical, horizon), marginals({k: v / z for k, v in exact.items()}, horizon)
+    return max(
+        0.5 * sum(abs(a[j].get(k, 0) - b[j].get(k, 0)) for k in set(a[j]) | set(b[j])) for j in range(horizon)
+    )
+
+
 # The settings the exact tests were written for: the paper's algorithm (no cut), T_t = 1.
 PAPER = dict(n_particles=4, block_size=4, draft_temperature=0.7, target_temperature=1.0, cut=None)
 
 
-def engine(target: MockLM, draft: MockLM, **cfg) -> BlockEngine:
-    return BlockEngine(target, draft, [EOS], SMCConfig(**{**PAPER, **cfg}))
+def config(**cfg) -> SMCConfig:
+    """``PAPER`` with overrides."""
+    return SMCConfig(**{**PAPER, **cfg})
+
+
+def mock_pair(noise: float = 0.8, rare_eos: bool = False) -> tuple[MockLM, MockLM]:
+    """The mock target and a draft that differs from it (a perturbed copy, so p/q stays bounded)."""
+    target = MockLM(V, seed=0, scale=1.5)
+    perturbation = torch.randn(target.table.shape, generator=torch.Generator().manual_seed(7))
+    draft = MockLM(table=target.table + noise * perturbation)
+    if rare_eos:  # most outputs then reach the budget and carry bonus tokens
+        for lm in (target, draft):
+            lm.table[..., EOS] -= 2.5
+    return target, draft
+
+
+def smc(target, draft, programs, *, record: DraftRecord | None = None, eos=(EOS,), **cfg) -> list[SMCResult]:
+    """SMC-SD of ``programs`` on a fresh row store over the mock pair, under ``config(**cfg)``."""
+    return run_smc_sd(list(programs), RowStore(target, draft), config(**cfg), list(eos), record=record)
+
+
+def sd(target, draft, prompts, *, accept: AcceptRule = exact_accept, **cfg) -> SpeculativeRun:
+    """A speculative loop (exact SD unless another ``accept`` rule) over the mock pair."""
+    return speculative_sampling(RowStore(target, draft), config(**cfg), [EOS], prompts, accept=accept)
+
+
+class NoOneZero:
+    """Outputs without the bigram (1, 0); EOS only once a 2 has appeared."""
+
+    def next_mask(self, contexts):
+        out = torch.ones(len(contexts), V, dtype=torch.bool)
+        for i, c in enumerate(contexts):
+            if not satisfies_prefix(c):
+                out[i] = False
+                continue
+            if c and c[-1] == 1:
+                out[i, 0] = False
+            out[i, EOS] = 2 in c
+        return out
+
+
+def satisfies_prefix(seq) -> bool:
+    body = list(seq)
+    if EOS in body:
+        return False
+    return all(not (a == 1 and b == 0) for a, b in zip(body, body[1:]))
+
+
+def satisfies(seq) -> bool:
+    seq = list(seq)
+    if seq and seq[-1] == EOS:
+        return satisfies_prefix(seq[:-1]) and 2 in seq[:-1]
+    return satisfies_prefix(seq)
+
+
+class Twisted(SMCSDModel):
+    """Twists towards outputs with many 2s; the final target must not change."""
+
+    twists = 0
+
+    async def step(self):
+        await self.extend()
+        if not self.finished:
+            Twisted.twists += 1
+            self.twist(0.7 * self.token_ids.count(2) - 0.3)
+
+
+class Nothing:
+    def next_mask(self, contexts):
+        return torch.zeros(len(contexts), V, dtype=torch.bool)
+
+
+class DeadEnd:
+    """Only token 1 may come first; after it nothing is allowed (and EOS never)."""
+
+    def next_mask(self, contexts):
+        out = torch.zeros(len(contexts), V, dtype=torch.bool)
+        for i, c in enumerate(contexts):
+            if len(c) == 0:
+                out[i, 1] = True
+        return out
+
+
+def forced_prefix(seq) -> bool:
+    return all(t == (2 if i % 4 == 1 else 1) for i, t in enumerate(seq) if i % 4 in (1, 2))
+
+
+class Forced:
+    """Tokens 2 then 1 at positions 1, 2 (and 5, 6, 9, 10, ...); anything elsewhere."""
+
+    def next_mask(self, contexts):
+        out = torch.ones(len(contexts), V, dtype=torch.bool)
+        for i, c in enumerate(contexts):
+            if not forced_prefix(c):  # off the forced tokens already: nothing may follow
+                out[i] = False
+            elif len(c) % 4 in (1, 2):
+                out[i] = False
+                out[i, 2 if len(c) % 4 == 1 else 1] = True
+        return out

@@ -20,33 +20,28 @@ ATOL, RTOL = 1e-4, 1e-4
 PROMPTS = [[5, 17, 33, 2, 250, 9, 11], [40, 41], [7, 8, 99, 100, 101], [3]]
 
 
-@pytest.fixture(scope="module")
-def model():
-    return llama(seed=0, layers=3)
-
-
-def scratch(model, seq, n_last):
+def scratch(tiny_llama, seq, n_last):
     """Logits after each of the last ``n_last`` tokens of ``seq`` (one row, no cache, no mask)."""
     with torch.inference_mode():
-        return model(torch.tensor([list(seq)])).logits[0, -n_last:].float()
+        return tiny_llama(torch.tensor([list(seq)])).logits[0, -n_last:].float()
 
 
 def block(rows, k, seed=0):
     return torch.randint(1, 300, (rows, k), generator=torch.Generator().manual_seed(seed))
 
 
-def test_prefill_equals_scratch_for_left_padded_prompts(model):
-    lm = HFBatchedLM(model)
+def test_prefill_equals_scratch_for_left_padded_prompts(tiny_llama):
+    lm = HFBatchedLM(tiny_llama)
     logits = lm.prefill(PROMPTS)
     assert logits.shape == (len(PROMPTS), lm.vocab_size) and logits.dtype == torch.float32
     for i, p in enumerate(PROMPTS):
-        torch.testing.assert_close(logits[i], scratch(model, p, 1)[0], atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(logits[i], scratch(tiny_llama, p, 1)[0], atol=ATOL, rtol=RTOL)
     assert lm.stats.calls == 1
 
 
-def test_fork_that_moves_few_rows_copies_in_place(model):
+def test_fork_that_moves_few_rows_copies_in_place(tiny_llama):
     # Resampling that replaces 1 of 4 rows takes the in-place path; logits must not change.
-    lm = HFBatchedLM(model)
+    lm = HFBatchedLM(tiny_llama)
     lm.prefill(PROMPTS)
     first = block(len(PROMPTS), 3, seed=3)
     lm.extend(first)
@@ -56,19 +51,19 @@ def test_fork_that_moves_few_rows_copies_in_place(model):
     out = lm.extend(more)
     for i, r in enumerate(rows.tolist()):
         seq = PROMPTS[r] + first[r].tolist() + more[i].tolist()
-        torch.testing.assert_close(out[i], scratch(model, seq, 2), atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(out[i], scratch(tiny_llama, seq, 2), atol=ATOL, rtol=RTOL)
 
 
-def test_fork_to_fewer_rows_crops_padding_columns(model):
-    lm = HFBatchedLM(model)
+def test_fork_to_fewer_rows_crops_padding_columns(tiny_llama):
+    lm = HFBatchedLM(tiny_llama)
     lm.prefill([[1, 2, 3, 4, 5, 6], [7, 8]])
     lm.fork(torch.tensor([1]))  # only the short row survives: its left padding is leading, not trailing
     out = lm.extend(torch.tensor([[9, 10]]))
-    torch.testing.assert_close(out[0], scratch(model, [7, 8, 9, 10], 2), atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(out[0], scratch(tiny_llama, [7, 8, 9, 10], 2), atol=ATOL, rtol=RTOL)
 
 
-def test_holes_inside_a_block_are_invisible(model):
-    lm = HFBatchedLM(model)
+def test_holes_inside_a_block_are_invisible(tiny_llama):
+    lm = HFBatchedLM(tiny_llama)
     lm.prefill(PROMPTS)
     tokens = block(len(PROMPTS), 4, seed=3)
     valid = torch.tensor(
@@ -85,17 +80,17 @@ def test_holes_inside_a_block_are_invisible(model):
     for i, p in enumerate(PROMPTS):
         real = tokens[i][valid[i]].tolist()
         # logits at each real position see only the real tokens before it
-        ref = scratch(model, p + real, len(real))
+        ref = scratch(tiny_llama, p + real, len(real))
         torch.testing.assert_close(out[i][valid[i]], ref, atol=ATOL, rtol=RTOL)
         torch.testing.assert_close(
-            nxt[i], scratch(model, p + real + more[i].tolist(), 2), atol=ATOL, rtol=RTOL
+            nxt[i], scratch(tiny_llama, p + real + more[i].tolist(), 2), atol=ATOL, rtol=RTOL
         )
     assert lm.lengths.tolist() == [len(p) + int(v.sum()) + 2 for p, v in zip(PROMPTS, valid)]
 
 
-def test_drop_tail_rewinds_the_write_position_without_copies(model):
+def test_drop_tail_rewinds_the_write_position_without_copies(tiny_llama):
     # Many cycles of extend + drop_tail reuse the same columns: the cache never grows or moves.
-    lm = HFBatchedLM(model)
+    lm = HFBatchedLM(tiny_llama)
     lm.prefill(PROMPTS)
     capacity, ptr = lm.cache.capacity, lm.cache.layers[0].keys.data_ptr()
     seqs = [list(p) for p in PROMPTS]
@@ -111,12 +106,12 @@ def test_drop_tail_rewinds_the_write_position_without_copies(model):
     assert lm.cache.capacity == capacity and lm.cache.layers[0].keys.data_ptr() == ptr
     out = lm.extend(torch.tensor([[3], [4], [5], [6]]))
     for i, s in enumerate(seqs):
-        torch.testing.assert_close(out[i], scratch(model, s + [3 + i], 1), atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(out[i], scratch(tiny_llama, s + [3 + i], 1), atol=ATOL, rtol=RTOL)
 
 
-def test_capacity_doubles_when_a_forward_needs_more(model, monkeypatch):
+def test_capacity_doubles_when_a_forward_needs_more(tiny_llama, monkeypatch):
     monkeypatch.setattr(hf, "HEADROOM", 2)
-    lm = HFBatchedLM(model)
+    lm = HFBatchedLM(tiny_llama)
     lm.prefill(PROMPTS)
     first = lm.cache.capacity
     assert first == max(len(p) for p in PROMPTS) + 2
@@ -124,13 +119,15 @@ def test_capacity_doubles_when_a_forward_needs_more(model, monkeypatch):
     out = lm.extend(tokens)
     assert lm.cache.capacity == 2 * first
     for i, p in enumerate(PROMPTS):
-        torch.testing.assert_close(out[i], scratch(model, p + tokens[i].tolist(), 4), atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(
+            out[i], scratch(tiny_llama, p + tokens[i].tolist(), 4), atol=ATOL, rtol=RTOL
+        )
 
 
-def test_mostly_hole_blocks_leave_no_holes_behind(model):
+def test_mostly_hole_blocks_leave_no_holes_behind(tiny_llama):
     # Holes are written past each row's end and overwritten next time: forks and later
     # forwards see only real tokens, and the row lengths count real tokens only.
-    lm = HFBatchedLM(model)
+    lm = HFBatchedLM(tiny_llama)
     lm.prefill(PROMPTS)
     t = 40
     tokens = block(len(PROMPTS), t, seed=10)
@@ -148,47 +145,47 @@ def test_mostly_hole_blocks_leave_no_holes_behind(model):
     out = lm.extend(more, holes)
     for i, r in enumerate(rows.tolist()):
         seq = real[r] + more[i][holes[i]].tolist()
-        torch.testing.assert_close(out[i][holes[i]], scratch(model, seq, 2), atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(out[i][holes[i]], scratch(tiny_llama, seq, 2), atol=ATOL, rtol=RTOL)
 
 
-def test_drop_more_than_held_raises(model):
-    lm = HFBatchedLM(model)
+def test_drop_more_than_held_raises(tiny_llama):
+    lm = HFBatchedLM(tiny_llama)
     lm.prefill([[1, 2], [3, 4, 5]])
     with pytest.raises(ValueError, match="cannot drop"):
         lm.drop_tail(torch.tensor([3, 0]))
 
 
-def test_kv_budget_raises_before_the_forward(model):
-    lm = HFBatchedLM(model, max_cache_bytes=lm_bytes(model, rows=2, positions=8), name="target")
+def test_kv_budget_raises_before_the_forward(tiny_llama):
+    lm = HFBatchedLM(tiny_llama, max_cache_bytes=lm_bytes(tiny_llama, rows=2, positions=8), name="target")
     lm.prefill([[1, 2, 3], [4, 5, 6, 7]])
     calls = lm.stats.calls
     with pytest.raises(ValueError, match="budget") as err:
         lm.extend(torch.ones(2, 8, dtype=torch.long))
     assert "max_cache_bytes" in str(err.value) and "target" in str(err.value)
-    assert lm.stats.calls == calls  # refused before running the model
+    assert lm.stats.calls == calls  # refused before running the tiny_llama
     with pytest.raises(ValueError, match="budget"):
-        HFBatchedLM(model, max_cache_bytes=1).prefill([[1, 2]])
+        HFBatchedLM(tiny_llama, max_cache_bytes=1).prefill([[1, 2]])
 
 
-def test_fork_to_more_rows_stays_within_the_budget(model):
-    budget = lm_bytes(model, rows=2, positions=8)
-    lm = HFBatchedLM(model, max_cache_bytes=budget)
+def test_fork_to_more_rows_stays_within_the_budget(tiny_llama):
+    budget = lm_bytes(tiny_llama, rows=2, positions=8)
+    lm = HFBatchedLM(tiny_llama, max_cache_bytes=budget)
     lm.prefill([[1, 2, 3]])
     for rows in (2, 4):
         lm.fork(torch.zeros(rows, dtype=torch.long))
         assert lm.bytes_per_token * rows * lm.cache.capacity <= budget
     out = lm.extend(torch.tensor([[4]] * 4))
-    torch.testing.assert_close(out[3], scratch(model, [1, 2, 3, 4], 1), atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(out[3], scratch(tiny_llama, [1, 2, 3, 4], 1), atol=ATOL, rtol=RTOL)
     with pytest.raises(ValueError, match="budget"):
         lm.fork(torch.zeros(8, dtype=torch.long))  # 8 rows x 4 positions > 2 x 8
 
 
-def lm_bytes(model, rows, positions):
-    return HFBatchedLM(model).bytes_per_token * rows * positions
+def lm_bytes(tiny_llama, rows, positions):
+    return HFBatchedLM(tiny_llama).bytes_per_token * rows * positions
 
 
-def test_context_limit_raises(model):
-    lm = HFBatchedLM(model)
+def test_context_limit_raises(tiny_llama):
+    lm = HFBatchedLM(tiny_llama)
     assert lm.max_length == MAX_POSITIONS
     with pytest.raises(ValueError, match="context"):
         lm.prefill([[1] * (MAX_POSITIONS + 5)])
@@ -199,18 +196,18 @@ def test_context_limit_raises(model):
         lm.extend(torch.ones(1, 4, dtype=torch.long))
 
 
-def test_empty_prompts_raise(model):
-    lm = HFBatchedLM(model)
+def test_empty_prompts_raise(tiny_llama):
+    lm = HFBatchedLM(tiny_llama)
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         lm.prefill([[1, 2], []])
     with pytest.raises(ValueError, match="no prompts"):
         lm.prefill([])
     with pytest.raises(ValueError, match="before prefill"):
-        HFBatchedLM(model).extend(torch.ones(1, 1, dtype=torch.long))
+        HFBatchedLM(tiny_llama).extend(torch.ones(1, 1, dtype=torch.long))
 
 
-def test_bad_extend_shape_raises(model):
-    lm = HFBatchedLM(model)
+def test_bad_extend_shape_raises(tiny_llama):
+    lm = HFBatchedLM(tiny_llama)
     lm.prefill([[1, 2], [3]])
     with pytest.raises(ValueError, match=r"\[2, T\]"):
         lm.extend(torch.ones(3, 1, dtype=torch.long))
@@ -225,11 +222,11 @@ def test_nan_logits_raise_at_the_next_check():
         lm.check_finite()
     assert "target" in str(err.value)
 
-    model = llama(seed=0)
-    lm = HFBatchedLM(model, name="draft")
+    tiny_llama = llama(seed=0)
+    lm = HFBatchedLM(tiny_llama, name="draft")
     lm.prefill([[1, 2, 3]])
     lm.check_finite()
-    model.lm_head.weight[7].fill_(float("nan"))  # breaks after prefill: the flag must catch it
+    tiny_llama.lm_head.weight[7].fill_(float("nan"))  # breaks after prefill: the flag must catch it
     lm.extend(torch.ones(1, 2, dtype=torch.long))
     with pytest.raises(ValueError, match="NaN"):
         lm.check_finite()
@@ -238,12 +235,12 @@ def test_nan_logits_raise_at_the_next_check():
 
 def test_bf16_fused_block_matches_token_by_token():
     # bf16 rounding differs between one fused forward and K small ones; only check closeness.
-    model = llama(seed=0, layers=3, dtype=torch.bfloat16)
+    tiny_llama = llama(seed=0, layers=3, dtype=torch.bfloat16)
     tokens = block(len(PROMPTS), 3, seed=9)
-    fused = HFBatchedLM(model)
+    fused = HFBatchedLM(tiny_llama)
     fused.prefill(PROMPTS)
     out = fused.extend(tokens)
-    stepwise = HFBatchedLM(model)
+    stepwise = HFBatchedLM(tiny_llama)
     stepwise.prefill(PROMPTS)
     steps = torch.stack([stepwise.extend(tokens[:, j : j + 1])[:, 0] for j in range(3)], 1)
     assert out.dtype == torch.float32
@@ -254,11 +251,11 @@ def test_bf16_fused_block_matches_token_by_token():
 
 
 @pytest.mark.parametrize("plain_head", [True, False])
-def test_extend_over_a_vocabulary_subset_returns_those_logits(model, plain_head):
-    # plain_head=False stands for a model that scales or soft-caps its logits after the head:
+def test_extend_over_a_vocabulary_subset_returns_those_logits(tiny_llama, plain_head):
+    # plain_head=False stands for a tiny_llama that scales or soft-caps its logits after the head:
     # the backend must then run the full forward and pick the columns.
     vocab = torch.tensor([3, 17, 250, 299])
-    lm = HFBatchedLM(model)
+    lm = HFBatchedLM(tiny_llama)
     lm.prefill(PROMPTS)
     assert lm._plain_head()  # a Llama's logits are its head on the decoder's output
     lm.plain_head = plain_head
@@ -270,10 +267,10 @@ def test_extend_over_a_vocabulary_subset_returns_those_logits(model, plain_head)
     torch.testing.assert_close(part, full[..., vocab], atol=ATOL, rtol=RTOL)
 
 
-def test_indices_on_the_device_keep_logits_exact(model, monkeypatch):
+def test_indices_on_the_device_keep_logits_exact(tiny_llama, monkeypatch):
     # Masks, fork rows and drop counts that live on an accelerator are never read: the
     # backend then keeps only upper bounds of the row lengths, and must stay exact.
-    lm = HFBatchedLM(model)
+    lm = HFBatchedLM(tiny_llama)
     lm.prefill(PROMPTS)  # host bookkeeping first: exact, unequal row lengths
     monkeypatch.setattr(kv, "on_host", lambda t: False)
     tokens = block(len(PROMPTS), 4, seed=13)
@@ -289,4 +286,4 @@ def test_indices_on_the_device_keep_logits_exact(model, monkeypatch):
     assert all(b >= n for b, n in zip(lm.bound, lm.lengths.tolist()))
     out = lm.extend(torch.tensor([[1], [2], [3], [4]]))
     for i, s in enumerate(seqs):
-        torch.testing.assert_close(out[i], scratch(model, s + [i + 1], 1), atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(out[i], scratch(tiny_llama, s + [i + 1], 1), atol=ATOL, rtol=RTOL)

@@ -9,10 +9,9 @@ import types
 from pathlib import Path
 
 import pytest
-import tiny
 import torch
 
-from smcsd_ppl import SMCSD, SMCConfig
+from smcsd_ppl import SMCConfig
 from smcsd_ppl.bench import Grid, Prompt, load_prompts, read_records, run_bench
 from smcsd_ppl.bench.harness import TIMING_FIELDS, record_seed
 from smcsd_ppl.bench.quality import check_answer, gsm8k_correct, last_number, target_loglik_per_token
@@ -34,11 +33,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def pair():
-    return SMCSD(*tiny.pair())
 
 
 def grid(**kw):
@@ -70,8 +64,8 @@ def test_seed_depends_on_the_key_only():
     assert record_seed(key, 1) != record_seed(key, 0)
 
 
-def test_killed_and_resumed_run_writes_the_records_of_an_uninterrupted_one(pair, tmp_path):
-    full = run_bench(pair, PROMPTS, grid(), tmp_path / "full.jsonl", repeats=2, warmup=False)
+def test_killed_and_resumed_run_writes_the_records_of_an_uninterrupted_one(tiny_smcsd, tmp_path):
+    full = run_bench(tiny_smcsd, PROMPTS, grid(), tmp_path / "full.jsonl", repeats=2, warmup=False)
     assert len(full) == 3 * 5 * 2  # ar + sd x 2 K + smcsd x 2 K, per prompt and repeat
     out = tmp_path / "killed.jsonl"
     calls = []
@@ -82,12 +76,12 @@ def test_killed_and_resumed_run_writes_the_records_of_an_uninterrupted_one(pair,
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        run_bench(pair, PROMPTS, grid(), out, repeats=2, on_record=kill_after_3)
+        run_bench(tiny_smcsd, PROMPTS, grid(), out, repeats=2, on_record=kill_after_3)
     assert len(read_records(out)[0]) == 3
     with out.open("ab") as f:  # a kill in the middle of writing the 4th line
         f.write(b'{"method": "smcsd", "n_par')
     new = []
-    resumed = run_bench(pair, PROMPTS, grid(), out, repeats=2, on_record=lambda r, d, t: new.append(d))
+    resumed = run_bench(tiny_smcsd, PROMPTS, grid(), out, repeats=2, on_record=lambda r, d, t: new.append(d))
     assert new == list(range(1, 31))
     on_disk = [json.loads(line) for line in out.read_text().splitlines()]  # every line is whole
     assert _stable(on_disk) == _stable(resumed) == _stable(full)
@@ -101,16 +95,16 @@ def test_killed_and_resumed_run_writes_the_records_of_an_uninterrupted_one(pair,
     assert full[0]["correct"] is None
 
     size = out.stat().st_size  # a finished run resumed again runs nothing
-    run_bench(pair, PROMPTS, grid(), out, repeats=2)
+    run_bench(tiny_smcsd, PROMPTS, grid(), out, repeats=2)
     assert out.stat().st_size == size
     with pytest.raises(ValueError, match="max_new_tokens"):
-        run_bench(pair, PROMPTS, Grid(["ar"], base=SMCConfig(max_new_tokens=9)), out)
+        run_bench(tiny_smcsd, PROMPTS, Grid(["ar"], base=SMCConfig(max_new_tokens=9)), out)
 
 
-def test_a_failing_prompt_is_recorded_and_the_grid_goes_on(pair, tmp_path):
+def test_a_failing_prompt_is_recorded_and_the_grid_goes_on(tiny_smcsd, tmp_path):
     long = Prompt("long", "the fox " * 200, "story")
     recs = run_bench(
-        pair, [long, PROMPTS[0]], Grid(["ar"], base=SMCConfig(max_new_tokens=4)), tmp_path / "e.jsonl"
+        tiny_smcsd, [long, PROMPTS[0]], Grid(["ar"], base=SMCConfig(max_new_tokens=4)), tmp_path / "e.jsonl"
     )
     assert "context" in recs[0]["error"] and "error" not in recs[1]
 
@@ -189,14 +183,14 @@ def test_shared_datasets():
 # --- quality ---------------------------------------------------------------------------------
 
 
-def test_loglik_per_token_matches_a_direct_computation(pair):
-    prompt = pair.encode("Once upon a time")
-    out = pair.generate("Once upon a time", method="ar", config=SMCConfig(max_new_tokens=6)).token_ids
+def test_loglik_per_token_matches_a_direct_computation(tiny_smcsd):
+    prompt = tiny_smcsd.encode("Once upon a time")
+    out = tiny_smcsd.generate("Once upon a time", method="ar", config=SMCConfig(max_new_tokens=6)).token_ids
     with torch.no_grad():
-        logp = torch.log_softmax(pair.target.model(torch.tensor([prompt + out])).logits[0].float(), -1)
+        logp = torch.log_softmax(tiny_smcsd.target.model(torch.tensor([prompt + out])).logits[0].float(), -1)
     direct = sum(float(logp[len(prompt) - 1 + i, t]) for i, t in enumerate(out)) / len(out)
-    assert target_loglik_per_token(pair, prompt, out) == pytest.approx(direct, abs=1e-5)
-    assert target_loglik_per_token(pair, prompt, []) is None
+    assert target_loglik_per_token(tiny_smcsd, prompt, out) == pytest.approx(direct, abs=1e-5)
+    assert target_loglik_per_token(tiny_smcsd, prompt, []) is None
 
 
 @pytest.mark.parametrize(

@@ -6,53 +6,30 @@ import math
 
 import pytest
 import torch
-from helpers import EOS, engine, exact_target, total_variation
+from helpers import (
+    DeadEnd,
+    Forced,
+    NoOneZero,
+    Nothing,
+    Twisted,
+    V,
+    exact_target,
+    mock_pair,
+    satisfies,
+    smc,
+    total_variation,
+)
 
+import smcsd_ppl.inference.cycle as cycle_module
 from smcsd_ppl.backends.mock import MockLM
-from smcsd_ppl.inference.loop import run_smc_sd
 from smcsd_ppl.inference.program import SMCSDModel
 
-V, H, PROMPT = 4, 4, [1, 2]
+H, PROMPT = 4, [1, 2]
 # Runs and distance bound: a correct sampler's Z-weighted estimate lies ~0.04-0.06 (TV)
 # from the target at these run counts (measured over seeds; it halves with 4x the runs,
 # as noise does). The critic kills particles, so it needs more runs for the same noise.
 RUNS = {"proposal": 4000, "critic": 12000}
 TV_LIMIT = 0.07
-
-
-class NoOneZero:
-    """Outputs without the bigram (1, 0); EOS only once a 2 has appeared."""
-
-    def next_mask(self, contexts):
-        out = torch.ones(len(contexts), V, dtype=torch.bool)
-        for i, c in enumerate(contexts):
-            if not satisfies_prefix(c):
-                out[i] = False
-                continue
-            if c and c[-1] == 1:
-                out[i, 0] = False
-            out[i, EOS] = 2 in c
-        return out
-
-
-def satisfies_prefix(seq) -> bool:
-    body = list(seq)
-    if EOS in body:
-        return False
-    return all(not (a == 1 and b == 0) for a, b in zip(body, body[1:]))
-
-
-def satisfies(seq) -> bool:
-    seq = list(seq)
-    if seq and seq[-1] == EOS:
-        return satisfies_prefix(seq[:-1]) and 2 in seq[:-1]
-    return satisfies_prefix(seq)
-
-
-def models():
-    target = MockLM(V, seed=0, scale=1.5)
-    noise = torch.randn(target.table.shape, generator=torch.Generator().manual_seed(7))
-    return target, MockLM(table=target.table + 0.8 * noise)
 
 
 def constrained_target(target):
@@ -66,23 +43,10 @@ class Constrained(SMCSDModel):
         await self.extend()
 
 
-class Twisted(SMCSDModel):
-    """Twists towards outputs with many 2s; the final target must not change."""
-
-    twists = 0
-
-    async def step(self):
-        await self.extend()
-        if not self.finished:
-            Twisted.twists += 1
-            self.twist(0.7 * self.token_ids.count(2) - 0.3)
-
-
 def run(program, mode, runs, seed, **cfg):
-    target, draft = models()
-    eng = engine(target, draft, max_new_tokens=H, draft_temperature=1.0, seed=seed, **cfg)
-    results = run_smc_sd([program(PROMPT, NoOneZero(), mode) for _ in range(runs)], eng)
-    return target, results
+    target, draft = mock_pair()
+    programs = [program(PROMPT, NoOneZero(), mode) for _ in range(runs)]
+    return target, smc(target, draft, programs, max_new_tokens=H, draft_temperature=1.0, seed=seed, **cfg)
 
 
 def z_weighted(results):
@@ -121,17 +85,15 @@ def test_constrained_smcsd_is_properly_weighted(mode, program):
 def test_the_check_fails_if_critic_cuts_resume(monkeypatch):
     # A particle resuming after a cut reaches outputs through several segmentations:
     # the same checks must catch the resulting bias.
-    import smcsd_ppl.inference.engine as engine_module
+    real = cycle_module.draft_blocks
 
-    real = engine_module.BlockEngine.draft_blocks
-
-    def resume(self, *args, **kwargs):
-        blocks = real(self, *args, **kwargs)
+    def resume(*args, **kwargs):
+        blocks = real(*args, **kwargs)
         for b in blocks:
             b.dead = False
         return blocks
 
-    monkeypatch.setattr(engine_module.BlockEngine, "draft_blocks", resume)
+    monkeypatch.setattr(cycle_module, "draft_blocks", resume)
     target, results = run(
         Constrained, "critic", 4000, seed=11, n_particles=3, block_size=2, ess_threshold=0.7
     )
@@ -143,62 +105,30 @@ def test_the_check_fails_if_critic_cuts_resume(monkeypatch):
     assert biased or far
 
 
-class Nothing:
-    def next_mask(self, contexts):
-        return torch.zeros(len(contexts), V, dtype=torch.bool)
-
-
 def test_constraint_without_any_first_token_raises():
-    target, draft = models()
-    eng = engine(target, draft, max_new_tokens=H)
+    target, draft = mock_pair()
     with pytest.raises(ValueError, match="no output can satisfy"):
-        run_smc_sd([Constrained(PROMPT, Nothing())], eng)
-
-
-class DeadEnd:
-    """Only token 1 may come first; after it nothing is allowed (and EOS never)."""
-
-    def next_mask(self, contexts):
-        out = torch.zeros(len(contexts), V, dtype=torch.bool)
-        for i, c in enumerate(contexts):
-            if len(c) == 0:
-                out[i, 1] = True
-        return out
+        smc(target, draft, [Constrained(PROMPT, Nothing())], max_new_tokens=H)
 
 
 @pytest.mark.parametrize("mode", ["proposal", "critic"])
 def test_constraint_no_particle_can_finish_ends_with_a_message(mode):
-    target, draft = models()
-    eng = engine(target, draft, max_new_tokens=H, n_particles=4, block_size=2)
-    [result] = run_smc_sd([Constrained(PROMPT, DeadEnd(), mode)], eng)
+    target, draft = mock_pair()
+    [result] = smc(
+        target, draft, [Constrained(PROMPT, DeadEnd(), mode)], max_new_tokens=H, n_particles=4, block_size=2
+    )
     assert result.token_ids == [] and result.chosen == -1
     assert "no particle" in result.message
-
-
-def forced_prefix(seq) -> bool:
-    return all(t == (2 if i % 4 == 1 else 1) for i, t in enumerate(seq) if i % 4 in (1, 2))
-
-
-class Forced:
-    """Tokens 2 then 1 at positions 1, 2 (and 5, 6, 9, 10, ...); anything elsewhere."""
-
-    def next_mask(self, contexts):
-        out = torch.ones(len(contexts), V, dtype=torch.bool)
-        for i, c in enumerate(contexts):
-            if not forced_prefix(c):  # off the forced tokens already: nothing may follow
-                out[i] = False
-            elif len(c) % 4 in (1, 2):
-                out[i] = False
-                out[i, 2 if len(c) % 4 == 1 else 1] = True
-        return out
 
 
 def test_forced_tokens_skip_draft_forwards_and_stay_properly_weighted():
     # K=2: the first block is all forced (no draft forward; x0 stays unread), the second
     # block (budget 1) then feeds x0, 2, 1 and the bonus in one forward.
-    target, draft = models()
-    eng = engine(target, draft, max_new_tokens=5, draft_temperature=1.0, seed=5, n_particles=3, block_size=2)
-    results = run_smc_sd([Constrained(PROMPT, Forced()) for _ in range(4000)], eng)
+    target, draft = mock_pair()
+    programs = [Constrained(PROMPT, Forced()) for _ in range(4000)]
+    results = smc(
+        target, draft, programs, max_new_tokens=5, draft_temperature=1.0, seed=5, n_particles=3, block_size=2
+    )
     assert draft.stats.calls == 1 + 1  # prefill, then one forward in the second block
     weights, _ = exact_target(target, PROMPT, 5)
     exact = {y: w for y, w in weights.items() if y[1:3] == (2, 1)[: len(y) - 1]}
@@ -211,21 +141,21 @@ def test_forced_tokens_skip_draft_forwards_and_stay_properly_weighted():
 
 def test_drafted_log_q_is_the_drafts_on_the_true_context(monkeypatch):
     """Tokens of skipped forwards are fed later: every log q is the draft's given the true context."""
-    import smcsd_ppl.inference.engine as engine_module
+    seen, real = [], cycle_module.draft_blocks
 
-    seen, real = [], engine_module.BlockEngine.draft_blocks
-
-    def spy(self, *args, **kwargs):
-        blocks = real(self, *args, **kwargs)
+    def spy(*args, **kwargs):
+        blocks = real(*args, **kwargs)
         seen.extend(blocks)
         return blocks
 
-    monkeypatch.setattr(engine_module.BlockEngine, "draft_blocks", spy)
-    target, _ = models()
+    monkeypatch.setattr(cycle_module, "draft_blocks", spy)
+    target, _ = mock_pair()
     draft = MockLM(V, order=6, seed=3)  # sees far back: a token fed twice or never shows
     t_d, forced = 0.8, Forced()
-    eng = engine(target, draft, max_new_tokens=12, draft_temperature=t_d, seed=2, n_particles=4, block_size=2)
-    run_smc_sd([Constrained(PROMPT, forced) for _ in range(12)], eng)
+    programs = [Constrained(PROMPT, forced) for _ in range(40)]
+    smc(
+        target, draft, programs, max_new_tokens=12, draft_temperature=t_d, seed=2, n_particles=4, block_size=2
+    )
     checked = 0
     for b in seen:
         for j in range(b.kept):

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+import helpers as exact
 import pytest
 import regex
-import test_constraints_exact as exact
 import torch
-from helpers import EOS
-from tiny import llama, tokenizer
+from tiny import tokenizer
 
 from smcsd_ppl.backends.base import BatchedLM, TreeLM
 from smcsd_ppl.backends.contract import BatchedLMContract, ContractError
@@ -18,32 +17,27 @@ from smcsd_ppl.potentials import PotentialConstraint, RegexConstraint, token_byt
 from smcsd_ppl.potentials.contract import ConstraintContract
 
 
-@pytest.fixture(scope="module")
-def model():
-    return llama(seed=0, layers=3)
-
-
-def scratch(model):
+def scratch(tiny_llama):
     """Logits after a sequence from one plain forward: a reference independent of the backend."""
 
     def logits(seq):
         with torch.inference_mode():
-            return model(torch.tensor([list(seq)])).logits[0, -1].float()
+            return tiny_llama(torch.tensor([list(seq)])).logits[0, -1].float()
 
     return logits
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_hf_backend_keeps_the_contract(model, attn):
-    model.config._attn_implementation = attn
+def test_hf_backend_keeps_the_contract(tiny_llama, attn):
+    tiny_llama.config._attn_implementation = attn
     try:
-        BatchedLMContract(lambda: HFBatchedLM(model), reference=scratch(model)).check_all()
+        BatchedLMContract(lambda: HFBatchedLM(tiny_llama), reference=scratch(tiny_llama)).check_all()
     finally:
-        model.config._attn_implementation = "sdpa"
+        tiny_llama.config._attn_implementation = "sdpa"
 
 
-def test_hf_backend_keeps_the_contract_against_its_own_prefill(model):
-    BatchedLMContract(lambda: HFBatchedLM(model), seed=1).check_all()
+def test_hf_backend_keeps_the_contract_against_its_own_prefill(tiny_llama):
+    BatchedLMContract(lambda: HFBatchedLM(tiny_llama), seed=1).check_all()
 
 
 def mock():
@@ -54,8 +48,11 @@ def test_mock_keeps_the_contract():
     BatchedLMContract(mock, reference=mock().next_logits, atol=0, rtol=0).check_all()
 
 
-def test_backends_satisfy_the_protocols(model):
-    hf, mixed = HFBatchedLM(model), MixedDraft(HFBatchedLM(model), HFBatchedLM(model), 0.5, 1.0)
+def test_backends_satisfy_the_protocols(tiny_llama):
+    hf, mixed = (
+        HFBatchedLM(tiny_llama),
+        MixedDraft(HFBatchedLM(tiny_llama), HFBatchedLM(tiny_llama), 0.5, 1.0),
+    )
     assert isinstance(hf, TreeLM) and isinstance(mock(), TreeLM)
     assert isinstance(mixed, BatchedLM) and not isinstance(mixed, TreeLM)
 
@@ -133,8 +130,8 @@ class HFForgetsToRewind(HFBatchedLM):
         super().drop_tail(torch.zeros_like(n))  # the write position stays: dropped tokens stay seen
 
 
-def test_the_contract_fails_an_hf_backend_that_forgets_to_rewind(model):
-    contract = BatchedLMContract(lambda: HFForgetsToRewind(model), reference=scratch(model))
+def test_the_contract_fails_an_hf_backend_that_forgets_to_rewind(tiny_llama):
+    contract = BatchedLMContract(lambda: HFForgetsToRewind(tiny_llama), reference=scratch(tiny_llama))
     with pytest.raises(ContractError, match="drop_tail"):
         contract.check_all()
 
@@ -199,7 +196,7 @@ TEST_CONSTRAINTS = {
 
 
 def small_contract(make, viable, complete, **kw):
-    return ConstraintContract(make, exact.V, [EOS], viable=viable, complete=complete, **kw)
+    return ConstraintContract(make, exact.V, [exact.EOS], viable=viable, complete=complete, **kw)
 
 
 @pytest.mark.parametrize("name", TEST_CONSTRAINTS)

@@ -10,28 +10,14 @@ import math
 
 import pytest
 import torch
-from helpers import EOS, engine, exact_target, total_variation
-from test_constraints_exact import NoOneZero, Twisted, satisfies
+from helpers import NoOneZero, Twisted, exact_target, mock_pair, satisfies, smc, total_variation
 
-import smcsd_ppl.inference.engine as engine_module
-from smcsd_ppl.backends.mock import MockLM
-from smcsd_ppl.inference.loop import run_smc_sd
+import smcsd_ppl.inference.cycle as cycle_module
 from smcsd_ppl.inference.program import SMCSDModel
-from smcsd_ppl.spec import pick
+from smcsd_ppl.verification import pick
 
-V = 4
 PROMPTS = ([1, 2], [0, 3, 1, 2, 1])  # different lengths, one batch
 TV_LIMIT = 0.07
-
-
-def models(rare_eos: bool = False):
-    target = MockLM(V, seed=0, scale=1.5)
-    noise = torch.randn(target.table.shape, generator=torch.Generator().manual_seed(7))
-    draft = MockLM(table=target.table + 0.8 * noise)
-    if rare_eos:  # most outputs then reach the budget and carry bonus tokens
-        for lm in (target, draft):
-            lm.table[..., EOS] -= 2.5
-    return target, draft
 
 
 def pooled(results):
@@ -72,9 +58,8 @@ RUNS = {"critic": 8000}  # the critic kills particles: more runs for the same no
 def run_case(case, runs, seed=11):
     spec = dict(CASES[case])
     program, horizon, rare = spec.pop("program"), spec.pop("horizon"), spec.pop("rare_eos")
-    target, draft = models(rare)
+    target, draft = mock_pair(rare_eos=rare)
     cfg = dict(n_particles=3, block_size=2, ess_threshold=0.7, draft_temperature=1.0, cut=0.25) | spec
-    eng = engine(target, draft, max_new_tokens=horizon, seed=seed, **cfg)
     make = {
         "plain": lambda prompt: SMCSDModel(prompt),
         "constraint": lambda prompt: SMCSDModel(prompt, NoOneZero()),
@@ -82,7 +67,7 @@ def run_case(case, runs, seed=11):
         "critic": lambda prompt: SMCSDModel(prompt, NoOneZero(), "critic"),
     }[program]
     programs = [make(PROMPTS[i % 2]) for i in range(2 * runs)]
-    results = run_smc_sd(programs, eng)
+    results = smc(target, draft, programs, max_new_tokens=horizon, seed=seed, **cfg)
     groups = []
     for i, prompt in enumerate(PROMPTS):
         exact, _ = exact_target(
@@ -95,23 +80,23 @@ def run_case(case, runs, seed=11):
         if program != "plain":
             exact = {y: w for y, w in exact.items() if satisfies(y)}
         groups.append((results[i::2], exact, sum(exact.values())))
-    return eng, groups
+    return cfg, groups
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_cut_smcsd_is_properly_weighted(case, monkeypatch):
     cuts = []
-    real = engine_module.BlockEngine._quality_cut
+    real = cycle_module.verify_blocks
 
-    def spy(self, blocks, logits):
-        out = real(self, blocks, logits)
-        cuts.extend((b.diverged, b.kept) for b in out)
-        return out
+    def spy(*args, **kwargs):
+        verdict = real(*args, **kwargs)
+        cuts.extend(zip(verdict.diverged.tolist(), verdict.kept.tolist()))
+        return verdict
 
-    monkeypatch.setattr(engine_module.BlockEngine, "_quality_cut", spy)
+    monkeypatch.setattr(cycle_module, "verify_blocks", spy)
     Twisted.twists = 0
-    eng, groups = run_case(case, runs=RUNS.get(case, 3000))
-    if eng.config.cut is not None:  # the cut fires, but not always
+    cfg, groups = run_case(case, runs=RUNS.get(case, 3000))
+    if cfg["cut"] is not None:  # the cut fires, but not always
         assert any(d for d, _ in cuts) and any(not d and k > 0 for d, k in cuts)
     if case == "twist":
         assert Twisted.twists > 0
@@ -124,20 +109,18 @@ def test_cut_smcsd_is_properly_weighted(case, monkeypatch):
 
 def test_a_cut_that_reads_the_drawn_token_is_not_properly_weighted(monkeypatch):
     """Cutting where the drawn token's p/q is small, then dropping it, biases the output."""
+    real = cycle_module.verify_blocks
 
-    def token_cut(self, blocks, logits):
-        out = []
-        for i, b in enumerate(blocks):
-            k = len(b.tokens)
-            logp = torch.log_softmax(logits[i].float(), -1)
-            ratio = pick(logp[None], torch.tensor([b.tokens]))[0] - b.draft_logq[:k]
-            low = [j for j in range(min(k, b.kept)) if ratio[j] < -0.3]
-            if low:
-                b = engine_module.replace(b, kept=low[0], stops=False, dead=False, diverged=True)
-            out.append(b)
-        return out
+    def token_cut(logits, tokens, draft_logq, ends, stops, dead, g, **kw):
+        k = tokens.shape[1]
+        ratio = pick(torch.log_softmax(logits[:, :k].float(), -1), tokens) - draft_logq  # [R, k]
+        low = (ratio < -0.3) & (torch.arange(k)[None, :] < ends[:, None])
+        at = torch.where(low.any(1), low.float().argmax(1), ends)
+        cut = at < ends
+        ends, stops, dead = torch.where(cut, at, ends), stops & ~cut, dead & ~cut
+        return real(logits, tokens, draft_logq, ends, stops, dead, g, **(kw | {"cut": None}))
 
-    monkeypatch.setattr(engine_module.BlockEngine, "_quality_cut", token_cut)
+    monkeypatch.setattr(cycle_module, "verify_blocks", token_cut)
     _, groups = run_case("alpha=2, rare EOS", runs=3000)
     failures = [not unbiased or tv > TV_LIMIT for unbiased, tv, _ in (check(*g) for g in groups)]
     assert any(failures)
@@ -146,9 +129,11 @@ def test_a_cut_that_reads_the_drawn_token_is_not_properly_weighted(monkeypatch):
 def test_the_output_particle_is_chosen_in_proportion_to_its_weight():
     # Chosen with probability W_i, the output's own weight averages E[sum_i W_i^2];
     # a uniform choice would average 1/N, the heaviest particle more than both.
-    target, draft = models()
-    eng = engine(target, draft, max_new_tokens=4, n_particles=4, block_size=2, ess_threshold=0.0, seed=3)
-    results = run_smc_sd([SMCSDModel(PROMPTS[0]) for _ in range(4000)], eng)
+    target, draft = mock_pair()
+    programs = [SMCSDModel(PROMPTS[0]) for _ in range(4000)]
+    results = smc(
+        target, draft, programs, max_new_tokens=4, n_particles=4, block_size=2, ess_threshold=0.0, seed=3
+    )
     chosen, expected = [], []
     for r in results:
         w = torch.softmax(torch.tensor([p.log_weight for p in r.particles], dtype=torch.float64), 0)

@@ -7,32 +7,33 @@ from collections import Counter
 
 import pytest
 import torch
-from helpers import chi_square_pvalue, engine, exact_target
-from test_exact import PROMPT, H, models
+from helpers import EOS, chi_square_pvalue, config, exact_target, mock_pair, sd
 
+import smcsd_ppl.methods.sd as sd_module
 from smcsd_ppl.backends.mock import MockLM
 from smcsd_ppl.config import SMCConfig
-from smcsd_ppl.inference.engine import BlockEngine
+from smcsd_ppl.inference.rows import RowStore
 from smcsd_ppl.methods.easd import EASDConfig, easd_sampling
-from smcsd_ppl.methods.sd import speculative_sampling
-from smcsd_ppl.spec.easd import easd_accept, entropy, topn_overlap, uncertain_agreement
+from smcsd_ppl.verification.easd import easd_accept, entropy, topn_overlap, uncertain_agreement
+
+PROMPT, H = [1, 2], 4
 
 OFF = [EASDConfig(enabled=False), EASDConfig(tau_q=math.inf, tau_p=math.inf)]
 
 
+@pytest.mark.parametrize("t_t", [1.0, 0.6])
 @pytest.mark.parametrize("rule", OFF, ids=["disabled", "infinite-thresholds"])
-def test_easd_without_its_rule_is_exact_sd(rule):
-    target, draft = models()
-    cfg = dict(block_size=2, max_new_tokens=H, draft_temperature=0.8, seed=1)
+def test_easd_without_its_rule_is_exact_sd(rule, t_t):
+    target, draft = mock_pair()
+    cfg = dict(block_size=2, max_new_tokens=H, draft_temperature=0.8, target_temperature=t_t, seed=1)
     runs = 3000
-    out = easd_sampling(engine(target, draft, **cfg), [PROMPT] * runs, easd=rule)
-    sd = speculative_sampling(engine(target, draft, **cfg), [PROMPT] * runs)
-    assert out.token_ids == sd.token_ids  # same random stream, same tokens
-    assert out.accepted == sd.accepted and out.drafted == sd.drafted
+    out = easd_sampling(RowStore(target, draft), config(**cfg), [EOS], [PROMPT] * runs, easd=rule)
+    exact_sd = sd(target, draft, [PROMPT] * runs, **cfg)
+    assert out.token_ids == exact_sd.token_ids  # same random stream, same tokens
+    assert out.accepted == exact_sd.accepted and out.drafted == exact_sd.drafted
     assert sum(out.vetoes) == 0
-    exact, z = exact_target(target, PROMPT, H)
-    assert z == pytest.approx(1.0)
-    assert chi_square_pvalue(Counter(map(tuple, out.token_ids)), exact) > 1e-3
+    exact, z = exact_target(target, PROMPT, H, temperature=t_t)
+    assert chi_square_pvalue(Counter(map(tuple, out.token_ids)), {k: v / z for k, v in exact.items()}) > 1e-3
 
 
 def flat_pair():
@@ -41,29 +42,29 @@ def flat_pair():
     return target, MockLM(table=target.table.clone())
 
 
-def test_veto_fires_and_never_returns_the_drafted_token():
+def test_veto_fires_and_never_returns_the_drafted_token(monkeypatch):
     target, draft = flat_pair()
     # q = p: SD alone accepts every drafted token, so any cut is the rule's.
-    eng = engine(target, draft, block_size=3, max_new_tokens=8, draft_temperature=1.0, seed=0)
-    sd = speculative_sampling(eng, [PROMPT] * 200)
-    assert sum(sd.accepted) == sum(sd.drafted)
+    exact_sd = sd(
+        target, draft, [PROMPT] * 200, block_size=3, max_new_tokens=8, draft_temperature=1.0, seed=0
+    )
+    assert sum(exact_sd.accepted) == sum(exact_sd.drafted)
     # Entropies of these near-uniform 4-token distributions exceed 1 nat everywhere and
     # the top-2 sets agree (q = p): the rule vetoes d_1 of every block.
     rule = EASDConfig(tau_q=1.0, tau_p=1.0, top_n=2, overlap=0.5)
+    real = sd_module.draft_blocks
     for seed in range(20):
         cfg = SMCConfig(
             block_size=3, max_new_tokens=8, draft_temperature=1.0, target_temperature=1.0, seed=seed
         )
-        eng = BlockEngine(target, draft, [], cfg)  # no EOS: every run lasts 7 cycles
         blocks = []
-        draft_blocks = eng.draft_blocks
 
-        def spy(*args, draft_blocks=draft_blocks, blocks=blocks, **kwargs):
-            blocks.append(draft_blocks(*args, **kwargs)[0])
+        def spy(*args, blocks=blocks, **kwargs):
+            blocks.append(real(*args, **kwargs)[0])
             return blocks[-1:]
 
-        eng.draft_blocks = spy
-        run = easd_sampling(eng, [PROMPT], easd=rule)
+        monkeypatch.setattr(sd_module, "draft_blocks", spy)
+        run = easd_sampling(RowStore(target, draft), cfg, [], [PROMPT], easd=rule)  # no EOS: 7 cycles
         out = run.token_ids[0]
         assert run.accepted == [0] and run.vetoes == [len(blocks)] == [7]
         assert len(out) == 8  # x0, then one replacement token per cycle
@@ -103,15 +104,12 @@ def test_rule_math():
         EASDConfig(overlap=1.5)
 
 
-def test_registered_runner_on_tiny_llamas():
-    import tiny
-
-    from smcsd_ppl.api import SMCSD
-
-    pair = SMCSD(*tiny.pair())
-    outs = pair.generate(
-        ["the quick brown fox", "once upon a time"], method="easd", config=SMCConfig(max_new_tokens=8)
-    )
+def test_registered_runner_on_tiny_llamas(tiny_smcsd):
+    config = SMCConfig(max_new_tokens=8, ignore_eos=True)
+    outs = tiny_smcsd.generate(["the quick brown fox", "once upon a time"], method="easd", config=config)
     assert [len(o.token_ids) for o in outs] == [8, 8]
-    assert all(o.method == "easd" and 0 <= o.acceptance <= 1 for o in outs)
-    assert all(isinstance(o.entropy_rejections, int) and o.message == "" for o in outs)
+    for o in outs:
+        spec = o.speculative
+        assert o.method == "easd" and o.smc is None and o.message == ""
+        assert 0 <= spec.acceptance <= 1
+        assert isinstance(spec.entropy_rejections, int)

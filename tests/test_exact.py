@@ -7,39 +7,36 @@ from collections import Counter
 
 import pytest
 import torch
-from helpers import EOS, chi_square_pvalue, engine, exact_target, total_variation
+from helpers import EOS, chi_square_pvalue, exact_target, mock_pair, sd, smc, total_variation
 
-from smcsd_ppl.backends.mock import MockLM
-from smcsd_ppl.inference.loop import run_smc_sd
 from smcsd_ppl.inference.program import SMCSDModel
 from smcsd_ppl.methods.ar import autoregressive
-from smcsd_ppl.methods.sd import speculative_sampling
 
 PROMPT = [1, 2]
-V, H = 4, 4
+H = 4
 
 
-def models():
-    """A target and a draft that differs from it (a perturbed copy, so p/q stays bounded)."""
-    target = MockLM(V, seed=0, scale=1.5)
-    noise = torch.randn(target.table.shape, generator=torch.Generator().manual_seed(7))
-    return target, MockLM(table=target.table + 0.8 * noise)
-
-
-def test_speculative_sampling_reproduces_the_target():
-    target, draft = models()
-    runs = 3000
-    eng = engine(target, draft, block_size=2, max_new_tokens=H, draft_temperature=0.8, seed=1)
-    out = speculative_sampling(eng, [PROMPT] * runs)
-    exact, z = exact_target(target, PROMPT, H)
-    assert z == pytest.approx(1.0)
+@pytest.mark.parametrize("t_t", [1.0, 0.6])
+def test_speculative_sampling_reproduces_the_target(t_t):
+    target, draft = mock_pair()
+    out = sd(
+        target,
+        draft,
+        [PROMPT] * 3000,
+        block_size=2,
+        max_new_tokens=H,
+        draft_temperature=0.8,
+        seed=1,
+        target_temperature=t_t,
+    )
+    exact, z = exact_target(target, PROMPT, H, temperature=t_t)
     assert sum(out.accepted) < sum(out.drafted)  # the draft differs: rejections happened
-    assert chi_square_pvalue(Counter(map(tuple, out.token_ids)), exact) > 1e-3
+    assert chi_square_pvalue(Counter(map(tuple, out.token_ids)), {k: v / z for k, v in exact.items()}) > 1e-3
 
 
 def test_speculative_sampling_check_can_fail():
     # Sampling from the draft alone must be rejected by the same statistical check.
-    target, draft = models()
+    target, draft = mock_pair()
     out = autoregressive(
         draft,
         [PROMPT] * 3000,
@@ -53,10 +50,16 @@ def test_speculative_sampling_check_can_fail():
 
 
 def smc_runs(runs, alpha=1.0, draft=None, **cfg):
-    target, default_draft = models()
+    target, default_draft = mock_pair()
     cfg.setdefault("draft_temperature", 1.0)
-    eng = engine(target, draft or default_draft, max_new_tokens=H, alpha=alpha, **cfg)
-    results = run_smc_sd([SMCSDModel(PROMPT) for _ in range(runs)], eng)
+    results = smc(
+        target,
+        draft or default_draft,
+        [SMCSDModel(PROMPT) for _ in range(runs)],
+        max_new_tokens=H,
+        alpha=alpha,
+        **cfg,
+    )
     support, _ = exact_target(target, PROMPT, H)
     outside = [p.token_ids for r in results for p in r.particles if tuple(p.token_ids) not in support]
     assert outside == [], f"outputs the target cannot produce (EOS inside, or over budget): {outside[:5]}"
@@ -109,7 +112,7 @@ def test_smcsd_converges_as_particles_grow():
 
 
 def test_smcsd_with_a_perfect_draft_is_the_target():
-    target, _ = models()
+    target, _ = mock_pair()
     _, results = smc_runs(2000, draft=target, n_particles=2, block_size=2, seed=5)
     exact, _ = exact_target(target, PROMPT, H)
     for r in results:  # q = p: every increment is exactly zero

@@ -1,4 +1,4 @@
-"""Feature drafts (EAGLE-style): the engine feeds them the right hidden states, exactness holds."""
+"""Feature drafts (EAGLE-style): the row store feeds them the right hidden states, exactness holds."""
 
 from __future__ import annotations
 
@@ -13,11 +13,13 @@ from tiny import llama, tokenizer
 
 from smcsd_ppl import SMCSD, SMCConfig
 from smcsd_ppl.backends.hf import HFBatchedLM
+from smcsd_ppl.config import DraftRecord
 from smcsd_ppl.config import SMCConfig as Config
-from smcsd_ppl.inference.engine import BlockEngine
+from smcsd_ppl.inference.blocks import BlockRequest
+from smcsd_ppl.inference.drafting import draft_blocks
 from smcsd_ppl.inference.loop import run_smc_sd
 from smcsd_ppl.inference.program import SMCSDModel
-from smcsd_ppl.inference.schedule import DraftRecord
+from smcsd_ppl.inference.rows import RowStore
 from smcsd_ppl.methods.sd import speculative_sampling
 from smcsd_ppl.models import LoadedModel
 from smcsd_ppl.models.feature_draft import FeatureDraft, feature_student, final_hidden
@@ -83,23 +85,27 @@ def test_drafted_q_is_the_drafts_q_given_the_targets_states(block_size):
     # tokens and the draft's own states inside the block.
     target = llama(seed=0, layers=3)
     draft = random_feature_draft(target)
-    config = Config(n_particles=2, block_size=block_size, max_new_tokens=60, draft_temperature=0.9, seed=3)
-    eng = BlockEngine(HFBatchedLM(target), HFBatchedLM(draft), [], config)
-    x0, _ = eng.start(PROMPTS, copies=2)
-    seqs = [list(PROMPTS[r // 2]) + [x0[r // 2]] for r in range(6)]
-    g = torch.Generator().manual_seed(0)
+    t_d = 0.9
+    store = RowStore(HFBatchedLM(target), HFBatchedLM(draft))
+    logits, hidden = store.start(PROMPTS, 2)
+    x0 = logits.argmax(-1).tolist()  # one first token per row
+    store.queue_first(x0, hidden)
+    seqs = [list(PROMPTS[r // 2]) + [x0[r]] for r in range(6)]
+    g, g_draft = torch.Generator().manual_seed(0), torch.Generator().manual_seed(3)
     for cycle in range(4):
-        blocks = eng.draft_blocks(range(eng.n_rows), [60] * eng.n_rows)
+        requests = [BlockRequest(r, 60) for r in range(store.n_rows)]
+        blocks = draft_blocks(store, requests, block_size=block_size, temperature=t_d, eos=set(), g=g_draft)
         for b in blocks:
-            expect = scratch_logq(target, draft, seqs[b.row], b.tokens, config.draft_temperature)
+            expect = scratch_logq(target, draft, seqs[b.row], b.tokens, t_d)
             torch.testing.assert_close(b.draft_logq, expect, atol=2e-4, rtol=1e-4)
-        eng.target_logits(blocks)
-        kept = [(cycle + r) % (block_size + 1) for r in range(eng.n_rows)]
-        nexts = torch.randint(1, 300, (eng.n_rows,), generator=g).tolist()
-        eng.commit(blocks, kept, nexts)
+        rows, tokens = [b.row for b in blocks], [b.tokens for b in blocks]
+        _, states = store.score(rows, tokens)
+        kept = [(cycle + r) % (block_size + 1) for r in range(store.n_rows)]
+        nexts = torch.randint(1, 300, (store.n_rows,), generator=g).tolist()
+        store.commit(rows, tokens, kept, nexts, [b.fed for b in blocks], states)
         seqs = [s + b.tokens[:n] + [x] for s, b, n, x in zip(seqs, blocks, kept, nexts)]
         order = [1, 0, 3, 3, 5, 4] if cycle % 2 == 0 else list(range(6))
-        eng.reorder(order)
+        store.fork(order)
         seqs = [list(seqs[r]) for r in order]
 
 
@@ -124,13 +130,12 @@ def tiny_vocab_pair():
 def test_sd_with_a_feature_draft_reproduces_the_target():
     target, draft = tiny_vocab_pair()
     runs, horizon = 3000, 4
-    eng = BlockEngine(
-        HFBatchedLM(target),
-        HFBatchedLM(draft),
-        [EOS],
-        Config(block_size=2, max_new_tokens=horizon, draft_temperature=0.8, target_temperature=1.0, seed=1),
+    config = Config(
+        block_size=2, max_new_tokens=horizon, draft_temperature=0.8, target_temperature=1.0, seed=1
     )
-    out = speculative_sampling(eng, [[1, 2]] * runs)
+    out = speculative_sampling(
+        RowStore(HFBatchedLM(target), HFBatchedLM(draft)), config, [EOS], [[1, 2]] * runs
+    )
     exact, z = exact_target(_Enumerable(target), [1, 2], horizon)
     assert z == pytest.approx(1.0, abs=1e-5)
     assert sum(out.accepted) < sum(out.drafted)  # the draft differs: rejections happened
@@ -152,8 +157,8 @@ def test_smcsd_with_a_feature_draft_is_properly_weighted():
         seed=3,
         cut=None,
     )
-    eng = BlockEngine(HFBatchedLM(target), HFBatchedLM(draft), [EOS], config)
-    results = run_smc_sd([SMCSDModel([1, 2]) for _ in range(runs)], eng)
+    store = RowStore(HFBatchedLM(target), HFBatchedLM(draft))
+    results = run_smc_sd([SMCSDModel([1, 2]) for _ in range(runs)], store, config, [EOS])
     assert sum(r.n_resamples for r in results) > 0
     exact, z = exact_target(_Enumerable(target), [1, 2], horizon)
     tests = {"one": lambda y: 1.0, "length": len} | {
@@ -184,7 +189,7 @@ def test_every_method_runs_with_a_feature_draft():
     draft = LoadedModel(random_feature_draft(target.model), target.tokenizer, "feature", "random init")
     pair = SMCSD(target, draft)
     config = SMCConfig(n_particles=3, block_size=3, max_new_tokens=10, seed=1)
-    assert pair.engine(config).reads_hidden
+    assert pair.rows().reads_hidden
     for method in METHODS_WITH_A_DRAFT:
         out = pair.generate("The quick brown fox", method=method, config=config)
         assert 0 < len(out.token_ids) <= 10, method
@@ -203,5 +208,5 @@ def test_a_feature_draft_known_not_to_pay_decodes_alone():
     pair.draft_record = DraftRecord(passed=0.0, failed=50.0)
     config = SMCConfig(n_particles=3, block_size=3, max_new_tokens=10, seed=1, cut=0.3)
     out = pair.generate("The quick brown fox", config=config)
-    assert 0 < len(out.token_ids) <= 10 and not any(out.draft_lengths)
+    assert 0 < len(out.token_ids) <= 10 and not any(out.smc.draft_lengths)
     assert pair.draft_lm.stats.calls == 0  # never prefilled

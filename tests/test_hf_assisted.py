@@ -18,38 +18,33 @@ from smcsd_ppl.models.drafts import slice_draft
 PROMPTS = ["the quick brown fox", "once upon a time there was"]
 
 
-@pytest.fixture(scope="module")
-def pair():
-    return SMCSD(*tiny.pair())
-
-
 @pytest.mark.parametrize("method", ["hf_assisted", "hf_prompt_lookup"])
-def test_runs_within_budget_and_counts_forwards(pair, method):
+def test_runs_within_budget_and_counts_forwards(tiny_smcsd, method):
     assert method in methods.METHODS
-    outs = pair.generate(PROMPTS, method=method, config=SMCConfig(max_new_tokens=12, block_size=3))
+    outs = tiny_smcsd.generate(PROMPTS, method=method, config=SMCConfig(max_new_tokens=12, block_size=3))
     assert [len(o.token_ids) for o in outs] == [12, 12]  # random weights: EOS is rare
-    assert all(o.method == method and o.text == pair.decode(o.token_ids) for o in outs)
+    assert all(o.method == method and o.text == tiny_smcsd.decode(o.token_ids) for o in outs)
     stats = outs[0].stats
     assert 2 <= stats.target_calls <= 2 * 12  # one prefill per prompt, at most one call per token
     assert stats.target_seconds > 0 and stats.new_tokens == 24
     assert (stats.draft_calls > 0) == (method == "hf_assisted")
 
 
-def test_assistant_config_is_restored(pair):
-    cfg = pair.draft.model.generation_config
+def test_assistant_config_is_restored(tiny_smcsd):
+    cfg = tiny_smcsd.draft.model.generation_config
     before = cfg.to_dict()
-    pair.generate(PROMPTS[0], method="hf_assisted", config=SMCConfig(max_new_tokens=6, block_size=5))
-    assert pair.draft.model.generation_config is cfg
+    tiny_smcsd.generate(PROMPTS[0], method="hf_assisted", config=SMCConfig(max_new_tokens=6, block_size=5))
+    assert tiny_smcsd.draft.model.generation_config is cfg
     assert cfg.to_dict() == before
 
 
 @pytest.mark.parametrize("method", ["hf_assisted", "hf_prompt_lookup"])
-def test_seeded_determinism(pair, method):
+def test_seeded_determinism(tiny_smcsd, method):
     def run(seed):
         cfg = SMCConfig(
             max_new_tokens=6, block_size=2, seed=seed, draft_temperature=1.0, target_temperature=1.0
         )
-        return pair.generate(PROMPTS[1], method=method, config=cfg).token_ids
+        return tiny_smcsd.generate(PROMPTS[1], method=method, config=cfg).token_ids
 
     state = torch.random.get_rng_state()
     assert run(3) == run(3)

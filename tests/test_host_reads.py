@@ -2,14 +2,14 @@
 
 ``backends.syncs.HostReads`` follows values from the models' weights through every
 torch op and counts the reads of such values by the host (``.tolist()``, ``.item()``,
-``bool()``, ``.cpu()``, data-dependent shapes). The engine's early stop on EOS reads
-the device each drafting step on a CPU only (where it is free); it is turned off here
-so the counts are those of the accelerator path.
+``bool()``, ``.cpu()``, data-dependent shapes). Drafting's early stop on EOS reads
+the device each step on a CPU only (where it is free); it is turned off here so the
+counts are those of the accelerator path.
 
 Budgets (reads per cycle = between two target forwards):
 - AR: 1 (the sampled tokens), 2 on every 16th token (the NaN flag);
 - exact SD: 4 (drafted tokens, their log q, the accept verdicts, the NaN flags);
-- SMC-SD: 4 (drafted tokens and log q; target log p and the bonus tokens);
+- SMC-SD: 4 (drafted tokens and log q; the verdicts and the weights);
 - constrained SMC-SD: those 4, one for the bonus restriction, and 4 per drafting step
   (the drafted tokens, mirrored on the host once per step for the constraint; the
   per-row mass check; which rows still draft; the early stop), not one per row and
@@ -27,7 +27,6 @@ import torch
 from smcsd_ppl.api import SMCSD
 from smcsd_ppl.backends.syncs import HostReads, reads_per_cycle
 from smcsd_ppl.config import SMCConfig
-from smcsd_ppl.inference.loop import run_smc_sd
 from smcsd_ppl.inference.program import SMCSDModel
 
 K = 4
@@ -39,14 +38,14 @@ BUDGET = {"sd": 4, "smcsd": 4}
 def smc():
     target, draft = tiny.pair()
     pair = SMCSD(target, draft)
-    engine = pair.engine
+    rows = pair.rows
 
-    def accelerator_engine(config):
-        eng = engine(config)
-        eng.early_stop_reads = False
-        return eng
+    def accelerator_rows():
+        store = rows()
+        store.early_stop_reads = False
+        return store
 
-    pair.engine = accelerator_engine
+    pair.rows = accelerator_rows
     return pair
 
 
@@ -81,7 +80,7 @@ class EvenTokens:
 def test_constrained_drafting_reads_once_per_step(smc):
     cfg = dataclasses.replace(CFG, n_particles=4)
     programs = [SMCSDModel([5, 6, 7], constraint=EvenTokens())]
-    counts = counted(smc, lambda: run_smc_sd(programs, smc.engine(cfg)))
+    counts = counted(smc, lambda: smc.run(programs, cfg))
     assert max(counts) <= BUDGET["smcsd"] + 1 + 4 * K, counts
 
 

@@ -6,36 +6,41 @@ from collections import Counter
 
 import pytest
 import tiny
-from helpers import EOS, chi_square_pvalue, engine, exact_target
-from test_exact import PROMPT, H, models
+from helpers import EOS, chi_square_pvalue, config, exact_target, mock_pair
 
 from smcsd_ppl.api import SMCSD
 from smcsd_ppl.backends.mock import MockLM
 from smcsd_ppl.config import SMCConfig
-from smcsd_ppl.methods.minedraft import minedraft_sampling, split_balanced
+from smcsd_ppl.inference.rows import RowStore
+from smcsd_ppl.methods.minedraft import minedraft_sampling, side_loops, split_balanced
+from smcsd_ppl.methods.sd import SpeculativeLoop
+
+PROMPT, H = [1, 2], 4
 
 
-def mock_engines(**cfg):
-    """Two engines over separate mock backends with the same tables, different seeds."""
-    target, draft = models()
-    engines = []
+def mock_sides(**cfg):
+    """Two speculative loops over separate mock backends with the same tables, different seeds."""
+    target, draft = mock_pair()
+    sides = []
     for seed in (1, 2):
-        t, d = MockLM(table=target.table), MockLM(table=draft.table)
-        engines.append(engine(t, d, block_size=2, max_new_tokens=H, draft_temperature=0.8, seed=seed, **cfg))
-    return target, tuple(engines)
+        store = RowStore(MockLM(table=target.table), MockLM(table=draft.table))
+        settings = dict(block_size=2, max_new_tokens=H, draft_temperature=0.8, seed=seed) | cfg
+        sides.append(SpeculativeLoop(store, config(**settings), [EOS]))
+    return target, tuple(sides)
 
 
-def test_sequential_schedule_reproduces_the_target():
-    target, engines = mock_engines()
-    run = minedraft_sampling(engines, [PROMPT] * 3000, threads=False)
+@pytest.mark.parametrize("t_t", [1.0, 0.6])
+def test_sequential_schedule_reproduces_the_target(t_t):
+    target, sides = mock_sides(target_temperature=t_t)
+    run = minedraft_sampling(sides, [PROMPT] * 3000, threads=False)
     assert sum(run.accepted) < sum(run.drafted) and run.steps > 0
-    exact, _ = exact_target(target, PROMPT, H)
-    assert chi_square_pvalue(Counter(map(tuple, run.token_ids)), exact) > 1e-3
+    exact, z = exact_target(target, PROMPT, H, temperature=t_t)
+    assert chi_square_pvalue(Counter(map(tuple, run.token_ids)), {k: v / z for k, v in exact.items()}) > 1e-3
 
 
 def test_threads_do_not_change_the_tokens():
     prompts = [PROMPT, [0, 1, 2], [2], [1, 1], [3, 0, 1]]  # odd: sides of 3 and 2
-    outs = [minedraft_sampling(mock_engines()[1], prompts, threads=t).token_ids for t in (False, True)]
+    outs = [minedraft_sampling(mock_sides()[1], prompts, threads=t).token_ids for t in (False, True)]
     assert outs[0] == outs[1]
     assert all(1 <= len(o) <= H for o in outs[0])
     assert all(EOS not in o[:-1] for o in outs[0])
@@ -48,10 +53,11 @@ def test_split_balanced():
 
 
 def test_shared_backends_are_refused():
-    target, draft = models()
-    e = engine(target, draft)
+    target, draft = mock_pair()
+    a = SpeculativeLoop(RowStore(target, draft), config(), [EOS])
+    b = SpeculativeLoop(RowStore(target, MockLM(4)), config(), [EOS])
     with pytest.raises(ValueError, match="separate backends"):
-        minedraft_sampling((e, engine(target, MockLM(4))), [PROMPT])
+        minedraft_sampling((a, b), [PROMPT])
 
 
 @pytest.mark.parametrize("n_prompts", [1, 4])
@@ -67,14 +73,12 @@ def test_runs_on_tiny_llamas(n_prompts):
         assert not eos & set(o.token_ids[:-1])
     stats = outs[0].stats
     assert stats.target_calls >= 1 + (n_prompts > 1) and stats.draft_calls > 0
-    # Both schedules through the API give the same tokens (separate engines, own seeds).
-    from smcsd_ppl.methods.minedraft import side_engines
-
+    # Both schedules through the API give the same tokens (separate backends, own seeds).
     ids = [pair.encode(p) for p in prompts]
 
-    def engines():
-        return side_engines(pair.target_lm, pair.draft_lm, pair.eos_token_ids, cfg)
+    def sides():
+        return side_loops(pair.target_lm, pair.draft_lm, pair.eos_token_ids, cfg)
 
-    a = minedraft_sampling(engines(), ids, threads=True, num_threads=1).token_ids
-    b = minedraft_sampling(engines(), ids, threads=False).token_ids
+    a = minedraft_sampling(sides(), ids, threads=True, num_threads=1).token_ids
+    b = minedraft_sampling(sides(), ids, threads=False).token_ids
     assert a == b == [o.token_ids for o in outs]

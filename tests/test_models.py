@@ -186,11 +186,6 @@ def test_resolve_draft_specs():
 # --- the real embedded default model ---
 
 
-@pytest.fixture(scope="module")
-def default_model() -> LoadedModel:
-    return load_model(None, dtype="bfloat16")
-
-
 def greedy_answer(lm: LoadedModel, question: str, max_new_tokens: int = 12) -> str:
     messages = [{"role": "user", "content": question}]
     inputs = lm.tokenizer.apply_chat_template(
@@ -201,8 +196,8 @@ def greedy_answer(lm: LoadedModel, question: str, max_new_tokens: int = 12) -> s
 
 
 @pytest.mark.slow
-def test_default_model_loads_and_is_coherent(default_model):
-    lm = default_model
+def test_default_model_loads_and_is_coherent(default_smcsd):
+    lm = default_smcsd.target
     assert lm.name == DEFAULT_TARGET and lm.source in ("hub", models._EMBEDDED_SOURCE)
     assert lm.model.dtype == torch.bfloat16 and not lm.model.training
     assert not any(p.requires_grad for p in lm.model.parameters())
@@ -211,30 +206,30 @@ def test_default_model_loads_and_is_coherent(default_model):
 
 
 @pytest.mark.slow
-def test_default_chat_template_and_eos(default_model):
-    tok = default_model.tokenizer
+def test_default_chat_template_and_eos(default_smcsd):
+    tok = default_smcsd.target.tokenizer
     hi = [{"role": "user", "content": "hi"}]
     text = tok.apply_chat_template(hi, add_generation_prompt=True, tokenize=False)
     assert "<|im_start|>user\nhi<|im_end|>\n" in text and text.endswith("<|im_start|>assistant\n")
     assert tok.eos_token == "<|im_end|>"
-    assert default_model.model.generation_config.eos_token_id in (tok.eos_token_id, [tok.eos_token_id])
+    assert default_smcsd.target.model.generation_config.eos_token_id in (tok.eos_token_id, [tok.eos_token_id])
 
 
 @pytest.mark.slow
-def test_default_slice_shares_and_differs(default_model):
-    draft = slice_draft(default_model, 2)
-    assert len(draft.model.model.layers) == 2 and draft.tokenizer is default_model.tokenizer
-    assert ptrs(draft.model) <= ptrs(default_model.model)
-    ids = default_model.tokenizer("The capital of France is", return_tensors="pt").input_ids
+def test_default_slice_shares_and_differs(default_smcsd):
+    draft = slice_draft(default_smcsd.target, 2)
+    assert len(draft.model.model.layers) == 2 and draft.tokenizer is default_smcsd.target.tokenizer
+    assert ptrs(draft.model) <= ptrs(default_smcsd.target.model)
+    ids = default_smcsd.target.tokenizer("The capital of France is", return_tensors="pt").input_ids
     with torch.no_grad():
         cache = DynamicCache(config=draft.model.config)
         logits = draft.model(ids, cache=cache, use_cache=True).logits
-        assert not torch.allclose(logits, default_model.model(ids).logits)
+        assert not torch.allclose(logits, default_smcsd.target.model(ids).logits)
 
 
 @pytest.mark.slow
-def test_embedded_cache_is_reused(default_model, monkeypatch):
-    if default_model.source == "hub":
+def test_embedded_cache_is_reused(default_smcsd, monkeypatch):
+    if default_smcsd.target.source == "hub":
         pytest.skip("default model came from the hub cache")
     weights = embedded_default_dir() / "model.safetensors"
     before = weights.stat().st_mtime_ns

@@ -15,7 +15,7 @@ from smcsd_ppl.backends.hf import HFBatchedLM
 from smcsd_ppl.backends.mock import MockLM
 from smcsd_ppl.config import SMCConfig
 from smcsd_ppl.methods.ar import autoregressive
-from smcsd_ppl.methods.racer import drafter_for, racer_generate
+from smcsd_ppl.methods.racer import racer_generate
 from smcsd_ppl.proposals.retrieval import NGramIndex, RetrievalDrafter, propose_block
 
 
@@ -244,9 +244,11 @@ def test_racer_is_registered_and_runs_through_generate():
         max_new_tokens=12,
     )
     assert [o.token_ids for o in out] == ref and out[0].stats.target_calls <= 12
-    assert drafter_for(smc.target_lm) is drafter_for(smc.target_lm)  # kept across calls
     sampled = smc.generate("the cat sat", method="racer_sampling", config=config)
     assert len(sampled.token_ids) == 12
+    smc.retrieval_memory = RetrievalDrafter(smc.target_lm.vocab_size)  # kept across calls: it learns
+    smc.generate("the cat sat", method="racer", config=config)
+    assert smc.retrieval_memory.index.size > 1
 
 
 @pytest.mark.slow

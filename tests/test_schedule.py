@@ -7,17 +7,15 @@ import dataclasses
 import pytest
 import tiny
 import torch
-from helpers import PAPER, engine
-from test_cut_exact import models
+from helpers import mock_pair, smc
 
 from smcsd_ppl import SMCSD, SMCConfig
 from smcsd_ppl.backends.hf import HFBatchedLM
 from smcsd_ppl.backends.mock import MockLM
 from smcsd_ppl.bench.fidelity import MixedDraft
-from smcsd_ppl.inference.engine import BlockEngine
-from smcsd_ppl.inference.loop import run_smc_sd
+from smcsd_ppl.config import DraftRecord
 from smcsd_ppl.inference.program import SMCSDModel
-from smcsd_ppl.inference.schedule import REPROBE_EVERY, DraftRecord, DraftSchedule, best_length
+from smcsd_ppl.inference.schedule import PRIOR_POSITIONS, DraftSchedule, best_length, learned, schedule_from
 
 
 def test_best_length_follows_the_pass_rate_and_the_cost():
@@ -28,58 +26,67 @@ def test_best_length_follows_the_pass_rate_and_the_cost():
     assert best_length(0.8, 0.05, 8) > best_length(0.8, 0.4, 8)  # cheaper drafts draft further
 
 
-def test_a_plain_request_probes_with_one_particle_then_drafts_with_n_or_decodes_alone():
-    good = DraftSchedule(8, 6, plain=True, cost=0.4)
-    assert (good.next_length(), good.n_particles()) == (4, 1)
-    good.observe([4], [False])
-    assert (good.next_length(), good.n_particles()) == (8, 6)
-    weak = DraftSchedule(8, 6, plain=True, cost=0.4)
-    weak.next_length()
-    weak.observe([0], [True])
-    assert (weak.next_length(), weak.n_particles()) == (0, 1)
-    assert weak.alone and weak.next_length() == 0
-    program = DraftSchedule(8, 6, plain=False, cost=0.4)  # conditions need every particle
-    assert (program.next_length(), program.n_particles()) == (4, 6)
+def test_a_plain_request_probes_with_n_particles_then_drafts_with_n_or_decodes_alone():
+    good = DraftSchedule(8, 6, plain=True, cost=0.4).advanced()
+    assert (good.length, good.n_particles()) == (4, 6)  # a probe's kept tokens carry weights
+    good = good.observed([4], [False]).advanced()
+    assert (good.length, good.n_particles()) == (8, 6)
+    weak = DraftSchedule(8, 6, plain=True, cost=0.4).advanced().observed([0], [True]).advanced()
+    assert (weak.length, weak.n_particles()) == (0, 1)
+    assert weak.alone and weak.advanced().length == 0
+    program = DraftSchedule(8, 6, plain=False, cost=0.4).advanced().observed([0], [True]).advanced()
+    assert (program.length, program.n_particles()) == (0, 6)  # conditions need every particle
 
 
-def test_the_record_starts_later_requests_alone_and_probes_again_every_few():
-    record = DraftRecord()
-    first = record.schedule(8, 4, True, 0.4)
-    first.next_length()
-    first.observe([0, 0], [True, True])
-    record.update(first)
-    starts = [record.schedule(8, 4, True, 0.4).planned_length() for _ in range(2 * REPROBE_EVERY + 2)]
-    assert starts.count(4) == 2 and set(starts) == {0, 4}  # alone, with a probe every few requests
+def test_a_record_is_a_value_requests_start_from():
+    record = DraftRecord(passed=2.0, failed=30.0)
+    first = schedule_from(record, 8, 4, True, 0.4)
+    assert first.passed + first.failed == pytest.approx(PRIOR_POSITIONS)  # scaled to the prior's weight
+    assert first.advanced().length == 0  # known not to pay: alone from the start
+    assert schedule_from(record, 8, 4, True, 0.4) == first  # nothing in the record moved
+    assert schedule_from(DraftRecord(), 8, 4, True, 0.4).advanced().length == 4  # nothing known: probe
+    seen = first.advanced().observed([3, 2], [True, False])
+    assert learned(record, seen) == DraftRecord(0.8 * 2.0 + 5, 0.8 * 30.0 + 1)
+    with pytest.raises(ValueError, match="passed"):
+        DraftRecord(passed=-1.0)
 
 
 def test_requests_known_to_decode_alone_skip_the_draft_entirely():
-    target, draft = models()
-    eng = engine(target, draft, max_new_tokens=6, n_particles=4, block_size=2, cut=0.25)
-    eng.record = DraftRecord(passed=0.0, failed=50.0)  # a draft known not to pay
+    target, draft = mock_pair()
     before = draft.stats.calls
-    results = run_smc_sd([SMCSDModel([1, 2]) for _ in range(3)], eng)
+    programs = [SMCSDModel([1, 2]) for _ in range(3)]
+    results = smc(
+        target,
+        draft,
+        programs,
+        max_new_tokens=6,
+        n_particles=4,
+        block_size=2,
+        cut=0.25,
+        record=DraftRecord(0.0, 50.0),
+    )
     assert draft.stats.calls == before  # not even prefilled
     assert any(r.draft_lengths for r in results) and not any(any(r.draft_lengths) for r in results)
     assert all(len(r.particles) == 1 for r in results if r.draft_lengths)  # one particle decodes
 
 
 def test_with_the_target_as_draft_the_cut_never_fires_and_target_calls_match_the_paper():
-    target, _ = models()
+    target, _ = mock_pair()
     calls = {}
     for cut in (0.05, None):
-        eng = engine(
+        target.stats.reset()
+        results = smc(
             target,
             MockLM(table=target.table.clone()),
+            [SMCSDModel([1, 2]) for _ in range(8)],
             max_new_tokens=12,
             n_particles=3,
             block_size=3,
             draft_temperature=1.0,
             cut=cut,
             seed=1,
+            record=DraftRecord(passed=8.0),  # the pair has seen this draft before
         )
-        eng.record = DraftRecord(passed=8.0)  # the pair has seen this draft before
-        target.stats.reset()
-        results = run_smc_sd([SMCSDModel([1, 2]) for _ in range(8)], eng)
         calls[cut] = target.stats.calls
         if cut is not None:
             assert all(set(r.draft_lengths) <= {3} for r in results) and any(r.draft_lengths for r in results)
@@ -113,7 +120,7 @@ def test_the_fidelity_map_runs_end_to_end():
     base = dataclasses.replace(SMCConfig(), max_new_tokens=6, n_particles=2, block_size=2)
     points = fidelity_map(pair, prompts, [(1.0, 2, 2, 0.3), (0.0, 2, 2, None)], base)
     assert [p.lam for p in points] == [1.0, 0.0]
-    assert points[0].agreement == 1.0 and 0 <= points[1].agreement <= 1
+    assert points[0].agreement == 1.0 and points[1].agreement < 1.0  # the target itself, then the draft
     assert all(p.tokens_per_target_call > 0 for p in points)
 
 
@@ -122,11 +129,9 @@ def test_a_collapsed_request_says_so():
     target, far = MockLM(8, seed=0, scale=2.0), MockLM(8, seed=1, scale=2.0)
     flags = {}
     for cut in (None, 0.25):
-        config = SMCConfig(
-            **{**PAPER, "max_new_tokens": 16, "n_particles": 8, "draft_temperature": 1.0, "cut": cut}
-        )
-        eng = BlockEngine(target, far, [], config, DraftRecord(passed=8.0))  # starts drafting at once
-        results = run_smc_sd([SMCSDModel([1, 2]) for _ in range(20)], eng)
+        programs = [SMCSDModel([1, 2]) for _ in range(20)]
+        cfg = dict(max_new_tokens=16, n_particles=8, draft_temperature=1.0, cut=cut)
+        results = smc(target, far, programs, eos=[], record=DraftRecord(passed=8.0), **cfg)  # drafts at once
         flags[cut] = sum(r.collapsed for r in results)
     assert flags[None] >= 15  # the paper's algorithm collapses, and says so
     assert flags[0.25] == 0  # the cut soon leaves such a draft out

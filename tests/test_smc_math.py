@@ -9,7 +9,7 @@ import torch
 
 from smcsd_ppl import smc
 from smcsd_ppl.smc import resampling
-from smcsd_ppl.spec import block_log_weights, power_log_normalizer, sample_probs, speculative_accept
+from smcsd_ppl.verification import block_log_weights, power_log_normalizer, sample_probs, speculative_accept
 
 
 def test_ess_extremes_and_dead_particles():
@@ -36,7 +36,7 @@ def test_resampling_matches_weighted_means(scheme):
     counts = torch.zeros(4)
     reps = 4000
     for _ in range(reps):
-        a = smc.RESAMPLERS[scheme](w, g)
+        a = smc.RESAMPLERS[scheme](w, g, 4)
         assert a.shape == (4,) and a.dtype == torch.long
         assert not (a == 1).any()  # zero weight is never chosen
         counts += torch.bincount(a, minlength=4)
@@ -49,7 +49,7 @@ def test_resampling_matches_weighted_means(scheme):
 def test_low_variance_schemes_keep_deterministic_copies(scheme):
     # N * W_i = 2 exactly: systematic, stratified and residual must each give exactly 2 copies.
     g = torch.Generator().manual_seed(1)
-    a = smc.RESAMPLERS[scheme](torch.tensor([0.5, 0.5, 0.0, 0.0]), g)
+    a = smc.RESAMPLERS[scheme](torch.tensor([0.5, 0.5, 0.0, 0.0]), g, 4)
     assert torch.bincount(a, minlength=4).tolist() == [2, 2, 0, 0]
 
 

@@ -6,10 +6,8 @@ import math
 from functools import partial
 
 import pytest
-import tiny
 import torch
 
-from smcsd_ppl.api import SMCSD
 from smcsd_ppl.bench import constrained as compare
 from smcsd_ppl.methods import steering
 
@@ -33,17 +31,18 @@ ALWAYS_VALID = {"llamppl_masked", "genlm_awrs", "genlm_direct", "smcsd_proposal"
 
 
 @pytest.fixture(scope="module")
-def pair():
-    return SMCSD(*tiny.pair())
+def ctx(tiny_smcsd):
+    """The tiny pair's run context, as the runners take it."""
+    return tiny_smcsd.context()
 
 
 @pytest.fixture(scope="module")
-def ctx(pair):
-    return pair.context()
+def task(tiny_smcsd):
+    """``PATTERN`` as a task constraint on the tiny pair's tokenizer."""
+    return pattern_task(tiny_smcsd)
 
 
-@pytest.fixture(scope="module")
-def task(pair):
+def pattern_task(pair):
     return steering.TaskConstraint(pair.tokenizer, pair.eos_token_ids, PATTERN)
 
 
@@ -52,8 +51,9 @@ def check_record(pair, rec, n, max_new_tokens):
     assert all(rec.texts[i] == pair.decode(p) for i, p in enumerate(rec.particle_ids))
     assert all(len(p) <= n_tok <= max_new_tokens for p, n_tok in zip(rec.particle_ids, rec.lengths))
     assert not any(set(p) & set(pair.eos_token_ids) for p in rec.particle_ids)  # EOS dropped
-    assert rec.seconds > 0 and rec.tokens_per_second >= 0
-    assert 0.0 <= rec.validity <= 1.0
+    assert rec.seconds > 0
+    task = pattern_task(pair)  # validity is the weight and the task's own check, recomputed here
+    assert rec.valid == [math.isfinite(w) and task.check(t) for w, t in zip(rec.log_weights, rec.texts)]
     assert rec.ess is not None and 0.0 <= rec.ess <= n + 1e-6
     if rec.chosen >= 0:
         assert math.isfinite(rec.log_weights[rec.chosen])
@@ -66,25 +66,23 @@ def check_record(pair, rec, n, max_new_tokens):
 
 
 @pytest.mark.parametrize("name", list(RUNNERS))
-def test_runner_returns_well_formed_record(pair, ctx, task, name):
+def test_runner_returns_well_formed_record(tiny_smcsd, ctx, task, name):
     rec = RUNNERS[name](ctx, PROMPT, task, **KW)
     assert rec.method == name
-    check_record(pair, rec, KW["n_particles"], KW["max_new_tokens"])
+    check_record(tiny_smcsd, rec, KW["n_particles"], KW["max_new_tokens"])
     if name in ALWAYS_VALID:
         assert rec.validity == 1.0 and rec.selected_valid
         assert all(task.check(t) for t in rec.texts)
 
 
 @pytest.mark.parametrize("name", ["smcsd_proposal", "genlm_awrs", "llamppl_masked"])
-def test_genlm_potential_as_constraint(pair, ctx, name):
+def test_genlm_potential_as_constraint(tiny_smcsd, ctx, name):
     from genlm.control import BoolFSA
 
     rec = RUNNERS[name](ctx, PROMPT, BoolFSA.from_regex(PATTERN), **KW)
-    check_record(pair, rec, KW["n_particles"], KW["max_new_tokens"])
+    check_record(tiny_smcsd, rec, KW["n_particles"], KW["max_new_tokens"])
     assert rec.validity == 1.0
-    assert all(
-        steering.TaskConstraint(pair.tokenizer, pair.eos_token_ids, PATTERN).check(t) for t in rec.texts
-    )
+    assert all(pattern_task(tiny_smcsd).check(t) for t in rec.texts)
 
 
 class Only(steering.TaskConstraint):
@@ -98,12 +96,12 @@ class Only(steering.TaskConstraint):
         return text.strip() in self.accepted
 
 
-def test_filtered_counts_valid_particles(pair, ctx):
+def test_filtered_counts_valid_particles(tiny_smcsd, ctx):
     plain = steering.smcsd_plain(ctx, PROMPT, PATTERN, **KW)
     again = steering.smcsd_plain(ctx, PROMPT, PATTERN, **KW)
     assert again.texts == plain.texts  # seeded: the filter sees the same particles
     target = plain.texts[0].strip()
-    rec = steering.smcsd_filtered(ctx, PROMPT, Only(pair, [target]), **KW)
+    rec = steering.smcsd_filtered(ctx, PROMPT, Only(tiny_smcsd, [target]), **KW)
     expected = [t.strip() == target for t in plain.texts]
     assert rec.texts == plain.texts and rec.valid == expected
     assert rec.validity == sum(expected) / len(expected)
@@ -112,15 +110,15 @@ def test_filtered_counts_valid_particles(pair, ctx):
     share = torch.logsumexp(w[torch.tensor(expected)], 0) - torch.logsumexp(w, 0)
     assert rec.log_z == pytest.approx(plain.log_z + float(share))
 
-    none = steering.smcsd_filtered(ctx, PROMPT, Only(pair, []), **KW)
+    none = steering.smcsd_filtered(ctx, PROMPT, Only(tiny_smcsd, []), **KW)
     assert none.validity == 0.0 and none.chosen == -1 and none.text == "" and none.log_z == -math.inf
 
 
-def test_compare_rows_and_length_matched_plain(pair):
+def test_compare_rows_and_length_matched_plain(tiny_smcsd):
     tasks = [compare.Task("tiny", PROMPT, PATTERN)]
     seen = []
     rows = compare.compare_constrained(
-        pair,
+        tiny_smcsd,
         tasks,
         ["smcsd_proposal", "smcsd_plain", "genlm_awrs"],
         n_particles=4,
@@ -150,7 +148,7 @@ def test_compare_rows_and_length_matched_plain(pair):
     ratios = compare.speed_ratios(rows)
     assert set(ratios["tiny"]) == {"smcsd_plain", "genlm_awrs"}
     with pytest.raises(ValueError, match="unknown methods"):
-        compare.compare_constrained(pair, tasks, ["nope"])
+        compare.compare_constrained(tiny_smcsd, tasks, ["nope"])
 
 
 @pytest.mark.slow

@@ -132,8 +132,8 @@ def map_point(
         correct += bool(check_answer(out.text, prompt.answer))
         tokens += len(out.token_ids)
         calls += out.stats.target_calls
-        ess += [e / config.n_particles for e in out.ess_trace]
-        collapsed += out.collapsed
+        ess += [e / config.n_particles for e in out.smc.ess_trace]
+        collapsed += out.smc.collapsed
     n = max(1, len(prompts))
     return MapPoint(
         lam,

@@ -19,6 +19,7 @@ import torch
 
 from .. import methods as registry
 from ..config import SMCConfig
+from ..proposals.retrieval import RetrievalDrafter
 from .datasets import Prompt
 from .quality import check_answer, target_loglik_per_token
 
@@ -202,6 +203,10 @@ def run_bench(
     done = {record_key(r): r for r in existing}
     with _appending(out_path, good) as f:
         _calibrate(pair, grid, prompts)
+        if any(name.startswith("racer") for name in grid.methods):
+            # RACER learns across requests, as its reference does (its records then depend on
+            # the ones before them in this process).
+            pair.retrieval_memory = pair.retrieval_memory or RetrievalDrafter(pair.target_lm.vocab_size)
         return _run_plan(pair, grid, plan, done, settings, f, warmup=warmup, on_record=on_record)
 
 
@@ -251,17 +256,17 @@ def _append(f, record: dict) -> None:
 
 
 def _calibrate(pair: SMCSD, grid: Grid, prompts: Sequence[Prompt]) -> None:
-    """Learn the draft once, from the first prompt and particle setting, then freeze it.
+    """Learn the draft once, from the first prompt and particle setting, for every request.
 
-    A resumed run must write the records an uninterrupted one would: SMC-SD requests must
-    not depend on which records ran before them in this process.
+    The record is a value each request starts from, so a resumed run writes the records an
+    uninterrupted one would.
     """
     particle = [(n, k, t) for name, n, k, t in grid.settings() if registry.get(name).particles]
     if particle and prompts:
         try:
             pair.calibrate(prompts[0].text, grid.config(*particle[0], 0))
         except ValueError:
-            pair.draft_record.frozen = True  # the measured calls record the error
+            pass  # the pair keeps its record; the measured calls record the error
 
 
 def _warm(pair: SMCSD, method: str, prompt: Prompt, config: SMCConfig) -> None:
@@ -323,8 +328,8 @@ def _measure(pair: SMCSD, grid: Grid, key: tuple, prompt: Prompt, settings: dict
         gen = pair.generate(prompt.text, method=method, config=config, on_progress=progress)
     except ValueError as err:  # e.g. a prompt over the context: recorded, the grid goes on
         return record | {"error": str(err)}
-    s = gen.stats
-    trace = gen.ess_trace
+    s, smc, spec = gen.stats, gen.smc, gen.speculative
+    trace = smc.ess_trace if smc else None
     return record | {
         "new_tokens": s.new_tokens,
         "seconds": round(s.seconds, 5),
@@ -335,10 +340,10 @@ def _measure(pair: SMCSD, grid: Grid, key: tuple, prompt: Prompt, settings: dict
         "draft_calls": s.draft_calls,
         "target_seconds": round(s.target_seconds, 5),
         "draft_seconds": round(s.draft_seconds, 5),
-        "acceptance": gen.acceptance,
-        "mean_ess": gen.mean_ess,
-        "n_resamples": gen.n_resamples,
-        "log_z": gen.log_z,
+        "acceptance": spec.acceptance if spec else None,
+        "mean_ess": smc.mean_ess if smc else None,
+        "n_resamples": smc.n_resamples if smc else None,
+        "log_z": smc.log_z if smc else None,
         "ess_trace": [round(float(e), 4) for e in trace] if trace else None,
         "target_loglik_per_token": target_loglik_per_token(pair, pair.encode(prompt.text), gen.token_ids),
         "correct": check_answer(gen.text, prompt.answer),

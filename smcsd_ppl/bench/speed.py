@@ -64,14 +64,18 @@ def compare_speed(
     """Run every method on every prompt ``repeats`` times, interleaved, and take medians.
 
     Every run emits exactly ``config.max_new_tokens`` tokens (EOS ignored), so
-    tokens/s compare like with like; interleaving spreads machine noise evenly.
+    tokens/s compare like with like; interleaving spreads machine noise evenly. The pair's
+    draft record is first calibrated on the first prompt (``SMCSD.calibrate``), so SMC-SD's
+    timed runs start from what it saw, as a served pair's would.
     """
     unknown = set(methods) - set(speed_choices())
     if unknown:
         raise ValueError(f"unknown methods {sorted(unknown)}; choose from {speed_choices()}")
     config = dataclasses.replace(config, ignore_eos=True)
     samples: dict[str, list[tuple[float, float, float]]] = {m: [] for m in methods}
-    pair.generate(prompts[0], method="smcsd", config=dataclasses.replace(config, max_new_tokens=8))  # warm-up
+    warm = dataclasses.replace(config, max_new_tokens=8)
+    pair.calibrate(prompts[0], warm)
+    pair.generate(prompts[0], method="smcsd", config=warm)  # first calls pay for lazy set-up
     for rep in range(repeats):
         for prompt in prompts:
             for method in methods:

@@ -142,11 +142,12 @@ def _generate(args: argparse.Namespace) -> int:
         "overhead_fraction": round(s.overhead_fraction, 3),
         "message": out.message,
     }
-    if out.log_z is not None:  # an SMC-SD run
-        record |= {"n_resamples": out.n_resamples, "mean_ess": out.mean_ess, "log_z": out.log_z}
-        record |= {"collapsed": out.collapsed, "draft_lengths": out.draft_lengths}
-    if out.acceptance is not None:
-        record["acceptance"] = round(out.acceptance, 3)
+    smc, spec = out.smc, out.speculative
+    if smc is not None:  # an SMC-SD run
+        record |= {"n_resamples": smc.n_resamples, "mean_ess": smc.mean_ess, "log_z": smc.log_z}
+        record |= {"collapsed": smc.collapsed, "draft_lengths": smc.draft_lengths}
+    if spec is not None:
+        record["acceptance"] = round(spec.acceptance, 3)
     if args.json:
         print(json.dumps(record, ensure_ascii=False))
         return 0
@@ -157,14 +158,14 @@ def _generate(args: argparse.Namespace) -> int:
         f"[{out.method}] {record['new_tokens']} tokens in {s.seconds:.2f} s = "
         f"{s.tokens_per_second:.1f} tok/s, {s.tokens_per_target_call:.2f} tokens/target call"
     )
-    ess = f"{out.mean_ess:.2f}/{config.n_particles}" if out.mean_ess is not None else "n/a"
-    if out.log_z is not None:
-        line += f", {out.n_resamples} resamples, mean ESS {ess}, log Z {out.log_z:.2f}"
-        line += _drafting(out.draft_lengths)
-    if out.acceptance is not None:
-        line += f", acceptance (accepted/drafted tokens) {out.acceptance:.2f}"
+    if smc is not None:
+        ess = f"{smc.mean_ess:.2f}/{config.n_particles}"
+        line += f", {smc.n_resamples} resamples, mean ESS {ess}, log Z {smc.log_z:.2f}"
+        line += _drafting(smc.draft_lengths)
+    if spec is not None:
+        line += f", acceptance (accepted/drafted tokens) {spec.acceptance:.2f}"
     err(line)
-    if out.collapsed:
+    if smc is not None and smc.collapsed:
         err(
             f"warning: the draft is too far from the target at these settings (mean ESS {ess}): the "
             "output follows the draft more than the target; use --cut 0.3, a smaller --block-size, "

@@ -1,9 +1,9 @@
-"""The blocks a cycle drafts and scores, and the hard constraint on a row's next block."""
+"""The records a cycle passes along: block requests, drafted blocks, scored blocks."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,21 +33,36 @@ class RowConstraint:
             raise ValueError(f"constraint mode must be one of {CONSTRAINT_MODES}, got {self.mode!r}")
 
 
-@dataclass
-class DraftedBlock:
-    """The tokens drafted for one row in a cycle, and how many of them count."""
+@dataclass(frozen=True)
+class BlockRequest:
+    """What one particle's ``extend()`` asks of the cycle: a block on its row.
+
+    Attributes:
+        row: the particle's row in the row store.
+        budget: tokens the particle may still emit.
+        constraint: a hard constraint on the block, or None.
+    """
 
     row: int
-    tokens: list[int]  # all drafted tokens: K, or fewer when every row of the call ended sooner
-    draft_logq: torch.Tensor  # [k] log q(d_j | .) at T_d
-    kept: int  # tokens that count: an EOS (included) or the budget cuts the rest
+    budget: int
+    constraint: RowConstraint | None = None
+
+
+@dataclass
+class DraftedBlock:
+    """The tokens drafted for one row in a cycle, and how many of them may count."""
+
+    row: int
+    tokens: list[int]  # all drafted tokens: k, or fewer when every row of the call ended sooner
+    draft_logq: torch.Tensor  # [k] log q(d_j | .) at T_d (masked q where a constraint restricts)
+    kept: int  # tokens that may count: an EOS (included), the budget, the draft length or a dead end
     stops: bool  # the block itself ends the particle (drafted EOS or budget): no bonus
     budget: int  # tokens the particle could still emit before this block
     draft_probs: torch.Tensor | None = None  # [k, V] q at each drafted position, on request
     constraint: RowConstraint | None = None
     dead: bool = False  # the constraint allowed nothing where the block ends: zero weight
     fed: int = 0  # drafted tokens the draft model has read (k-1, fewer after forced tokens)
-    diverged: bool = False  # the quality cut ended the block (``SMCConfig.cut``)
+    allowed: list[torch.Tensor] = field(default_factory=list)  # [V] per position: a proposal mask
 
     @property
     def kept_tokens(self) -> list[int]:
@@ -60,16 +75,34 @@ class DraftedBlock:
         return float(self.draft_logq[: self.kept].sum())
 
 
-@dataclass
+@dataclass(frozen=True)
 class ScoredBlock:
-    """A drafted block after the target's fused forward."""
+    """One row's block after verification: what its particle keeps and the weight it earns.
 
-    drafted: DraftedBlock
-    target_logp: torch.Tensor  # [K] alpha-free log p_T(d_j | .)
-    bonus: int | None  # token drawn from the target after the kept prefix
-    stops: bool  # the particle ends here: the block stopped, the bonus is EOS, or the budget is spent
-    bonus_log_z: float  # log sum_v p_T(v)^alpha at the bonus position (0 if alpha = 1)
-    log_weight: float  # the SMC-SD increment: sum over kept of (alpha log p - log q) + bonus_log_z
+    Attributes:
+        row: the row it was drafted on.
+        drafted: every drafted token (the cut, an EOS or the budget may keep fewer).
+        kept: drafted tokens kept.
+        bonus: the token drawn from the target after them (None: the particle ends).
+        log_weight: the SMC-SD log-weight increment (-inf: the particle dies).
+        stops: the particle ends here (an EOS, the budget, a dead end).
+        dead: a constraint allowed nothing where the block ended.
+        diverged: the quality cut ended the block.
+    """
+
+    row: int
+    drafted: tuple[int, ...]
+    kept: int
+    bonus: int | None
+    log_weight: float
+    stops: bool
+    dead: bool = False
+    diverged: bool = False
+
+    @property
+    def tokens(self) -> list[int]:
+        """The tokens the particle emits: the kept drafted tokens, then the bonus."""
+        return list(self.drafted[: self.kept]) + ([] if self.bonus is None else [self.bonus])
 
 
 def block_length(blocks: Sequence[DraftedBlock]) -> int:
@@ -78,12 +111,3 @@ def block_length(blocks: Sequence[DraftedBlock]) -> int:
     if len(lengths) != 1:
         raise ValueError(f"blocks verified together must be drafted together (lengths {sorted(lengths)})")
     return lengths.pop()
-
-
-@dataclass
-class FirstToken:
-    """The empty block before x0, so the first token is drawn like a constrained bonus."""
-
-    constraint: RowConstraint | None
-    stops: bool = False
-    kept_tokens: tuple = ()

@@ -16,19 +16,22 @@ Both roles keep SMC-SD properly weighted for the target p^alpha x constraint:
 In proposal mode the bonus token is drawn from the target restricted to allowed
 tokens, and its weight is the allowed mass of p^alpha instead of the full
 normalizer; in critic mode it is drawn from the unrestricted target and checked.
+Where the draft gives every allowed token zero mass (it underflows), the block ends
+there and the target draws that token: the decision reads the prefix only, so the
+weights stay proper and no particle dies where the target still has mass.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
 
+from ..backends.base import to_device
 from ..potentials.constraints import allows
 
 
-def _masks(pairs: Sequence[tuple[object, tuple[int, ...]]]) -> list[torch.Tensor]:
+def masks_for(pairs: Sequence[tuple[object, tuple[int, ...]]]) -> list[torch.Tensor]:
     """``next_mask`` for (constraint, context) pairs, one batched call per constraint."""
     out: list[torch.Tensor | None] = [None] * len(pairs)
     groups: dict[int, list[int]] = {}
@@ -60,8 +63,16 @@ class Masking:
             (i, r, c) for i, (r, c) in enumerate(zip(rows, constraints)) if c is not None and c.mode == mode
         ]
         self.dead_at: dict[int, int] = {}  # request index -> position where nothing was allowed
+        # request index -> position where the draft gave the allowed tokens no mass (underflow):
+        # the block ends there and the bonus is drawn from the target (a prefix-only cut).
+        self.cut_at: dict[int, int] = {}
+        self.history: dict[int, list[torch.Tensor]] = {}  # request index -> its mask at each position
         self.position = 0  # of the token the latest masks are for
         self.host_drafted: list[list[int]] = []  # drafted tokens per step, read once each
+
+    def ended_at(self) -> dict[int, int]:
+        """Requests whose block a constraint has ended, and where (dead ends and underflows)."""
+        return self.dead_at | self.cut_at
 
     def next_masks(self, drafted: list[torch.Tensor]) -> dict[int, torch.Tensor]:
         """Allowed tokens ``[V]`` (bool) at the next position of each live row, by request.
@@ -69,16 +80,17 @@ class Masking:
         A row whose constraint allows nothing there dies at this position.
         """
         self.position = len(drafted)
-        live = [(i, r, c) for i, r, c in self.items if i not in self.dead_at]
+        live = [(i, r, c) for i, r, c in self.items if i not in self.dead_at and i not in self.cut_at]
         if not live:
             return {}
         for d in drafted[len(self.host_drafted) :]:  # one host read per step, not per element
             self.host_drafted.append(d.tolist())
         steps = self.host_drafted[: len(drafted)]
         contexts = [(c.constraint, c.context + tuple(d[r] for d in steps)) for _, r, c in live]
-        masks = _masks(contexts)
+        masks = masks_for(contexts)
         out = {}
         for (i, _, _), mask, some in zip(live, masks, _nonempty(masks)):
+            self.history.setdefault(i, []).append(mask)
             if some:
                 out[i] = mask
             else:
@@ -98,9 +110,9 @@ class Masking:
         total = kept.sum(-1, keepdim=True)
         kept.div_(total.clamp_min(torch.finfo(q.dtype).tiny))
         for j, ((i, _), ok) in enumerate(zip(items, (total[:, 0] > 0).tolist())):
-            if not ok:  # the draft gives the allowed tokens no mass: the particle dies here
-                self.dead_at[i] = self.position
-                kept[j] = 1.0 / kept.shape[1]  # any distribution will do for a dead row
+            if not ok:  # the draft gives the allowed tokens no mass: the block ends here
+                self.cut_at[i] = self.position
+                kept[j] = 1.0 / kept.shape[1]  # any distribution will do: the token is dropped
         if not every:
             q.index_copy_(0, index, kept)
 
@@ -162,47 +174,45 @@ def shared_vocab(masks: dict[int, torch.Tensor], vocab_size: int) -> torch.Tenso
     return torch.nonzero(union)[:, 0] if int(torch.count_nonzero(union)) <= vocab_size // 4 else None
 
 
-def check_bonus(blocks: Sequence, bonus: Sequence[int]) -> list[bool]:
-    """Critic rows: whether the bonus token drawn from the unrestricted target is allowed."""
-    ok = [True] * len(blocks)
-    rows = [i for i, b in enumerate(blocks) if b.constraint is not None and b.constraint.mode == "critic"]
-    groups: dict[int, list[int]] = {}  # one batched call per constraint
-    for i in rows:
-        groups.setdefault(id(blocks[i].constraint.constraint), []).append(i)
+def check_bonus(entries: Sequence[tuple]) -> list[bool]:
+    """Critic rows: whether each bonus drawn from the unrestricted target is allowed.
+
+    ``entries[i]`` is ``(row constraint, kept tokens, bonus)``; one batched call per constraint.
+    """
+    ok = [True] * len(entries)
+    groups: dict[int, list[int]] = {}
+    for i, (c, _, _) in enumerate(entries):
+        groups.setdefault(id(c.constraint), []).append(i)
     for idx in groups.values():
-        c = blocks[idx[0]].constraint.constraint
-        seqs = [blocks[i].constraint.context + tuple(blocks[i].kept_tokens) + (int(bonus[i]),) for i in idx]
+        c = entries[idx[0]][0].constraint
+        seqs = [entries[i][0].context + tuple(entries[i][1]) + (int(entries[i][2]),) for i in idx]
         for i, good in zip(idx, allows(c, seqs)):
             ok[i] = good
     return ok
 
 
-def restrict_bonus(power_logits: torch.Tensor, log_z: torch.Tensor, blocks: Sequence) -> torch.Tensor:
-    """Mask the bonus distribution of constrained rows; update their ``log_z`` in place.
+def proposal_masks(blocks: Sequence, vocab_size: int, device: torch.device) -> torch.Tensor | None:
+    """What each proposal-constrained row allows at each drafted position and after them.
 
-    ``power_logits [n, V]`` are alpha * l / T_t at the bonus position and ``log_z [n]``
-    their log normalizer relative to p^alpha (``logsumexp(alpha l) - alpha logsumexp(l)``);
-    for a constrained row it becomes the log of the allowed mass of p^alpha.
+    Returns ``[R, k+1, V]`` bool (every token for unconstrained rows and past a row's end),
+    or None when no row is constrained. Drafting recorded the masks up to where each block
+    ended; the one at its end, where the bonus may be drawn, is computed here with one
+    batched call per constraint.
     """
-    rows = [
-        i
-        for i, b in enumerate(blocks)
-        if b.constraint is not None and b.constraint.mode == "proposal" and not b.stops
-    ]
+    rows = [i for i, b in enumerate(blocks) if b.constraint is not None and b.constraint.mode == "proposal"]
     if not rows:
-        return power_logits
+        return None
+    k = len(blocks[0].tokens)
+    masks = {i: list(blocks[i].allowed) for i in rows}
+    need = [i for i in rows if len(masks[i]) <= blocks[i].kept and not blocks[i].stops]
     pairs = [
         (blocks[i].constraint.constraint, blocks[i].constraint.context + tuple(blocks[i].kept_tokens))
-        for i in rows
+        for i in need
     ]
-    index = torch.tensor(rows, device=power_logits.device)
-    masks = torch.stack(_masks(pairs)).to(power_logits.device)
-    power = power_logits.index_select(0, index)
-    full = torch.logsumexp(power, -1)
-    restricted = power.masked_fill(~masks, -math.inf)
-    allowed = torch.logsumexp(restricted, -1)
-    log_z.index_add_(0, index, (allowed - full).to(log_z.dtype))  # the allowed share of the power's mass
-    dead = ~torch.isfinite(allowed)
-    if bool(dead.any()):  # such a row keeps its distribution, so sampling stays defined; it dies by weight
-        restricted[dead] = power[dead]
-    return power_logits.index_copy(0, index, restricted)
+    for i, mask in zip(need, masks_for(pairs)):
+        masks[i] = masks[i][: blocks[i].kept] + [mask]
+    allowed = torch.ones(len(blocks), k + 1, vocab_size, dtype=torch.bool)
+    for i in rows:
+        if masks[i]:
+            allowed[i, : min(k + 1, len(masks[i]))] = torch.stack(masks[i][: k + 1])
+    return to_device(allowed, device)

@@ -1,20 +1,130 @@
-"""One batched drafting call: the draft's next input, the tokens drawn, the rows that ended.
+"""One batched drafting call: the draft's input, the tokens drawn, where each row's block ends.
 
-``BlockEngine.draft_blocks`` feeds the rows' queued tokens, then draws a block position
-by position with ``Drafting.step``: a draft step (one forward, q sampled) or, where a
-constraint leaves every drafting row one allowed token, a forced step (no forward; the
-token is fed with the next one). It then cuts each row's block from ``Drafting.drawn``.
+``draft_blocks`` feeds the rows' queued tokens from the row store, then draws a block
+position by position with ``Drafting.step``: a draft step (one forward, q sampled) or,
+where a constraint leaves every drafting row one allowed token, a forced step (no
+forward; the token is fed with the next one). It then ends each row's block at its first
+EOS, its budget, its draft length, or where its constraint ends it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from ..backends.base import BatchedLM
-from ..spec import sample_probs
+from ..verification import sample_probs
 from . import constrained
+from .blocks import BlockRequest, DraftedBlock
+from .rows import RowStore
+
+
+@torch.inference_mode()
+def draft_blocks(
+    store: RowStore,
+    requests: Sequence[BlockRequest],
+    *,
+    block_size: int,
+    temperature: float,
+    eos: set[int],
+    g: torch.Generator,
+    limits: Sequence[int] | None = None,
+    keep_probs: bool = False,
+) -> list[DraftedBlock]:
+    """Up to ``block_size`` batched draft forwards over all rows; rows not asked for are fed holes.
+
+    ``requests[i]`` asks for a block on row ``requests[i].row`` within its budget, under
+    its constraint; ``limits[i]`` caps how many of its drafted tokens may count (0: the
+    row does not draft); ``keep_probs`` also returns q over the whole vocabulary. Drafting
+    stops early once every asked row has ended (an EOS, its budget, a constraint's dead
+    end): no later token could count, so all blocks of the call are that much shorter.
+    On an accelerator, unconstrained drafting stops early on budgets only: spotting EOS
+    tokens would cost a host sync per step (``store.early_stop_reads``).
+    Where a constraint leaves every drafting row one allowed token, q is a point mass
+    whatever the draft says: that step skips its forward and the token is fed with the
+    next one. Where every drafting row is constrained to a few tokens, the draft computes
+    the logits of those tokens only.
+    """
+    rows = [r.row for r in requests]
+    limits = [block_size] * len(rows) if limits is None else [min(block_size, n) for n in limits]
+    if not any(limits):  # nobody drafts: the target alone decodes this cycle
+        return [_ended(r.row, [], torch.zeros(0), r.budget, r.constraint, eos) for r in requests]
+    settings = dict(block_size=block_size, temperature=temperature, eos=eos, g=g, keep_probs=keep_probs)
+    run = _start(store, requests, limits, **settings)
+    for j in range(block_size):
+        run.step(j)
+        if run.finished(j):
+            break
+    if run.pending_fed:  # else the draft has read nothing yet: the pending tokens stay queued
+        store.draft_read([r for r, n in zip(rows, limits) if n])
+    return _blocks(run, requests, limits, eos)
+
+
+def _start(store: RowStore, requests, limits, *, block_size, temperature, eos, g, keep_probs) -> Drafting:
+    """The drafting state: each asked row's queued tokens are the first input."""
+    rows = [r.row for r in requests]
+    caps = [min(r.budget, n) for r, n in zip(requests, limits)]
+    asked = [False] * store.n_rows
+    for r, n in zip(rows, limits):
+        asked[r] = n > 0
+    ids, valid, hidden = store.draft_input(asked)
+    budget = torch.full((store.n_rows,), block_size, device=store.device)
+    budget[rows] = torch.tensor(caps, device=store.device)
+    masking = constrained.Masking(rows, [r.constraint for r in requests], "proposal")
+    return Drafting(
+        draft=store.draft,
+        g=g,
+        rows=rows,
+        masking=masking,
+        ids=ids,
+        valid=valid,
+        hidden=hidden,
+        asked=torch.tensor(asked, device=store.device),
+        budget=budget,
+        eos=torch.tensor(sorted(eos), dtype=torch.long, device=store.device),
+        longest=max(caps),
+        # Masks already bring every step to the host; on a CPU the check is free anyway.
+        host_checks=store.early_stop_reads or bool(masking.items),
+        temperature=temperature,
+        keep_probs=keep_probs,
+    )
+
+
+def _blocks(run: Drafting, requests, limits, eos) -> list[DraftedBlock]:
+    """Each request's block from the drawn tokens, ended by ``_ended``."""
+    tokens, logq, q_all = run.drawn()
+    critic = constrained.Masking(run.rows, [r.constraint for r in requests], "critic")
+    dead_at = run.masking.dead_at | critic.first_impossible(tokens)  # request -> position
+    blocks = []
+    for i, (req, n) in enumerate(zip(requests, limits)):
+        r = req.row
+        block = _ended(
+            r,
+            tokens[r].tolist(),
+            logq[r],
+            req.budget,
+            req.constraint,
+            eos,
+            limit=min(n, run.masking.cut_at.get(i, n)),
+            dead_at=dead_at.get(i),
+            probs=q_all[r] if run.keep_probs else None,
+        )
+        block.fed, block.allowed = (run.fed if n else 0), run.masking.history.get(i, [])
+        blocks.append(block)
+    return blocks
+
+
+def _ended(row, tokens, logq, budget, constraint, eos, *, limit=0, dead_at=None, probs=None) -> DraftedBlock:
+    """Where a block ends: its ``limit``, a constraint's dead end, the first EOS, the budget."""
+    end = min(len(tokens), limit, len(tokens) if dead_at is None else dead_at)
+    eos_at = next((j for j, t in enumerate(tokens[:end]) if t in eos), None)
+    kept = min(end if eos_at is None else eos_at + 1, budget)
+    stops = (eos_at is not None and eos_at < kept) or kept >= budget
+    # The constraint, not an EOS, the budget or the limit, ended the block: the particle dies.
+    dead = not stops and dead_at is not None and kept == dead_at < min(len(tokens), limit)
+    return DraftedBlock(row, tokens, logq, kept, stops, budget, probs, constraint, dead=dead)
 
 
 @dataclass
@@ -88,8 +198,9 @@ class Drafting:
         return tokens, logq, torch.stack(self.probs, 1) if self.probs else None
 
     def _end_dead_rows(self) -> None:
-        if self.masking.dead_at:
-            self.ended[[self.rows[i] for i in self.masking.dead_at]] = True
+        ended = self.masking.ended_at()
+        if ended:
+            self.ended[[self.rows[i] for i in ended]] = True
 
     def _forced_step(self, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Every drafting row has one allowed token ``d``: q is a point mass, no forward runs."""

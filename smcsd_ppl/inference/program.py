@@ -14,40 +14,38 @@ Particles are light: their KV state lives in row ``self.row`` of the batched bac
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from llamppl import Model
-from llamppl.distributions import Distribution
 
 from ..potentials.constraints import Constraint
-from .blocks import DraftedBlock, RowConstraint, ScoredBlock
-from .engine import BlockEngine
+from .blocks import BlockRequest, RowConstraint, ScoredBlock
 
 
 class CycleBarrier:
-    """Gathers the requests of all stepping particles into one batched call.
+    """Gathers the block requests of all stepping particles into one batched call.
 
-    A batch runs when every particle still stepping has asked (or returned), so the
-    synchronization is explicit, not a timer. ``handlers`` map a request kind to a
-    function from a list of items to a list of results.
+    A batch runs when every particle still stepping has asked (or returned from its step),
+    so the synchronization is explicit, not a timer. Each cycle opens the barrier with the
+    handler that serves its batches: a function from requests to their results.
     """
 
-    def __init__(self, handlers: dict[str, Callable[[list], list]]) -> None:
-        self.handlers = handlers
+    def __init__(self) -> None:
         self.active = 0
-        self.pending: list[tuple[str, Any, asyncio.Future]] = []
+        self.handler: Callable[[list], list] | None = None
+        self.pending: list[tuple[Any, asyncio.Future]] = []
+        self.served = 0  # requests served since the cycle opened
 
-    def open(self, n_active: int) -> None:
-        """Start a cycle with ``n_active`` stepping particles."""
-        self.active, self.pending = n_active, []
+    def open(self, n_active: int, handler: Callable[[list], list]) -> None:
+        """Start a cycle with ``n_active`` stepping particles, served by ``handler``."""
+        self.active, self.handler, self.pending, self.served = n_active, handler, [], 0
 
-    async def submit(self, kind: str, item: Any) -> Any:
+    async def submit(self, item: Any) -> Any:
         """Queue a request; resolves when its batch has run."""
         future = asyncio.get_running_loop().create_future()
-        self.pending.append((kind, item, future))
+        self.pending.append((item, future))
         self._maybe_flush()
         return await future
 
@@ -60,26 +58,25 @@ class CycleBarrier:
         if not self.pending or len(self.pending) < self.active:
             return
         batch, self.pending = self.pending, []
-        for kind in dict.fromkeys(k for k, _, _ in batch):
-            group = [(item, fut) for k, item, fut in batch if k == kind]
-            try:
-                results = self.handlers[kind]([item for item, _ in group])
-            except Exception as err:  # every waiting particle sees the failure
-                for _, fut in group:
-                    fut.set_exception(err)
-                continue
-            for (_, fut), result in zip(group, results):
-                fut.set_result(result)
+        self.served += len(batch)
+        try:
+            results = self.handler([item for item, _ in batch])
+        except Exception as err:  # every waiting particle sees the failure
+            for _, fut in batch:
+                fut.set_exception(err)
+            return
+        for (_, fut), result in zip(batch, results):
+            fut.set_result(result)
 
 
 @dataclass
 class Runtime:
     """What a run shares with all its particles (never copied on resampling)."""
 
-    engine: BlockEngine
     barrier: CycleBarrier
     max_new_tokens: int
     decode: Callable[[Sequence[int]], str]
+    eos: frozenset[int]
 
 
 class SMCSDModel(Model):
@@ -106,7 +103,6 @@ class SMCSDModel(Model):
         self.constraint, self.mode = constraint, mode
         self.token_ids: list[int] = []
         self.row = -1
-        self.draft_limit: int | None = None  # this cycle's draft length, when the run adapts it
         self.last_block: ScoredBlock | None = None
         self.runtime: Runtime | None = None
 
@@ -115,13 +111,12 @@ class SMCSDModel(Model):
         return {"prompt", "runtime"}
 
     def __deepcopy__(self, memo: dict) -> SMCSDModel:
-        # The runtime (backends, engine) is shared by every particle, whatever a
-        # subclass declares immutable: resampling must never copy model state.
-        # Blocks are read-only records: share them too.
+        # The runtime (the cycle's barrier) is shared by every particle, whatever a
+        # subclass declares immutable. Blocks are read-only records: share them too.
         for shared in (self.runtime, self.last_block):
             memo[id(shared)] = shared
         for value in self.__dict__.values():  # constraints hold large tables; never copy them
-            if isinstance(value, Constraint):
+            if callable(getattr(type(value), "next_mask", None)):  # a type lookup: cheap per copy
                 memo[id(value)] = value
         return super().__deepcopy__(memo)
 
@@ -130,7 +125,11 @@ class SMCSDModel(Model):
         await self.extend()
 
     async def extend(self, constraint: Constraint | None = None, mode: str | None = None) -> ScoredBlock:
-        """Draft K tokens, score them with the target, weight, and commit them with the bonus.
+        """Draft up to K tokens, score them with the target, weight, and commit them with the bonus.
+
+        The block is one request to the cycle's batched call (every particle's blocks are
+        drafted together and scored in one fused target forward); its SMC-SD log-weight
+        enters through LLaMPPL's ``score``.
 
         Args:
             constraint: a hard constraint on the output (``smcsd_ppl.potentials``); the
@@ -141,22 +140,23 @@ class SMCSDModel(Model):
         Finishes the particle at an EOS token (drafted or bonus), when
         ``max_new_tokens`` is reached, or when the constraint allows nothing more.
         """
+        if self.finished:
+            raise ValueError("a finished particle cannot extend")
         constraint = self.constraint if constraint is None else constraint
-        await self.sample(self.target_block(), proposal=self.draft_block(constraint, mode or self.mode))
-        if self.last_block.stops:
-            self.finish()
-        return self.last_block
-
-    def draft_block(self, constraint: Constraint | None = None, mode: str = "proposal") -> DraftBlock:
-        """The proposal: K tokens from the draft model (optionally constrained)."""
         row_constraint = (
-            None if constraint is None else RowConstraint(constraint, mode, tuple(self.token_ids))
+            None
+            if constraint is None
+            else RowConstraint(constraint, mode or self.mode, tuple(self.token_ids))
         )
-        return DraftBlock(self, row_constraint)
-
-    def target_block(self) -> TargetBlock:
-        """The potential: the target's (power) probability of a drafted block."""
-        return TargetBlock(self)
+        block: ScoredBlock = await self.runtime.barrier.submit(
+            BlockRequest(self.row, self.budget, row_constraint)
+        )
+        self.token_ids.extend(block.tokens)
+        self.last_block = block
+        self.score(block.log_weight)
+        if block.stops:
+            self.finish()
+        return block
 
     @property
     def plain(self) -> bool:
@@ -175,48 +175,3 @@ class SMCSDModel(Model):
 
     def __str__(self) -> str:
         return self.text if self.runtime else f"SMCSDModel({self.prompt!r})"
-
-
-class DraftBlock(Distribution):
-    """K tokens drafted for one particle, batched with every other particle of the cycle."""
-
-    def __init__(self, particle: SMCSDModel, constraint: RowConstraint | None = None) -> None:
-        self.particle, self.constraint = particle, constraint
-
-    async def sample(self) -> tuple[DraftedBlock, float]:
-        """Draft a block; returns it with its log q."""
-        if self.particle.finished:
-            raise ValueError("a finished particle cannot draft")
-        p = self.particle
-        block = await p.runtime.barrier.submit("draft", (p.row, p.budget, self.constraint, p.draft_limit))
-        return block, block.log_q
-
-    async def log_prob(self, block: DraftedBlock) -> float:
-        """Log q of the block."""
-        return block.log_q
-
-
-class TargetBlock(Distribution):
-    """The target's score of a drafted block, from the cycle's one fused forward.
-
-    Scoring also draws the bonus token from the target at the position after the
-    kept prefix and commits the block: the result is
-    ``alpha * sum log p_T(d_j) + log Z_bonus``.
-    """
-
-    def __init__(self, particle: SMCSDModel) -> None:
-        self.particle = particle
-
-    async def log_prob(self, block: DraftedBlock) -> float:
-        """Score the block with the target (batched); commits it and its bonus token."""
-        p = self.particle
-        scored: ScoredBlock = await p.runtime.barrier.submit("target", block)
-        p.token_ids.extend(scored.drafted.kept_tokens)  # the quality cut may keep fewer than drafted
-        if scored.bonus is not None:
-            p.token_ids.append(scored.bonus)
-        p.last_block = scored
-        if scored.drafted.dead:  # the constraint allowed nothing: zero weight
-            return -math.inf
-        # LLaMPPL's sample() subtracts the log q that DraftBlock.sample returned (before
-        # any cut); hand back the potential's part relative to it.
-        return scored.log_weight + block.log_q

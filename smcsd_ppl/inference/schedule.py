@@ -11,23 +11,28 @@ the draft length L that maximizes the expected tokens per unit of cost:
 L = 0 is decoding with the target alone. A draft length depends only on earlier cycles,
 so every block is still cut by a rule that sees its prefix only, and weights stay proper.
 
-The plain program (no constraint, no conditions) needs one particle to probe and to decode
-alone: the weights of a draft-free cycle are all equal, so more particles would buy nothing.
+The plain program (no constraint, no conditions, alpha = 1) decodes alone with one
+particle: the weights of a draft-free cycle are then all equal, so more particles would buy
+nothing. Every other request keeps its N particles throughout, and a plain request probes
+with all N (a probe's kept tokens carry weights like any block's).
 
-A pair remembers its draft across requests (``DraftRecord``): a request starts from what
-earlier ones saw, so once the draft is known not to pay, requests decode alone from their
-first token without even prefilling the draft, and every ``REPROBE_EVERY``-th such request
-probes again (the draft may suit some prompts better than others).
+A request starts from a ``DraftRecord``: what is known of the draft beforehand (none: it
+probes). The record is a value the caller passes in, never state a request changes, so the
+same call gives the same output whatever ran before; a finished request's evidence can be
+folded into a new record (``learned``) by a caller who wants requests to learn.
+Once a record says the draft does not pay, requests decode alone from their first token
+without even prefilling the draft.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
-REPROBE_EVERY = 8  # requests that start alone between two probes
-PRIOR_POSITIONS = 8.0  # how many drafted positions the record counts for in a new request
-MEMORY = 0.8  # the record's counts decay by this factor per request
+from ..config import DraftRecord
+
+PRIOR_POSITIONS = 8.0  # how many drafted positions a record counts for in a new request
+MEMORY = 0.8  # a learned record keeps this share of its older evidence
 
 # Relative cost of one more verified position per drafted token: small on an accelerator,
 # where the fused forward is memory-bound, larger on a CPU (docs/algorithm.md, the quality cut).
@@ -55,51 +60,38 @@ def best_length(pass_rate: float, cost: float, longest: int) -> int:
     return max(range(longest + 1), key=value)
 
 
-@dataclass
-class DraftRecord:
-    """A pair's memory of its draft: cut counts pooled over requests, older ones fading."""
-
-    passed: float = 0.0
-    failed: float = 0.0
-    alone_since_probe: int = 0
-    frozen: bool = False  # stop learning: every request then starts alike, whatever ran before
-
-    def schedule(self, block_size: int, particles: int, plain: bool, cost: float) -> DraftSchedule:
-        """A new request's schedule, starting from this record (or probing afresh)."""
-        seen = self.passed + self.failed
-        fresh = DraftSchedule(block_size, particles, plain, cost)
-        if not seen:
-            return fresh
-        scale = min(1.0, PRIOR_POSITIONS / seen)
-        prior = DraftSchedule(block_size, particles, plain, cost, self.passed * scale, self.failed * scale)
-        if prior.planned_length() > 0 or self.frozen:
-            return prior
-        self.alone_since_probe += 1
-        if self.alone_since_probe > REPROBE_EVERY:
-            self.alone_since_probe = 0
-            return fresh
-        return prior
-
-    def update(self, schedule: DraftSchedule) -> None:
-        """Add what a finished request's own cycles saw (unless frozen)."""
-        if self.frozen:
-            return
-        self.passed = MEMORY * self.passed + schedule.passed - schedule.prior_passed
-        self.failed = MEMORY * self.failed + schedule.failed - schedule.prior_failed
+def schedule_from(
+    record: DraftRecord, block_size: int, particles: int, plain: bool, cost: float
+) -> DraftSchedule:
+    """A new request's schedule, starting from ``record`` (probing when it is empty)."""
+    seen = record.passed + record.failed
+    scale = min(1.0, PRIOR_POSITIONS / seen) if seen else 0.0
+    passed, failed = record.passed * scale, record.failed * scale
+    return DraftSchedule(block_size, particles, plain, cost, passed, failed, passed, failed)
 
 
-@dataclass
+def learned(record: DraftRecord, schedule: DraftSchedule) -> DraftRecord:
+    """``record`` with a finished request's own evidence added, older evidence fading."""
+    return DraftRecord(
+        MEMORY * record.passed + schedule.passed - schedule.prior_passed,
+        MEMORY * record.failed + schedule.failed - schedule.prior_failed,
+    )
+
+
+@dataclass(frozen=True)
 class DraftSchedule:
-    """One request's draft length and particle count, cycle by cycle.
+    """One request's draft length and particle count, cycle by cycle (a value: changes return new ones).
 
     Attributes:
         block_size: K, the longest block.
         particles: N, the particle count while drafting.
-        plain: the request runs the plain program, so it may probe and decode alone with
+        plain: the request runs the plain program at alpha = 1, so it may decode alone with
             one particle.
         cost: c, one drafted position's cost relative to one target step.
         passed: drafted positions kept by the cut so far (the record's share included).
         failed: cuts that fired so far (likewise).
+        prior_passed: the record's share of ``passed``.
+        prior_failed: the record's share of ``failed``.
         lengths: the draft length of each cycle run (0: the target alone).
     """
 
@@ -109,10 +101,9 @@ class DraftSchedule:
     cost: float
     passed: float = 0.0
     failed: float = 0.0
-    lengths: list[int] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.prior_passed, self.prior_failed = self.passed, self.failed
+    prior_passed: float = 0.0
+    prior_failed: float = 0.0
+    lengths: tuple[int, ...] = ()
 
     @property
     def alone(self) -> bool:
@@ -132,17 +123,19 @@ class DraftSchedule:
             return max(1, self.block_size // 2)
         return best_length(self.passed / (self.passed + self.failed), self.cost, self.block_size)
 
-    def next_length(self) -> int:
-        """The next cycle's draft length (and record it)."""
-        self.lengths.append(self.planned_length())
+    def advanced(self) -> DraftSchedule:
+        """The schedule with the next cycle's draft length decided."""
+        return replace(self, lengths=(*self.lengths, self.planned_length()))
+
+    @property
+    def length(self) -> int:
+        """The current cycle's draft length."""
         return self.lengths[-1]
 
     def n_particles(self) -> int:
-        """How many particles the next cycle should run (after ``next_length``)."""
-        first_probe = len(self.lengths) == 1 and self.prior_passed + self.prior_failed == 0
-        return 1 if self.plain and (first_probe or self.alone) else self.particles
+        """How many particles the current cycle runs."""
+        return 1 if self.plain and self.alone else self.particles
 
-    def observe(self, kept: Sequence[int], diverged: Sequence[bool]) -> None:
-        """Count one cycle's blocks: tokens kept by the cut, and whether it fired."""
-        self.passed += sum(kept)
-        self.failed += sum(diverged)
+    def observed(self, kept: Sequence[int], diverged: Sequence[bool]) -> DraftSchedule:
+        """The schedule after one cycle's drafted blocks: tokens kept by the cut, and whether it fired."""
+        return replace(self, passed=self.passed + sum(kept), failed=self.failed + sum(diverged))

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..backends.base import BatchedLM, check_finite, to_device
-from ..spec import sample_tokens
+from ..verification import sample_tokens
 from .registry import MethodOutput, RunContext, register
 
 NAN_CHECK_EVERY = 16  # forwards between checks for NaN logits (each check is a host read)

@@ -1,6 +1,6 @@
-"""EASD: exact speculative sampling plus an entropy-aware rejection rule (REFERENCE.md §3).
+"""EASD: exact speculative sampling plus an entropy-aware rejection rule.
 
-The loop is ``sd.SpeculativeLoop`` with ``spec.easd.easd_accept`` in place of
+The loop is ``sd.SpeculativeLoop`` with ``verification.easd.easd_accept`` in place of
 ``speculative_accept``: where both models are uncertain and agree on their top-n, the
 drafted token is rejected and replaced by a draw from the target without it.
 
@@ -20,8 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..inference.engine import BlockEngine
-from ..spec.easd import easd_accept, uncertain_agreement
+from ..config import SMCConfig
+from ..inference.rows import RowStore
+from ..results import SpeculativeInfo
+from ..verification.easd import easd_accept, uncertain_agreement
 from .registry import MethodOutput, RunContext, register
 from .sd import AcceptRule, SpeculativeRun, speculative_sampling
 
@@ -69,18 +71,21 @@ def easd_rule(easd: EASDConfig) -> AcceptRule:
 
 
 def easd_sampling(
-    engine: BlockEngine,
+    store: RowStore,
+    config: SMCConfig,
+    eos: Sequence[int],
     prompts: Sequence[Sequence[int]],
     *,
     easd: EASDConfig | None = None,
     on_step: Callable[[int], None] | None = None,
 ) -> SpeculativeRun:
-    """EASD on the block engine, one row per prompt, K drafted tokens per cycle.
+    """EASD on a row store, one row per prompt, K drafted tokens per cycle.
 
     With ``easd.enabled`` False (or infinite thresholds) this is exact speculative
     sampling and draws the same tokens as ``sd.speculative_sampling`` for one seed.
     """
-    return speculative_sampling(engine, prompts, accept=easd_rule(easd or EASDConfig()), on_step=on_step)
+    rule = easd_rule(easd or EASDConfig())
+    return speculative_sampling(store, config, eos, prompts, accept=rule, on_step=on_step)
 
 
 @register(
@@ -89,9 +94,6 @@ def easd_sampling(
     summary="speculative sampling with EASD's entropy-aware rejection (not exact)",
 )
 def _easd(ctx: RunContext) -> MethodOutput:
-    run = easd_sampling(ctx.engine(), ctx.prompts, on_step=ctx.on_progress)
-    extras = [
-        {"acceptance": run.acceptance(i), "entropy_rejections": run.vetoes[i]}
-        for i in range(len(run.token_ids))
-    ]
-    return MethodOutput(run.token_ids, extras)
+    run = easd_sampling(ctx.rows(), ctx.config, ctx.eos, ctx.prompts, on_step=ctx.on_progress)
+    info = [SpeculativeInfo(run.acceptance(i), run.vetoes[i]) for i in range(len(run.token_ids))]
+    return MethodOutput(run.token_ids, info)

@@ -1,4 +1,4 @@
-"""Hugging Face assisted generation and prompt lookup decoding: external peers (REFERENCE.md §7).
+"""Hugging Face assisted generation and prompt lookup decoding: external peers.
 
 ``target.generate(ids, assistant_model=draft, do_sample=True, ...)`` is exact speculative
 sampling, batch 1 only, so requests run one after another. Configured as a fair peer:

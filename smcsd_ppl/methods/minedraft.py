@@ -1,9 +1,9 @@
-"""MineDraft-style batch-parallel speculative decoding (REFERENCE.md §4).
+"""MineDraft-style batch-parallel speculative decoding.
 
-The batch is split into two balanced sub-batches A and B, each with its own engine
+The batch is split into two balanced sub-batches A and B, each with its own row store
 (own KV caches over the shared weights). While the target verifies A's block, a worker
 thread drafts B's next block (B was verified the step before, so its state is final);
-then the roles swap. Each side is plain exact speculative sampling on its own engine
+then the roles swap. Each side is plain exact speculative sampling on its own rows
 and random generator, so the output is the target's distribution exactly, and the
 threaded and sequential (``threads=False``) schedules give identical tokens.
 
@@ -27,7 +27,8 @@ import torch
 from ..backends.base import ForwardStats
 from ..backends.hf import HFBatchedLM
 from ..config import SMCConfig
-from ..inference.engine import BlockEngine
+from ..inference.rows import RowStore
+from ..results import SpeculativeInfo
 from .registry import MethodOutput, RunContext, register
 from .sd import SpeculativeLoop, SpeculativeRun
 
@@ -58,7 +59,7 @@ def split_balanced(prompts: Sequence[Sequence[int]]) -> tuple[list[int], list[in
 
 
 def minedraft_sampling(
-    engines: tuple[BlockEngine, BlockEngine],
+    sides: tuple[SpeculativeLoop, SpeculativeLoop],
     prompts: Sequence[Sequence[int]],
     *,
     threads: bool = True,
@@ -68,18 +69,19 @@ def minedraft_sampling(
     """Exact speculative sampling with drafting of one sub-batch overlapped with verifying the other.
 
     Args:
-        engines: two engines over SEPARATE backends (forwards run concurrently).
+        sides: two speculative loops over SEPARATE backends (forwards run concurrently),
+            with their own seeds (``side_loops``).
         prompts: token ids, one request each; split by ``split_balanced``.
         threads: draft in a worker thread; False runs the same schedule sequentially.
         num_threads: torch intra-op threads during the call (process-wide in torch,
             so both concurrent forwards share it); None keeps the current setting.
         on_step: called with the longest output length after each verify step.
     """
-    a, b = engines
+    a, b = (side.store for side in sides)
     if a.target is b.target or a.draft is b.draft or a.target is a.draft:
-        raise ValueError("MineDraft needs two engines with four separate backends (KV caches)")
+        raise ValueError("MineDraft needs two loops over four separate backends (KV caches)")
     requests = split_balanced(prompts)
-    sides = [SpeculativeLoop(e) for e in engines]
+    sides = list(sides)
     saved_threads = torch.get_num_threads()
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minedraft") if threads else None
     try:
@@ -130,17 +132,17 @@ def _merge(runs: list[SpeculativeRun], requests: tuple[list[int], list[int]], n:
     return merged
 
 
-def side_engines(target: HFBatchedLM, draft: HFBatchedLM, eos: Sequence[int], config: SMCConfig):
-    """Two engines over fresh backends of ``target``'s and ``draft``'s models (shared weights, own caches)."""
-    engines = []
+def side_loops(target: HFBatchedLM, draft: HFBatchedLM, eos: Sequence[int], config: SMCConfig):
+    """Two speculative loops over fresh backends of the models (shared weights, own caches and seeds)."""
+    loops = []
     for i in range(2):
         lms = [
             HFBatchedLM(lm.model, max_cache_bytes=lm.max_cache_bytes, name=f"{lm.name}[{'AB'[i]}]")
             for lm in (target, draft)
         ]
         cfg = dataclasses.replace(config, seed=config.seed + i * SEED_STRIDE)
-        engines.append(BlockEngine(*lms, eos, cfg))
-    return engines[0], engines[1]
+        loops.append(SpeculativeLoop(RowStore(*lms), cfg, eos))
+    return loops[0], loops[1]
 
 
 @register(
@@ -149,16 +151,16 @@ def side_engines(target: HFBatchedLM, draft: HFBatchedLM, eos: Sequence[int], co
     summary="MineDraft-style SD: verify one half-batch while drafting the other",
 )
 def _minedraft(ctx: RunContext) -> MethodOutput:
-    engines = side_engines(ctx.target_lm, ctx.draft_lm, ctx.eos, ctx.config)
+    sides = side_loops(ctx.target_lm, ctx.draft_lm, ctx.eos, ctx.config)
     try:
-        run = minedraft_sampling(engines, ctx.prompts, threads=True, on_step=ctx.on_progress)
+        run = minedraft_sampling(sides, ctx.prompts, threads=True, on_step=ctx.on_progress)
     finally:  # the call's stats read the pair's counters: add the sub-batch backends' forwards
         # (overlapped forwards both count their seconds, so forward time may exceed wall time)
-        for e in engines:
-            _add_forwards(ctx.target_lm.stats, e.target.stats)
-            _add_forwards(ctx.draft_lm.stats, e.draft.stats)
-    acceptance = run.acceptance()
-    return MethodOutput(run.token_ids, [{"acceptance": acceptance} for _ in run.token_ids])
+        for side in sides:
+            _add_forwards(ctx.target_lm.stats, side.store.target.stats)
+            _add_forwards(ctx.draft_lm.stats, side.store.draft.stats)
+    info = SpeculativeInfo(run.acceptance())
+    return MethodOutput(run.token_ids, [info for _ in run.token_ids])
 
 
 def _add_forwards(total: ForwardStats, side: ForwardStats) -> None:

@@ -7,8 +7,14 @@ node, the target's choice (argmax for ``racer``; a sample at T_t for
 ``racer_sampling``) either matches a child, which is accepted, or becomes the next
 root. Every emitted token is therefore exactly the target's greedy token (or an
 exact draw from softmax(l / T_t) given the emitted prefix): the drafts only change
-how many tokens one forward yields. The index and the cue table are kept per target
-backend, across requests and calls.
+how many tokens one forward yields. A sampled token is the inverse CDF of one uniform
+fixed per request and output position, however many nodes a tree tried.
+
+The index and the cue table learn from everything a call emits. A call starts from empty
+ones unless the caller keeps a ``RetrievalDrafter`` across calls (``SMCSD.retrieval_memory``),
+as the RACER reference does: that is faster on repeated content, but the trees, hence
+the forwards' shapes and (through rounding in low precision) the outputs, then depend on
+earlier calls.
 
 On CPU a 64-node tree forward costs about twice a one-token forward, so smaller
 trees pay off sooner there; docs/benchmarks.md ("RACER draft-tree budget") has the
@@ -17,15 +23,14 @@ measurements and the command that repeats them.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from ..backends.base import BatchedLM, TreeLM
+from ..backends.base import TreeLM
 from ..proposals.retrieval import DraftTree, RetrievalDrafter
-from .ar import choose_tokens
+from ..verification import inverse_cdf
 from .registry import MethodOutput, RunContext, register
 
 DEFAULT_BUDGET = 64  # draft-tree nodes per step, the reference's max_num_draft
@@ -88,12 +93,17 @@ def racer_generate(
 ) -> RacerRun:
     """Generate with RACER drafting, all prompts batched; temperature 0 is greedy.
 
-    At temperature > 0 the output is an exact sample of softmax(l / T_t): each
-    node's choice is a fresh draw, and only the draws along the walked path count.
+    At temperature > 0 the output is an exact sample of softmax(l / T_t): every node at
+    output position t draws with the request's uniform for t, and only the draws along
+    the walked path count, so the output is the one autoregressive inverse-CDF sampling
+    with those uniforms gives, whatever the trees.
     """
     if temperature < 0 or (temperature > 0 and g is None):
         raise ValueError("temperature must be >= 0, and sampling (temperature > 0) needs a generator")
-    reqs = _start(target, prompts, drafter, temperature, g, eos_token_ids, max_new_tokens)
+    uniforms = None
+    if temperature > 0:  # [B, max_new_tokens]: one per request and output position
+        uniforms = torch.rand(len(prompts), max_new_tokens, generator=g, device=g.device).to(target.device)
+    reqs = _start(target, prompts, drafter, temperature, uniforms, eos_token_ids, max_new_tokens)
     rows = [i for i in range(len(prompts)) if reqs.going(i)]
     if len(rows) < len(prompts) and rows:
         target.fork(torch.tensor(rows))
@@ -103,7 +113,8 @@ def racer_generate(
             drafter.build_draft_tree(reqs.contexts[r], budget, max_new_tokens - len(reqs.outs[r]) - 1)
             for r in rows
         ]
-        news = _verify_trees(target, drafter, trees, temperature, g)
+        u = _node_uniforms(uniforms, trees, [len(reqs.outs[r]) for r in rows], rows)
+        news = _verify_trees(target, drafter, trees, temperature, u)
         for req, new in zip(rows, news):
             steps, accepted = steps + 1, accepted + _emit(reqs, drafter, req, new)
         going = [i for i, req in enumerate(rows) if reqs.going(req)]
@@ -115,25 +126,46 @@ def racer_generate(
     return RacerRun(reqs.outs, steps, accepted)
 
 
-def _start(target, prompts, drafter, temperature, g, eos_token_ids, max_new_tokens) -> _Requests:
+def _choose(logits: torch.Tensor, temperature: float, u: torch.Tensor | None) -> torch.Tensor:
+    """Argmax at temperature 0, else the inverse CDF of softmax(logits / T) at ``u`` (``[N, V] -> [N]``)."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    return inverse_cdf(torch.softmax(logits.float() / temperature, -1), u)
+
+
+def _node_uniforms(uniforms, trees, emitted, rows) -> torch.Tensor | None:
+    """Each node's uniform ``[R, T]``: its request's, at the output position its choice fills."""
+    if uniforms is None:
+        return None
+    t = max(len(tr) for tr in trees)
+    positions = torch.zeros(len(trees), t, dtype=torch.long)
+    for i, (tr, n) in enumerate(zip(trees, emitted)):
+        positions[i, : len(tr)] = torch.tensor(tr.depth) + n
+    positions = positions.clamp_(max=uniforms.shape[1] - 1).to(uniforms.device)
+    return uniforms[torch.tensor(rows, device=uniforms.device)[:, None], positions]
+
+
+def _start(target, prompts, drafter, temperature, uniforms, eos_token_ids, max_new_tokens) -> _Requests:
     """Prefill, draw every request's first token, and index the prompts."""
     logits = target.prefill(prompts)  # [B, V]
     drafter.cues.update(torch.tensor([p[-1] for p in prompts]), logits)
-    first = choose_tokens(logits, temperature, g).tolist()
+    first = _choose(logits, temperature, None if uniforms is None else uniforms[:, 0]).tolist()
     contexts = [list(p) + [x] for p, x in zip(prompts, first)]
     docs = [drafter.index.feed([], c) for c in contexts]
     eos = set(int(e) for e in eos_token_ids)
     return _Requests([[x] for x in first], contexts, docs, eos, max_new_tokens)
 
 
-def _verify_trees(target, drafter, trees, temperature, g) -> list[list[int]]:
+def _verify_trees(target, drafter, trees, temperature, u) -> list[list[int]]:
     """Score every tree in one target forward, walk it, keep the walked path in the cache.
 
-    Returns, per row, the accepted drafted tokens and then the target's own next token.
+    ``u [R, T]`` is each node's uniform (None: greedy). Returns, per row, the accepted
+    drafted tokens and then the target's own next token.
     """
     tokens, parents, valid = _pack(trees, target.device)
     logits = target.extend_tree(tokens, parents, valid)  # [R, T, V]
-    choice = choose_tokens(logits.flatten(0, 1), temperature, g).view(tokens.shape)
+    flat_u = None if u is None else u.flatten()
+    choice = _choose(logits.flatten(0, 1), temperature, flat_u).view(tokens.shape)
     top = torch.topk(logits, drafter.cues.k, dim=-1).indices  # [R, T, k]
     keep = torch.zeros_like(valid)
     news = []
@@ -164,22 +196,12 @@ def _emit(reqs: _Requests, drafter: RetrievalDrafter, req: int, new: list[int]) 
     return min(len(added), len(new) - 1)
 
 
-_DRAFTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def drafter_for(target: BatchedLM) -> RetrievalDrafter:
-    """The drafter kept for ``target`` across requests (RACER's index persists between them)."""
-    if target not in _DRAFTERS:
-        _DRAFTERS[target] = RetrievalDrafter(target.vocab_size)
-    return _DRAFTERS[target]
-
-
 def _run(ctx: RunContext, temperature: float) -> MethodOutput:
     g = torch.Generator(device=ctx.target_lm.device).manual_seed(ctx.config.seed)
     run = racer_generate(
         ctx.target_lm,
         ctx.prompts,
-        drafter_for(ctx.target_lm),
+        ctx.retrieval or RetrievalDrafter(ctx.target_lm.vocab_size),
         eos_token_ids=ctx.eos,
         max_new_tokens=ctx.config.max_new_tokens,
         temperature=temperature,

@@ -1,9 +1,9 @@
 """The generation methods a user can pick by name, and the contract of their runners.
 
-A runner is ``(context: RunContext) -> MethodOutput``: it gets backends, an engine
+A runner is ``(context: RunContext) -> MethodOutput``: it gets backends, a row-store
 factory and the EOS ids (never the ``SMCSD`` facade) and returns token ids per request
-with its extras; ``SMCSD`` encodes the prompts, decodes the outputs and builds every
-``Generation`` with its stats. Each runner's module registers it with ``@register``;
+with its typed report; ``SMCSD`` encodes the prompts, decodes the outputs and builds
+every ``Generation`` with its stats. Each runner's module registers it with ``@register``;
 importing ``smcsd_ppl.methods`` loads them all.
 """
 
@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from ..backends.base import BatchedLM
-from ..config import SMCConfig
-from ..inference.engine import BlockEngine
+from ..config import DraftRecord, SMCConfig
+from ..inference.rows import RowStore
 from ..models import LoadedModel
+from ..proposals.retrieval import RetrievalDrafter
+from ..results import SMCInfo, SpeculativeInfo
 
 
 @dataclass
@@ -29,13 +30,14 @@ class RunContext:
         target_lm: the target's batched backend.
         draft_lm: the draft's batched backend.
         eos: EOS ids in force under ``config`` (empty with ``ignore_eos``).
-        make_engine: a ``BlockEngine`` over both backends for a config (the pair's draft
-            record included, so SMC-SD's quality cut learns across calls).
+        make_rows: a fresh ``RowStore`` over both backends.
         on_progress: called with the length of the longest output so far.
         target_model: the loaded target, for methods that call Hugging Face ``generate``.
         draft_model: the loaded draft, likewise.
         encode: text -> token ids, for SMC programs whose prompt is a text.
         decode: token ids -> text, for SMC programs' particle texts.
+        draft_record: what SMC-SD's adaptive drafting knows of the draft beforehand.
+        retrieval: RACER's index and cues kept across calls (None: each call starts empty).
     """
 
     prompts: list[list[int]]
@@ -43,16 +45,18 @@ class RunContext:
     target_lm: BatchedLM
     draft_lm: BatchedLM
     eos: list[int]
-    make_engine: Callable[[SMCConfig], BlockEngine]
+    make_rows: Callable[[], RowStore]
     on_progress: Callable[[int], None] | None = None
     target_model: LoadedModel | None = None
     draft_model: LoadedModel | None = None
     encode: Callable[[str], list[int]] | None = None
     decode: Callable[[Sequence[int]], str] | None = None
+    draft_record: DraftRecord = field(default_factory=DraftRecord)
+    retrieval: RetrievalDrafter | None = None
 
-    def engine(self) -> BlockEngine:
-        """A block engine under this call's config."""
-        return self.make_engine(self.config)
+    def rows(self) -> RowStore:
+        """A row store over both backends, for one run."""
+        return self.make_rows()
 
 
 @dataclass
@@ -61,15 +65,17 @@ class MethodOutput:
 
     Attributes:
         token_ids: new token ids per request.
-        extras: per request, the ``Generation`` fields the method fills (``acceptance``,
-            SMC-SD's ``log_z``, ``particles``, ...); empty when it fills none.
+        info: per request, the method family's report (``SMCInfo``, ``SpeculativeInfo``);
+            empty when the method reports nothing more.
         texts: per request, the output text when the method decides it (SMC programs);
             None lets the caller decode ``token_ids``.
+        messages: per request, why an output is empty or incomplete (empty: none say so).
     """
 
     token_ids: list[list[int]]
-    extras: list[dict[str, Any]] = field(default_factory=list)
+    info: Sequence[SMCInfo | SpeculativeInfo | None] = ()
     texts: list[str] | None = None
+    messages: Sequence[str] = ()
 
 
 Runner = Callable[[RunContext], MethodOutput]

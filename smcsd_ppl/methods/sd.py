@@ -13,9 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..backends.base import check_finite, to_device
-from ..inference.engine import BlockEngine, DraftedBlock
-from ..spec import speculative_accept
+from ..backends.base import to_device
+from ..config import SMCConfig
+from ..inference.blocks import BlockRequest, DraftedBlock
+from ..inference.drafting import draft_blocks
+from ..inference.rows import RowStore
+from ..results import SpeculativeInfo
+from ..verification import sample_tokens, speculative_accept
 from .registry import MethodOutput, RunContext, register
 
 AcceptRule = Callable[
@@ -55,17 +59,26 @@ class SpeculativeRun:
 
 
 class SpeculativeLoop:
-    """One row per request on one engine: draft, then verify and settle, until every row ends.
+    """One row per request on one row store: draft, then verify and settle, until every row ends.
 
     ``draft`` and ``verify`` are separate steps so a schedule (MineDraft) can draft
-    one loop while it verifies another. The target is sampled itself, so the
-    engine's ``alpha`` plays no part (the method registry refuses alpha != 1).
+    one loop while it verifies another. The target is sampled itself, so ``alpha``
+    plays no part (the method registry refuses alpha != 1).
+
+    Args:
+        store: the rows of the draft and the target.
+        config: K, T_d, T_t, the budget and the seed.
+        eos: EOS ids in force.
+        accept: the accept rule.
     """
 
-    def __init__(self, engine: BlockEngine, accept: AcceptRule = exact_accept) -> None:
-        self.engine, self.accept = engine, accept
+    def __init__(
+        self, store: RowStore, config: SMCConfig, eos: Sequence[int], accept: AcceptRule = exact_accept
+    ) -> None:
+        self.store, self.config, self.eos, self.accept = store, config, set(int(e) for e in eos), accept
+        self.g = torch.Generator(device=store.device).manual_seed(config.seed)
         self.outs: list[list[int]] = []
-        self.rows: list[int] = []  # request index of each live engine row
+        self.rows: list[int] = []  # request index of each live row
         self.blocks: list[DraftedBlock] | None = None  # drafted, awaiting verification
         self.drafted: list[int] = []
         self.accepted: list[int] = []
@@ -76,38 +89,83 @@ class SpeculativeLoop:
         """Some request is still generating."""
         return bool(self.rows)
 
+    @torch.inference_mode()
     def start(self, prompts: Sequence[Sequence[int]]) -> None:
         """Prefill both models and draw each request's first token from the target."""
         if not prompts:
             return
-        eng, n = self.engine, len(prompts)
-        x0, _ = eng.start(prompts, copies=1)
+        n = len(prompts)
+        logits, hidden = self.store.start(prompts, 1)
+        x0 = sample_tokens(logits, self.config.target_temperature, self.g).tolist()
+        self.store.queue_first(x0, hidden)
         self.outs = [[x] for x in x0]
         self.drafted, self.accepted, self.vetoes = [0] * n, [0] * n, [0] * n
-        self.rows = [i for i, x in enumerate(x0) if x not in eng.eos and eng.config.max_new_tokens > 1]
-        eng.reorder(self.rows)
+        self.rows = [i for i, x in enumerate(x0) if x not in self.eos and self.config.max_new_tokens > 1]
+        self.store.fork(self.rows)
 
     def draft(self) -> None:
         """Draft the next block of every live row, within each request's budget."""
-        budgets = [self.engine.config.max_new_tokens - len(self.outs[r]) for r in self.rows]
-        self.blocks = self.engine.draft_blocks(range(len(self.rows)), budgets, keep_probs=True)
+        c = self.config
+        requests = [BlockRequest(i, c.max_new_tokens - len(self.outs[r])) for i, r in enumerate(self.rows)]
+        self.blocks = draft_blocks(
+            self.store,
+            requests,
+            block_size=c.block_size,
+            temperature=c.draft_temperature,
+            eos=self.eos,
+            g=self.g,
+            keep_probs=True,
+        )
 
     @torch.inference_mode()
     def verify(self) -> None:
         """Score the drafted blocks in one target forward, apply the rule, settle the rows."""
-        blocks, eng = self.blocks, self.engine
-        target_probs = torch.softmax(eng.target_logits(blocks), -1)  # [R, K+1, V]
+        blocks = self.blocks
+        logits, hidden = self.store.score([b.row for b in blocks], [b.tokens for b in blocks])
+        target_probs = torch.softmax(logits.div_(self.config.target_temperature), -1)  # [R, K+1, V]
         draft_probs = torch.stack([b.draft_probs for b in blocks])  # [R, K, V]
         tokens = to_device(torch.tensor([b.tokens for b in blocks]), draft_probs.device)
-        n_acc, nxt, vetoed = self.accept(target_probs, draft_probs, tokens, eng.g)
+        n_acc, nxt, vetoed = self.accept(target_probs, draft_probs, tokens, self.g)
         n_acc, nxt, vetoed = torch.stack([n_acc, nxt, vetoed.long()]).tolist()  # one host read
         for r, b, m, v in zip(self.rows, blocks, n_acc, vetoed):
             self.drafted[r] += b.kept
             self.accepted[r] += min(m, b.kept)
             self.vetoes[r] += int(v and m < b.kept)
-        going = settle(eng, blocks, n_acc, nxt, [self.outs[r] for r in self.rows])
+        going = self._settle(blocks, n_acc, nxt, hidden)
         self.rows = [self.rows[i] for i in going]
         self.blocks = None
+
+    def _settle(
+        self, blocks: Sequence[DraftedBlock], n_acc: Sequence[int], nxt: Sequence[int], hidden
+    ) -> list[int]:
+        """Apply the verdicts: extend outputs, commit both caches, keep the live rows.
+
+        Each row's output gets its accepted prefix, then ``nxt[i]`` (the residual, veto
+        or bonus draw) unless the block itself ended the row. Returns the indices of the
+        blocks whose rows go on; the store keeps exactly those rows, in that order.
+        """
+        self.store.check_finite()  # once per cycle, not per forward
+        kept, nexts, going = [], [], []
+        for i, (b, m, t) in enumerate(zip(blocks, n_acc, nxt)):
+            out = self.outs[self.rows[i]]
+            if m >= b.kept:  # everything up to the EOS / budget cut was accepted
+                out.extend(b.kept_tokens)
+                t = None if b.stops else t
+                kept.append(b.kept)
+            else:  # rejected at m (by SD or by a veto): t replaces d_{m+1}
+                out.extend(b.tokens[:m])
+                kept.append(m)
+            if t is not None:
+                out.append(t)
+                if t in self.eos or len(out) >= self.config.max_new_tokens:
+                    t = None
+            nexts.append(t)
+            if t is not None:
+                going.append(i)
+        rows = [b.row for b in blocks]
+        self.store.commit(rows, [b.tokens for b in blocks], kept, nexts, [b.fed for b in blocks], hidden)
+        self.store.fork(going)
+        return going
 
     def result(self) -> SpeculativeRun:
         """The outputs and counts so far."""
@@ -115,7 +173,9 @@ class SpeculativeLoop:
 
 
 def speculative_sampling(
-    engine: BlockEngine,
+    store: RowStore,
+    config: SMCConfig,
+    eos: Sequence[int],
     prompts: Sequence[Sequence[int]],
     *,
     accept: AcceptRule = exact_accept,
@@ -125,7 +185,7 @@ def speculative_sampling(
 
     With the default rule the output distribution equals the target's at T_t exactly.
     """
-    loop = SpeculativeLoop(engine, accept)
+    loop = SpeculativeLoop(store, config, eos, accept)
     loop.start(prompts)
     while loop.live:
         loop.draft()
@@ -135,42 +195,8 @@ def speculative_sampling(
     return loop.result()
 
 
-def settle(
-    engine: BlockEngine, blocks: Sequence[DraftedBlock], n_acc: Sequence[int], nxt: Sequence[int], outs
-) -> list[int]:
-    """Apply speculative verdicts: extend outputs, commit both caches, keep the live rows.
-
-    ``outs[i]`` is the output list of ``blocks[i]``'s row (extended in place): its
-    accepted prefix, then ``nxt[i]`` (the residual, veto or bonus draw) unless the
-    block itself ended the row. Returns the indices of the blocks whose rows go on;
-    the engine keeps exactly those rows, in that order.
-    """
-    cfg = engine.config
-    check_finite(engine.target, engine.draft)  # once per cycle, not per forward
-    kept, nexts, going = [], [], []
-    for i, (b, m, t) in enumerate(zip(blocks, n_acc, nxt)):
-        out = outs[i]
-        if m >= b.kept:  # everything up to the EOS / budget cut was accepted
-            out.extend(b.kept_tokens)
-            t = None if b.stops else t
-            kept.append(b.kept)
-        else:  # rejected at m (by SD or by a veto): t replaces d_{m+1}
-            out.extend(b.tokens[:m])
-            kept.append(m)
-        if t is not None:
-            out.append(t)
-            if t in engine.eos or len(out) >= cfg.max_new_tokens:
-                t = None
-        nexts.append(t)
-        if t is not None:
-            going.append(i)
-    engine.commit(blocks, kept, nexts)
-    engine.reorder(going)
-    return going
-
-
 @register("sd", samples_target=True, summary="exact speculative sampling (Leviathan et al.)")
 def _sd(ctx: RunContext) -> MethodOutput:
-    run = speculative_sampling(ctx.engine(), ctx.prompts, on_step=ctx.on_progress)
-    acceptance = run.acceptance()  # of the whole call, as SD has always reported it
-    return MethodOutput(run.token_ids, [{"acceptance": acceptance} for _ in run.token_ids])
+    run = speculative_sampling(ctx.rows(), ctx.config, ctx.eos, ctx.prompts, on_step=ctx.on_progress)
+    info = SpeculativeInfo(run.acceptance())  # of the whole call, as SD has always reported it
+    return MethodOutput(run.token_ids, [info for _ in run.token_ids])

@@ -6,43 +6,64 @@ import dataclasses
 import statistics
 from collections.abc import Callable, Sequence
 
-from ..inference.loop import CycleInfo, SMCResult, run_smc_sd
+import torch
+
+from .. import smc
+from ..inference.loop import SMCResult, run_smc_sd
 from ..inference.program import SMCSDModel
+from ..inference.state import StepInfo
+from ..results import SMCInfo
 from .registry import MethodOutput, RunContext, register
 
 
 def run_programs(
-    ctx: RunContext, programs: Sequence[SMCSDModel], on_cycle: Callable[[CycleInfo], None] | None = None
+    ctx: RunContext, programs: Sequence[SMCSDModel], on_cycle: Callable[[StepInfo], None] | None = None
 ) -> MethodOutput:
     """SMC-SD over user programs (or the default one), all requests in one batch.
 
     The programs' own texts come back (a program decides its particles' text with
-    ``ctx.decode``), with every SMC field of each request.
+    ``ctx.decode``), with SMC-SD's report of each request.
     """
 
-    def report(info: CycleInfo) -> None:
+    def report(info: StepInfo) -> None:
         if ctx.on_progress is not None:
             ctx.on_progress(info.tokens)
         if on_cycle is not None:
             on_cycle(info)
 
-    results = run_smc_sd(programs, ctx.engine(), encode=ctx.encode, decode=ctx.decode, on_cycle=report)
+    results = run_smc_sd(
+        programs,
+        ctx.rows(),
+        ctx.config,
+        ctx.eos,
+        record=ctx.draft_record,
+        encode=ctx.encode,
+        decode=ctx.decode,
+        on_cycle=report,
+    )
     return MethodOutput(
-        [r.token_ids for r in results], [_smc_fields(r) for r in results], [r.text for r in results]
+        [r.token_ids for r in results],
+        [smc_info(r) for r in results],
+        [r.text for r in results],
+        [r.message for r in results],
     )
 
 
-def _smc_fields(r: SMCResult) -> dict:
-    """The ``Generation`` fields of one SMC-SD request."""
-    return dict(
-        log_z=r.log_z,
-        n_resamples=r.n_resamples,
-        mean_ess=statistics.fmean(r.ess_trace) if r.ess_trace else None,
-        particles=r.particles,
-        ess_trace=r.ess_trace,
-        message=r.message,
-        collapsed=r.collapsed,
-        draft_lengths=r.draft_lengths,
+def smc_info(r: SMCResult) -> SMCInfo:
+    """SMC-SD's report of one request."""
+    if r.ess_trace:
+        mean_ess = statistics.fmean(r.ess_trace)
+    else:  # no cycle ran (the first token ended every particle): the final weights' ESS
+        mean_ess = smc.ess(torch.tensor([p.log_weight for p in r.particles], dtype=torch.float64))
+    return SMCInfo(
+        r.log_z,
+        r.particles,
+        r.ess_trace,
+        mean_ess,
+        r.n_resamples,
+        r.collapsed,
+        r.draft_lengths,
+        r.draft_record,
     )
 
 

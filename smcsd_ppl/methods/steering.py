@@ -1,4 +1,4 @@
-"""Constrained-generation baselines: LLaMPPL and genlm-control SMC next to SMC-SD (REFERENCE.md §6).
+"""Constrained-generation baselines: LLaMPPL and genlm-control SMC next to SMC-SD.
 
 Every runner takes the same inputs (a ``RunContext`` of the pair, a text prompt, a
 constraint, N, a token budget, one temperature T for every model, a seed) and returns a
@@ -41,7 +41,7 @@ import torch
 from .. import smc
 from ..config import SMCConfig
 from ..inference.program import SMCSDModel
-from ..potentials.constraints import PotentialConstraint, RegexConstraint, _run
+from ..potentials.constraints import PotentialConstraint, RegexConstraint
 from .registry import RunContext
 from .smcsd import run_programs
 
@@ -128,7 +128,7 @@ class TaskConstraint:
         text = text.strip()
         if self.regex is not None:
             return re.fullmatch(self.regex, text) is not None
-        return _run(self.potential.complete(list(text.encode()))) > -math.inf
+        return asyncio.run(self.potential.complete(list(text.encode()))) > -math.inf
 
     def allows(self, ids: Sequence[int]) -> bool:
         """The last token of ``ids`` is allowed after the ones before it."""
@@ -204,7 +204,6 @@ def llamppl_smc(
 ) -> SteeringRecord:
     """LLaMPPL ``smc_standard`` over a token-by-token target program (see the module doc)."""
     from llamppl import LMContext, Model, smc_standard
-    from llamppl.util import log_softmax
 
     task = as_constraint(ctx, constraint)
     prompt_ids = ctx.encode(prompt)
@@ -226,13 +225,13 @@ def llamppl_smc(
 
     backend, lm = _fresh(ctx, n_particles, seed)
 
+    prompt_text = lm.tokenizer.decode(prompt_ids)  # LMContext takes text: chat-template ids, decoded
+    if lm.tokenizer.encode(prompt_text) != list(prompt_ids):
+        raise ValueError("the prompt's token ids do not survive decoding and encoding: LLaMPPL takes text")
+
     async def go():
         lm.cache_kv(prompt_ids)
-        lm_ctx = LMContext.__new__(LMContext)  # LMContext takes text; we have chat-template ids
-        lm_ctx._init_common(lm, "", temperature, False, True)
-        lm_ctx.tokens, lm_ctx.prompt_token_count = list(prompt_ids), len(prompt_ids)
-        lm_ctx.prompt_string_length = len(lm.tokenizer.decode(prompt_ids))
-        lm_ctx.next_token_logprobs = log_softmax(await lm.next_token_logprobs(lm_ctx.tokens) / temperature)
+        lm_ctx = await LMContext.create(lm, prompt_text, temperature)
         return await smc_standard(TokenProgram(lm_ctx), n_particles, 0.5, resampling_method="systematic")
 
     start = time.perf_counter()
@@ -307,16 +306,16 @@ def _smcsd(ctx, program, task, name, *, n_particles, max_new_tokens, temperature
     run_ctx = dataclasses.replace(ctx, prompts=[], config=config, on_progress=None)
     ctx.target_lm.stats.reset()
     start = time.perf_counter()
-    (out,) = run_programs(run_ctx, [program]).extras
-    seconds, particles = time.perf_counter() - start, out["particles"]
+    (info,) = run_programs(run_ctx, [program]).info
+    seconds, particles = time.perf_counter() - start, info.particles
     ids, log_w = [p.token_ids for p in particles], [p.log_weight for p in particles]
     rec = _finish(name, ctx, task, ids, log_w, seconds, seed)
     rec.extra = {
-        "n_resamples": out["n_resamples"],
-        "mean_ess": out["mean_ess"],
+        "n_resamples": info.n_resamples,
+        "mean_ess": info.mean_ess,
         "target_calls": ctx.target_lm.stats.calls,
     }
-    rec.log_z = out["log_z"]  # includes the log Z increments of earlier resampling rounds
+    rec.log_z = info.log_z  # includes the log Z increments of earlier resampling rounds
     return rec
 
 

@@ -1,4 +1,4 @@
-"""Training-free retrieval drafting (RACER, REFERENCE.md §5): n-gram automaton + logit cues.
+"""Training-free retrieval drafting (RACER): n-gram automaton + logit cues.
 
 ``NGramIndex`` holds every token substring of length <= n (n = 10) of the prompts
 and of everything generated, as a trie with occurrence counts. Because *all*
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..backends.base import BatchedLM
-from ..spec import sample_probs
+from ..verification import sample_probs
 
 
 class _Node:
@@ -282,7 +282,7 @@ def propose_block(
     normalized distribution whose support covers the target's; retrieval alone is a
     handful of tokens (zero mass elsewhere would bias the estimate and make log q
     -inf), hence the mixture with weight ``draft_weight`` > 0. Drafting feeds the
-    draft model like ``BlockEngine.draft_blocks``: the pending tokens, then d_1..d_{K-1}.
+    draft model like ``inference.drafting.draft_blocks``: the pending tokens, then d_1..d_{K-1}.
     """
     if not 0.0 < draft_weight <= 1.0:
         raise ValueError(f"draft_weight must be in (0, 1] for a full-support proposal, got {draft_weight}")

@@ -1,8 +1,9 @@
 """Resampling schemes: normalized weights to ancestor indices.
 
-Every resampling scheme maps normalized weights ``W`` (``[N]``, summing to 1)
-and a ``torch.Generator`` to ancestor indices (``[N]``, int64). All but
-residual resampling are one inverse-CDF lookup of differently drawn uniforms.
+Every resampling scheme maps normalized weights ``W`` (``[N]``, summing to 1), a
+``torch.Generator`` and a number of draws M to ancestor indices (``[M]``, int64): M = N
+resamples, M = 1 selects one particle, M > N grows a population. All but residual
+resampling are one inverse-CDF lookup of differently drawn uniforms.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 
 from .weights import normalize
 
-Resampler = Callable[[torch.Tensor, torch.Generator], torch.Tensor]
+Resampler = Callable[[torch.Tensor, torch.Generator, int], torch.Tensor]
 
 
 def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -28,33 +29,31 @@ def _uniforms(n: int, g: torch.Generator) -> torch.Tensor:
     return torch.rand(n, generator=g, dtype=torch.float64, device=g.device)
 
 
-def multinomial(weights: torch.Tensor, g: torch.Generator) -> torch.Tensor:
-    """N independent draws from Categorical(W)."""
-    u, _ = torch.sort(_uniforms(weights.numel(), g))
+def multinomial(weights: torch.Tensor, g: torch.Generator, m: int) -> torch.Tensor:
+    """M independent draws from Categorical(W)."""
+    u, _ = torch.sort(_uniforms(m, g))
     return _inverse_cdf(weights, u)
 
 
-def stratified(weights: torch.Tensor, g: torch.Generator) -> torch.Tensor:
-    """One uniform draw in each of N equal strata of [0, 1)."""
-    n = weights.numel()
-    u = (torch.arange(n, dtype=torch.float64, device=g.device) + _uniforms(n, g)) / n
+def stratified(weights: torch.Tensor, g: torch.Generator, m: int) -> torch.Tensor:
+    """One uniform draw in each of M equal strata of [0, 1)."""
+    u = (torch.arange(m, dtype=torch.float64, device=g.device) + _uniforms(m, g)) / m
     return _inverse_cdf(weights, u)
 
 
-def systematic(weights: torch.Tensor, g: torch.Generator) -> torch.Tensor:
-    """N evenly spaced points with one shared random offset (lowest variance here)."""
-    n = weights.numel()
-    u = (torch.arange(n, dtype=torch.float64, device=g.device) + _uniforms(1, g)) / n
+def systematic(weights: torch.Tensor, g: torch.Generator, m: int) -> torch.Tensor:
+    """M evenly spaced points with one shared random offset (lowest variance here)."""
+    u = (torch.arange(m, dtype=torch.float64, device=g.device) + _uniforms(1, g)) / m
     return _inverse_cdf(weights, u)
 
 
-def residual(weights: torch.Tensor, g: torch.Generator) -> torch.Tensor:
-    """floor(N W_i) deterministic copies of each particle, the rest multinomial."""
+def residual(weights: torch.Tensor, g: torch.Generator, m: int) -> torch.Tensor:
+    """floor(M W_i) deterministic copies of each particle, the rest multinomial."""
     n = weights.numel()
-    scaled = weights.double() * n
+    scaled = weights.double() * m
     copies = torch.floor(scaled).long()
     kept = torch.repeat_interleave(torch.arange(n, device=weights.device), copies)
-    n_rest = n - kept.numel()
+    n_rest = m - kept.numel()
     if n_rest == 0:
         return kept
     rest = scaled - copies
@@ -71,8 +70,8 @@ RESAMPLERS: dict[str, Resampler] = {
 }
 
 
-def resample(log_w: torch.Tensor, scheme: str, g: torch.Generator) -> torch.Tensor:
-    """Ancestor indices ``[N]`` drawn from unnormalized log-weights ``[N]``."""
+def resample(log_w: torch.Tensor, scheme: str, g: torch.Generator, m: int | None = None) -> torch.Tensor:
+    """``m`` ancestor indices (default N) drawn from unnormalized log-weights ``[N]``."""
     if scheme not in RESAMPLERS:
         raise ValueError(f"unknown resampling scheme {scheme!r}; choose from {tuple(RESAMPLERS)}")
-    return RESAMPLERS[scheme](normalize(log_w), g)
+    return RESAMPLERS[scheme](normalize(log_w), g, log_w.numel() if m is None else m)

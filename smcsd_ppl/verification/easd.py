@@ -1,6 +1,6 @@
 """Pure verification math of EASD (entropy-aware speculative decoding).
 
-EASD adds one rule to exact speculative sampling (``spec.speculative_accept``): where
+EASD adds one rule to exact speculative sampling (``verification.speculative_accept``): where
 both models are uncertain (draft entropy H_q > tau_q and target entropy H_p > tau_p)
 yet their top-n predictions largely agree ("uncertain agreement"), the drafted token
 is rejected even if SD would accept it, and the replacement is drawn from the target
@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from .verify import pick, residual_after, sample_probs
+from .exact import residual_after
+from .sampling import pick, sample_probs
 
 
 def entropy(probs: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,196 @@
+"""The row store: every row of a draft and a target backend, and the only code that moves them.
+
+A row is one particle (or one request, for the speculative baselines). The store prefills,
+forks, forwards, commits and drops rows; it knows nothing of weights, temperatures or
+schedules. Besides the backends' KV caches it keeps, per row, the tokens each model has
+not read yet: the deferred bonus for the target, and for the draft also the kept tokens it
+did not feed.
+
+A feature draft (``models.feature_draft.FeatureDraft``) reads, with each token, the
+target's hidden state at the position before it. Inside a block it feeds back its own
+predicted states; at ``commit`` those speculative positions are dropped and the kept
+tokens are queued again with the target's true states from the fused forward, which
+``score`` returned to the caller.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..backends.base import BatchedLM, check_finite, pad_left, pad_left_hidden
+
+
+class RowStore:
+    """The rows of a draft and a target backend that share a vocabulary and a device."""
+
+    def __init__(self, target: BatchedLM, draft: BatchedLM) -> None:
+        if target.vocab_size != draft.vocab_size:
+            raise ValueError(
+                f"draft vocabulary ({draft.vocab_size}) differs from the target's ({target.vocab_size}); "
+                "SMC-SD needs a draft that shares the target's tokenizer"
+            )
+        devices = {str(getattr(lm, "device", "cpu")) for lm in (target, draft)}
+        if len(devices) > 1:
+            raise ValueError(f"draft and target are on different devices {sorted(devices)}: use one device")
+        self.target, self.draft = target, draft
+        self.device = getattr(target, "device", torch.device("cpu"))
+        # Whether drafting may read the device each step to stop once every row has ended:
+        # free on a CPU, a sync on an accelerator (tests turn it off to count the latter's reads).
+        self.early_stop_reads = self.device.type == "cpu"
+        self.reads_hidden = bool(getattr(draft, "reads_hidden", False))
+        if self.reads_hidden:
+            if not hasattr(target, "keep_hidden_states"):
+                raise ValueError("a feature draft needs a target backend that returns hidden states")
+            target.keep_hidden_states()
+        self.draft_ready = False  # the draft holds the rows (``start`` may leave it out)
+        self.target_pending: list[list[int]] = []
+        self.draft_pending: list[list[int]] = []
+        self.draft_hidden: list[torch.Tensor] = []  # per row: target states paired with draft_pending
+
+    @property
+    def n_rows(self) -> int:
+        """Rows held."""
+        return len(self.target_pending)
+
+    @torch.inference_mode()
+    def start(
+        self, prompts: Sequence[Sequence[int]], copies: int | Sequence[int], *, draft: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Prefill both models and fork each prompt into ``copies`` (or ``copies[i]``) consecutive rows.
+
+        Returns each row's next-token target logits ``[R, V]`` (untempered) and, for a feature
+        draft, the target's last prompt state per row ``[R, H]``; ``queue_first`` takes both
+        back with the first token. ``draft=False`` leaves the draft out, for runs whose rows
+        all decode with the target alone.
+        """
+        logits = self.target.prefill(prompts)  # [B, V]
+        self.draft_ready = draft
+        last = None
+        if draft and self.reads_hidden:  # token j of a prompt goes with the target's state at j-1
+            h = self.target.hidden  # [B, W, H], left-padded
+            zero, w = h.new_zeros(1, h.shape[-1]), h.shape[1]
+            self.draft.prefill(
+                prompts, [torch.cat([zero, h[i, w - len(p) : w - 1]]) for i, p in enumerate(prompts)]
+            )
+            last = h[:, -1]
+        elif draft:
+            self.draft.prefill(prompts)
+        # Rows on the host: the backends fork without reading them back.
+        rows = torch.arange(len(prompts)).repeat_interleave(torch.as_tensor(copies))
+        self.target.fork(rows)
+        if draft:
+            self.draft.fork(rows)
+        self.target_pending = [[] for _ in range(len(rows))]
+        self.draft_pending = [[] for _ in range(len(rows))]
+        index = rows.to(logits.device)
+        return logits.index_select(0, index), None if last is None else last.index_select(0, index)
+
+    def queue_first(self, tokens: Sequence[int], hidden: torch.Tensor | None = None) -> None:
+        """Queue each row's first generated token for both models (with ``start``'s states)."""
+        self.target_pending = [[int(t)] for t in tokens]
+        self.draft_pending = [[int(t)] for t in tokens]
+        self.draft_hidden = [hidden[i][None] for i in range(len(tokens))] if hidden is not None else []
+
+    def draft_input(self, asked: Sequence[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The draft's next input: the queued tokens of the ``asked`` rows, holes elsewhere.
+
+        Returns ``ids [R, T]``, ``valid [R, T]`` and a feature draft's states ``[R, T, H]``.
+        """
+        ids, valid = pad_left([p if a else [] for p, a in zip(self.draft_pending, asked)], self.device)
+        if not self.reads_hidden:
+            return ids, valid, None
+        queued = [f if a else f[:0] for f, a in zip(self.draft_hidden, asked)]
+        return ids, valid, pad_left_hidden(queued, ids.shape[1]).to(self.device)
+
+    def draft_read(self, rows: Sequence[int]) -> None:
+        """A draft forward has read the queued tokens of ``rows``."""
+        for r in rows:
+            self.draft_pending[r] = []
+            if self.reads_hidden:
+                self.draft_hidden[r] = self.draft_hidden[r][:0]
+
+    @torch.inference_mode()
+    def score(
+        self, rows: Sequence[int], blocks: Sequence[Sequence[int]]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """ONE target forward over [pending, d_1..d_k] of ``rows`` (every other row a hole).
+
+        Returns the untempered logits ``[n, k+1, V]`` of the asked rows, in order (position j
+        scores d_{j+1}; position k is the bonus position), and for a feature draft the target's
+        states at the same positions ``[n, k+1, H]``, which ``commit`` takes back.
+        """
+        k = len(blocks[0]) if blocks else 0
+        by_row = dict(zip(rows, blocks))
+        feed = [self.target_pending[r] + list(by_row[r]) if r in by_row else [] for r in range(self.n_rows)]
+        ids, valid = pad_left(feed, self.device)
+        logits = self.target.extend(ids, valid)[:, -(k + 1) :]
+        hidden = self.target.hidden[:, -(k + 1) :] if self.reads_hidden else None
+        if list(rows) != list(range(self.n_rows)):  # usually every row asks: skip the copy
+            index = torch.tensor(list(rows), device=self.device)
+            logits = logits.index_select(0, index)
+            hidden = hidden.index_select(0, index) if hidden is not None else None
+        return logits, hidden
+
+    def commit(
+        self,
+        rows: Sequence[int],
+        blocks: Sequence[Sequence[int]],
+        kept: Sequence[int],
+        nexts: Sequence[int | None],
+        fed: Sequence[int],
+        hidden: torch.Tensor | None = None,
+    ) -> None:
+        """Keep ``kept[i]`` tokens of each block, queue the next token, hole out the rest.
+
+        After ``score`` the target holds [pending, d_1..d_k] and the draft [pending,
+        d_1..d_fed] (``fed[i]``: the drafted tokens it read); both then await ``nexts[i]``
+        (the deferred bonus), the draft also the kept tokens it has not read. A row without a
+        next token stops and leaves at the next ``fork``. A feature draft drops all its
+        drafted positions (computed from predicted states) and queues the kept tokens again
+        with the target's states ``hidden`` from ``score``.
+        """
+        k = len(blocks[0]) if blocks else 0
+        drop_t, drop_d = {}, {}
+        with_states = self.reads_hidden and self.draft_ready
+        for i, (r, block, n, nxt, f) in enumerate(zip(rows, blocks, kept, nexts, fed)):
+            tail = [] if nxt is None else [nxt]
+            self.target_pending[r] = tail
+            if with_states:
+                self.draft_pending[r] = list(block[:n]) + tail if tail else []
+                self.draft_hidden[r] = hidden[i][: n + 1] if tail else hidden[i][:0]
+            elif self.draft_ready:  # else decoding alone: the draft has nothing to keep in step
+                self.draft_pending[r] = self.draft_pending[r] + list(block[f:n]) + tail
+            if nxt is not None:
+                drop_t[r] = k - n
+                # A feature draft read its fed tokens with predicted states: all are dropped.
+                drop_d[r] = f if with_states else max(0, f - n)
+        self._drop(self.target, drop_t)
+        self._drop(self.draft, drop_d)
+
+    def _drop(self, backend: BatchedLM, n_by_row: dict[int, int]) -> None:
+        if any(n_by_row.values()):
+            n = torch.zeros(self.n_rows, dtype=torch.long)
+            for r, d in n_by_row.items():
+                n[r] = d
+            backend.drop_tail(n)
+
+    def fork(self, rows: Sequence[int]) -> None:
+        """Keep ``rows`` in this order (live particles, resampled ancestors repeated)."""
+        rows = list(rows)
+        if rows == list(range(self.n_rows)):
+            return
+        if rows:
+            index = torch.tensor(rows)  # on the host: backends then know the rows without a read
+            self.target.fork(index)
+            if self.draft_ready:
+                self.draft.fork(index)
+        self.target_pending = [list(self.target_pending[r]) for r in rows]
+        self.draft_pending = [list(self.draft_pending[r]) for r in rows]
+        if self.reads_hidden and self.draft_hidden:
+            self.draft_hidden = [self.draft_hidden[r] for r in rows]
+
+    def check_finite(self) -> None:
+        """Raise if either backend produced NaN logits since the last check (one host read)."""
+        check_finite(self.target, self.draft)

@@ -1,0 +1,154 @@
+"""SMC-SD block verification: where each block is cut, its weight, and the bonus token.
+
+``verify_blocks`` is the whole of it, one function over shaped tensors: R rows
+(particles of all requests), k drafted tokens per row, V vocabulary. It holds no state;
+the caller forwards the target, then commits what it returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .sampling import pick, power_log_normalizer, restrict_power, sample_tokens
+
+
+def block_log_weights(
+    target_logp: torch.Tensor,  # [R, K] log p_T(d_j | .)
+    draft_logq: torch.Tensor,  # [R, K] log q(d_j | .)
+    kept: torch.Tensor,  # [R] number of drafted tokens that count (EOS or budget cut the rest)
+    bonus_log_z: torch.Tensor,  # [R] log Z of the bonus position
+    has_bonus: torch.Tensor,  # [R] bool: a bonus token is drawn after the block
+    alpha: float,
+) -> torch.Tensor:
+    """SMC-SD incremental log-weight sum_{j<kept} [alpha log p - log q] + log Z_bonus (``[R]``)."""
+    k = target_logp.shape[1]
+    live = torch.arange(k, device=kept.device)[None, :] < kept[:, None]
+    terms = torch.where(live, alpha * target_logp - draft_logq, torch.zeros_like(target_logp))
+    return terms.sum(1) + torch.where(has_bonus, bonus_log_z, torch.zeros_like(bonus_log_z))
+
+
+def _tv(p: torch.Tensor, q: torch.Tensor, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (p - q).abs().sum(-1)
+
+
+def _renyi2(p: torch.Tensor, q: torch.Tensor, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    # log E_q[(p/q)^2] = log(1 + chi^2(p || q)): the log second moment of one weight increment.
+    return torch.logsumexp(torch.where(p > 0, 2 * log_p - log_q, -torch.inf), -1)
+
+
+def _kl(p: torch.Tensor, q: torch.Tensor, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    return torch.where(p > 0, p * (log_p - log_q), torch.zeros_like(p)).sum(-1)
+
+
+DIVERGENCES = {"tv": _tv, "renyi2": _renyi2, "kl": _kl}
+"""Divergences D(p || q) a block cut may use: total variation (in [0, 1]), Renyi-2 and KL (nats)."""
+
+
+def cut_divergence(
+    target_logits: torch.Tensor,  # [R, k, V] l / T_t at the drafted positions
+    draft_probs: torch.Tensor,  # [R, k, V] q at the same positions (masked where a constraint forbids)
+    alpha: float,
+    name: str,
+    allowed: torch.Tensor | None = None,  # [R, k, V] bool: what a proposal constraint allows; None: all
+) -> torch.Tensor:
+    """D(p^alpha / Z || q) at every drafted position (``[R, k]``).
+
+    Where a proposal-mode constraint masks q, the target it stands for is p^alpha
+    restricted to the allowed tokens.
+    """
+    log_p = torch.log_softmax(alpha * target_logits.float(), -1)
+    if allowed is not None:
+        masked = log_p.masked_fill(~allowed, -torch.inf)
+        masked = masked - torch.logsumexp(masked, -1, keepdim=True)
+        # Rows allowing everything stay exact; a dead end (nothing allowed) keeps p.
+        partial = (~allowed).any(-1, keepdim=True) & allowed.any(-1, keepdim=True)
+        log_p = torch.where(partial, masked, log_p)
+    q = draft_probs.float()
+    log_q = q.clamp_min(torch.finfo(q.dtype).tiny).log()
+    return DIVERGENCES[name](log_p.exp(), q, log_p, log_q)
+
+
+def first_cut(divergence: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Where each block is cut (``[R]``): the first position whose divergence exceeds ``threshold``.
+
+    ``divergence [R, k]`` describes the next-token distributions before each drafted token,
+    so the cut depends on the prefix only, never on the token drawn where it falls: the
+    bonus drawn from the target there keeps the block properly weighted. A block with no
+    such position is cut at k (not at all).
+    """
+    over = divergence > threshold
+    return torch.where(over.any(1), over.float().argmax(1), divergence.shape[1])
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What verification decided for each row (every field ``[R]`` unless shaped otherwise).
+
+    Attributes:
+        kept: drafted tokens that count.
+        diverged: the quality cut ended the block.
+        stops: the block ends the particle (a drafted EOS or the budget): no bonus.
+        dead: a constraint allowed nothing where the block ends: zero weight.
+        target_logp: ``[R, k]`` alpha-free log p_T of each drafted token.
+        bonus: the token drawn from the target after the kept prefix (where ``has_bonus``).
+        has_bonus: a bonus token follows the kept prefix.
+        bonus_log_z: log of the mass of p_T^alpha the bonus was drawn from (allowed tokens only).
+        log_w: the SMC-SD log-weight increment (-inf for a dead block or a row with no bonus to draw).
+    """
+
+    kept: torch.Tensor
+    diverged: torch.Tensor
+    stops: torch.Tensor
+    dead: torch.Tensor
+    target_logp: torch.Tensor
+    bonus: torch.Tensor
+    has_bonus: torch.Tensor
+    bonus_log_z: torch.Tensor
+    log_w: torch.Tensor
+
+
+def verify_blocks(
+    logits: torch.Tensor,  # [R, k+1, V] l / T_t at the drafted positions and after the last
+    tokens: torch.Tensor,  # [R, k] drafted tokens
+    draft_logq: torch.Tensor,  # [R, k] log q of each (masked q where a constraint restricts)
+    ends: torch.Tensor,  # [R] drafted tokens that may count: EOS (kept), budget, draft length, dead end
+    stops: torch.Tensor,  # [R] bool: the block ends the particle at ``ends`` (EOS or budget)
+    dead: torch.Tensor,  # [R] bool: a constraint allowed nothing at position ``ends``
+    g: torch.Generator,
+    *,
+    alpha: float = 1.0,
+    cut: float | None = None,
+    divergence: str = "tv",
+    draft_probs: torch.Tensor | None = None,  # [R, k, V] q, needed by the cut
+    allowed: torch.Tensor | None = None,  # [R, k+1, V] bool: tokens a proposal constraint allows
+) -> Verdict:
+    """Cut each block, weigh it, and draw its bonus token from the (restricted) target power.
+
+    The cut falls at the first position where D(p^alpha || q) exceeds ``cut`` (prefix only,
+    so the weights stay proper); a dead block comes alive when the cut falls at or before
+    the position that killed it, since the token there is dropped. The bonus is drawn from
+    p_T^alpha restricted to ``allowed`` tokens, and weighs the mass it was drawn from.
+    """
+    r, k = tokens.shape
+    kept, diverged = ends, torch.zeros_like(stops)
+    if cut is not None and k:
+        restrict = allowed[:, :k] if allowed is not None else None
+        at = first_cut(cut_divergence(logits[:, :k], draft_probs, alpha, divergence, restrict), cut)
+        diverged = (at < ends) | (dead & (at == ends))
+        kept = torch.where(diverged, at, ends)
+        stops, dead = stops & ~diverged, dead & ~diverged
+    target_logp = pick(torch.log_softmax(logits[:, :k], -1), tokens)
+    rows = torch.arange(r, device=logits.device)
+    at_bonus = logits[rows, kept]  # [R, V]
+    power, bonus_log_z = restrict_power(
+        alpha * at_bonus,
+        power_log_normalizer(at_bonus, 1.0, alpha),
+        allowed[rows, kept] if allowed is not None else None,
+    )
+    bonus = sample_tokens(power, 1.0, g)
+    has_bonus = ~stops & ~dead & torch.isfinite(bonus_log_z)
+    log_w = block_log_weights(target_logp, draft_logq, kept, bonus_log_z, has_bonus, alpha)
+    log_w = log_w.masked_fill(dead | (~stops & ~has_bonus), -torch.inf)
+    return Verdict(kept, diverged, stops, dead, target_logp, bonus, has_bonus, bonus_log_z, log_w)

@@ -1,0 +1,49 @@
+"""Fixtures shared by the test modules, named for what they are."""
+
+from __future__ import annotations
+
+import pytest
+import tiny
+
+from smcsd_ppl.api import SMCSD
+from smcsd_ppl.config import DraftRecord
+
+
+@pytest.fixture(scope="session")
+def tiny_models():
+    """A tiny random target (3 layers) and draft (2 layers) sharing a tokenizer, as ``LoadedModel``s."""
+    return tiny.pair()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    """A tiny random-weight Llama (3 layers) on the tiny tokenizer."""
+    return tiny.llama(seed=0, layers=3)
+
+
+@pytest.fixture(scope="session")
+def tiny_smcsd(tiny_models):
+    """``SMCSD`` over the tiny random pair (structure, counts and errors only: never quality)."""
+    return SMCSD(*tiny_models)
+
+
+@pytest.fixture(scope="session")
+def eos_smcsd():
+    """``SMCSD`` over a tiny pair whose EOS is frequent: particles stop inside blocks and as bonuses."""
+    return SMCSD(*tiny.pair(eos_bias=8.0))
+
+
+@pytest.fixture(scope="session")
+def default_smcsd():
+    """The real embedded default pair (SmolLM2-135M-Instruct and its distilled draft)."""
+    return SMCSD.load()
+
+
+@pytest.fixture(autouse=True)
+def pairs_start_without_memory(request):
+    """A test that teaches a shared pair (``calibrate``, RACER's index) must not teach the next."""
+    yield
+    for name in ("tiny_smcsd", "eos_smcsd", "default_smcsd"):
+        if name in request.fixturenames:
+            pair = request.getfixturevalue(name)
+            pair.draft_record, pair.retrieval_memory = DraftRecord(), None
