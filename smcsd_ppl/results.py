@@ -9,11 +9,16 @@ from .config import DraftRecord
 
 @dataclass
 class ParticleOut:
-    """A finished particle."""
+    """A final particle: its output, and its log-weight (-inf: dead, never an output)."""
 
     token_ids: list[int]
     text: str
     log_weight: float
+
+    @property
+    def dead(self) -> bool:
+        """A condition or a constraint gave this particle zero weight: its text is no output."""
+        return self.log_weight == float("-inf")
 
 
 @dataclass
@@ -58,7 +63,9 @@ class SMCInfo:
         log_z: the log normalizer estimate (unbiased in Z; see docs/algorithm.md).
         particles: every final particle with its log-weight.
         ess_trace: the ESS before each cycle's resampling decision.
-        mean_ess: the mean of ``ess_trace`` (the final weights' ESS when no cycle ran).
+        particle_trace: the particles each cycle ran (N; 1 while a plain request decodes alone).
+        mean_ess: the mean of ``ess_trace`` over the cycles that ran N >= 2 particles (the final
+            weights' ESS when none did).
         n_resamples: resampling rounds.
         collapsed: the ESS averaged under ``inference.loop.COLLAPSE_ESS_FRACTION`` of the
             particles, so the output follows the draft more than the target.
@@ -70,6 +77,7 @@ class SMCInfo:
     log_z: float
     particles: list[ParticleOut]
     ess_trace: list[float]
+    particle_trace: list[int]
     mean_ess: float
     n_resamples: int
     collapsed: bool = False

@@ -467,7 +467,7 @@ def test_constant_twist_with_resampling_changes_nothing_normalized(tiny_smcsd):
     # A constant twist leaves the normalized weights, hence resampling, unchanged.
     # The raw log-weights are relative to the last resampling (log Z holds the rest),
     # so they shift by the ancestor's twist; log Z and normalized weights must agree.
-    config = cfg(ess_threshold=0.5, ignore_eos=True, max_new_tokens=14, seed=1)
+    config = cfg(ess_threshold=0.5, ignore_eos=True, max_new_tokens=14, seed=3)
     cycles = []
     plain = tiny_smcsd.run([SMCSDModel(p) for p in PROMPTS], config, on_cycle=cycles.append)
     twisted = tiny_smcsd.run([Twisted(p, TWISTS["constant"]) for p in PROMPTS], config)
@@ -543,8 +543,8 @@ def test_drafting_over_the_allowed_tokens_only_changes_nothing(tiny_smcsd, monke
             monkeypatch.setattr(constrained, "shared_vocab", lambda masks, v: None)
         calls.clear()
         store = pair.rows()
-        logits, _ = store.start([pair.encode(p) for p in PROMPTS], 3)
-        store.queue_first(logits.argmax(-1).tolist())
+        logits = store.start([pair.encode(p) for p in PROMPTS], [0, 0, 0, 1, 1, 1, 2, 2, 2])
+        store.queue({r: [x] for r, x in enumerate(logits.argmax(-1).tolist())})
         requests = [BlockRequest(r, 10, RowConstraint(few, "proposal", ())) for r in range(store.n_rows)]
         g = torch.Generator().manual_seed(4)
         kw = dict(block_size=4, temperature=0.7, eos=set(pair.eos_token_ids), g=g, keep_probs=keep_probs)

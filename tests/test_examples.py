@@ -94,3 +94,36 @@ def test_arithmetic_cfg(default_smcsd):
 def test_twisted(default_smcsd):
     out = run("twisted", default_smcsd, 24)
     assert out.token_ids and out.smc.log_z > float("-inf")
+
+
+@pytest.fixture(scope="module")
+def llamppl_lm(default_smcsd):
+    from smcsd_ppl.llamppl import CachedCausalLM
+
+    return CachedCausalLM(default_smcsd)
+
+
+@pytest.mark.slow
+def test_llamppl_short_words(llamppl_lm):
+    from examples.llamppl_short_words import LONGEST, main
+
+    particles = main(llamppl_lm, n_particles=4, max_tokens=12)
+    alive = [p for p in particles if p.weight > float("-inf")]
+    assert alive
+    for p in alive:
+        words = re.findall(r"[A-Za-z]+", str(p.context))
+        assert all(len(w) <= LONGEST for w in words), str(p.context)
+
+
+@pytest.mark.slow
+def test_llamppl_poem(llamppl_lm):
+    from examples.llamppl_poem import main, syllables
+
+    particles = main(llamppl_lm, n_particles=4, pattern=(2, 3))
+    alive = [p for p in particles if p.weight > float("-inf")]
+    assert alive
+    for p in alive:
+        lines = str(p.context).split("\n")
+        assert len(lines) == 2, str(p.context)
+        counts = [sum(syllables(w) for w in re.findall(r"[A-Za-z']+", line)) for line in lines]
+        assert counts[1] == 3, str(p.context)  # the first line continues the prompt's word "Waves"

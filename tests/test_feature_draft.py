@@ -87,9 +87,9 @@ def test_drafted_q_is_the_drafts_q_given_the_targets_states(block_size):
     draft = random_feature_draft(target)
     t_d = 0.9
     store = RowStore(HFBatchedLM(target), HFBatchedLM(draft))
-    logits, hidden = store.start(PROMPTS, 2)
+    logits = store.start(PROMPTS, [0, 0, 1, 1, 2, 2])
     x0 = logits.argmax(-1).tolist()  # one first token per row
-    store.queue_first(x0, hidden)
+    store.queue({r: [x] for r, x in enumerate(x0)})
     seqs = [list(PROMPTS[r // 2]) + [x0[r]] for r in range(6)]
     g, g_draft = torch.Generator().manual_seed(0), torch.Generator().manual_seed(3)
     for cycle in range(4):

@@ -17,6 +17,7 @@ LAYERS = [
     {"cli"},
     {"distill"},
     {"bench"},
+    {"llamppl"},
     {"api"},
     {"methods"},
     {"inference"},

@@ -25,7 +25,7 @@ def population(schedule=None, log_z=1.0) -> Population:
     particles = []
     for i, w in enumerate(W):
         p = SMCSDModel([1])
-        p.token_ids, p.weight, p.row = [i], math.log(w) + OFFSET, i
+        p.context.generated, p.context.row, p.weight = [i], i, math.log(w) + OFFSET
         particles.append(p)
     return Population(tuple(particles), log_z=log_z, schedule=schedule)
 

@@ -160,7 +160,7 @@ def _generate(args: argparse.Namespace) -> int:
     )
     if smc is not None:
         ess = f"{smc.mean_ess:.2f}/{config.n_particles}"
-        line += f", {smc.n_resamples} resamples, mean ESS {ess}, log Z {smc.log_z:.2f}"
+        line += f", {smc.n_resamples} resamples, {_ess(smc, ess)}, log Z {smc.log_z:.2f}"
         line += _drafting(smc.draft_lengths)
     if spec is not None:
         line += f", acceptance (accepted/drafted tokens) {spec.acceptance:.2f}"
@@ -172,6 +172,16 @@ def _generate(args: argparse.Namespace) -> int:
             "more --particles or a closer --draft"
         )
     return 0
+
+
+def _ess(smc, ess: str) -> str:
+    """The mean ESS and what it averages: cycles of N particles, not those decoding alone with one."""
+    alone = sum(n == 1 for n in smc.particle_trace)
+    several = len(smc.particle_trace) - alone
+    if not several:
+        return f"one particle throughout ({alone} cycles)" if alone else "no cycle"
+    tail = f"; {alone} more with one particle" if alone else ""
+    return f"mean ESS {ess} over {several} cycle(s){tail}"
 
 
 def _drafting(lengths: list[int]) -> str:

@@ -35,17 +35,37 @@ class RowConstraint:
 
 @dataclass(frozen=True)
 class BlockRequest:
-    """What one particle's ``extend()`` asks of the cycle: a block on its row.
+    """What one particle's ``extend()`` asks of the cycle: a block on one of its contexts' rows.
 
     Attributes:
-        row: the particle's row in the row store.
-        budget: tokens the particle may still emit.
+        row: the context's row in the row store.
+        budget: tokens the context may still emit.
         constraint: a hard constraint on the block, or None.
+        unsent: tokens the context appended since its last request (the row reads them first).
+        mask: ``[V]`` bool, what the context's next token may be (a ``mask_dist`` observation),
+            or None: it applies to the block's lead token.
     """
 
     row: int
     budget: int
     constraint: RowConstraint | None = None
+    unsent: tuple[int, ...] = ()
+    mask: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class TokenRequest:
+    """A token-level step's request: the target's next-token distribution on a context's row.
+
+    Attributes:
+        row: the context's row.
+        unsent: tokens the context appended since its last request (the row reads them first).
+        temperature: the context's own temperature (None: the run's target temperature).
+    """
+
+    row: int
+    unsent: tuple[int, ...] = ()
+    temperature: float | None = None
 
 
 @dataclass
@@ -81,6 +101,8 @@ class ScoredBlock:
 
     Attributes:
         row: the row it was drafted on.
+        lead: the token drawn from the target before drafting, when the row had nothing
+            queued (a context's first block, or one after a ``mask_dist`` observation).
         drafted: every drafted token (the cut, an EOS or the budget may keep fewer).
         kept: drafted tokens kept.
         bonus: the token drawn from the target after them (None: the particle ends).
@@ -91,6 +113,7 @@ class ScoredBlock:
     """
 
     row: int
+    lead: int | None
     drafted: tuple[int, ...]
     kept: int
     bonus: int | None
@@ -101,8 +124,9 @@ class ScoredBlock:
 
     @property
     def tokens(self) -> list[int]:
-        """The tokens the particle emits: the kept drafted tokens, then the bonus."""
-        return list(self.drafted[: self.kept]) + ([] if self.bonus is None else [self.bonus])
+        """The tokens the context emits: the lead, the kept drafted tokens, then the bonus."""
+        lead = [] if self.lead is None else [self.lead]
+        return lead + list(self.drafted[: self.kept]) + ([] if self.bonus is None else [self.bonus])
 
 
 def block_length(blocks: Sequence[DraftedBlock]) -> int:

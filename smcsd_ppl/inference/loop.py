@@ -17,7 +17,7 @@ from ..results import ParticleOut
 from .program import SMCSDModel
 from .rows import RowStore
 from .schedule import learned
-from .state import Population, StepInfo, final_log_z
+from .state import Population, SMCState, StepInfo, final_log_z
 from .step import SMCSDKernel, generators, step_key
 
 # A request whose ESS averages under this share of its particles is flagged as collapsed:
@@ -36,6 +36,7 @@ class SMCResult:
         particles: all final particles with their log-weights.
         chosen: index of the selected particle, or -1 when none had positive weight.
         ess_trace: ESS before each cycle's resampling decision.
+        particle_trace: the particles each cycle ran.
         n_resamples: resampling rounds.
         message: why the result is empty or incomplete, if it is.
         collapsed: the ESS averaged under ``COLLAPSE_ESS_FRACTION`` of the particles: the
@@ -52,6 +53,7 @@ class SMCResult:
     particles: list[ParticleOut]
     chosen: int
     ess_trace: list[float] = field(default_factory=list)
+    particle_trace: list[int] = field(default_factory=list)
     n_resamples: int = 0
     message: str = ""
     collapsed: bool = False
@@ -86,17 +88,24 @@ async def smc_sd(
         decode: token ids -> text, for ``particle.text``.
         on_cycle: called after every step with its ``StepInfo``.
     """
-    decode = decode or (lambda ids: " ".join(map(str, ids)))
     record = record or DraftRecord()
+    kernel, state = await run_to_end(programs, store, config, eos, record, encode, decode, on_cycle)
+    _, g = generators(step_key(config.seed, -1), torch.device("cpu"))
+    return [_result(pop, config, kernel, record, g) for pop in state.populations]
+
+
+async def run_to_end(
+    programs, store, config, eos, record, encode=None, decode=None, on_cycle=None
+) -> tuple[SMCSDKernel, SMCState]:
+    """The loop itself: ``init``, then ``step`` until no particle steps; the final state."""
+    decode = decode or (lambda ids: " ".join(map(str, ids)))
     kernel = SMCSDKernel(store, config, eos, decode)
-    prompts = [_prompt_ids(p.prompt, encode) for p in programs]
-    state = kernel.init(programs, prompts, record, step_key(config.seed, 0))
+    state = kernel.init(programs, record, encode)
     while not state.done:
         state, info = await kernel.step(state, step_key(config.seed, state.cycle + 1))
         if on_cycle is not None:
             on_cycle(info)
-    _, g = generators(step_key(config.seed, -1), torch.device("cpu"))
-    return [_result(pop, config, kernel, record, g) for pop in state.populations]
+    return kernel, state
 
 
 def run_smc_sd(
@@ -106,27 +115,19 @@ def run_smc_sd(
     return asyncio.run(smc_sd(programs, store, config, eos, **kwargs))
 
 
-def _prompt_ids(prompt, encode) -> list[int]:
-    if isinstance(prompt, str):
-        if encode is None:
-            raise ValueError("a text prompt needs a tokenizer; pass token ids or an encode function")
-        return encode(prompt)
-    return [int(t) for t in prompt]
-
-
 def _result(pop: Population, cfg: SMCConfig, kernel: SMCSDKernel, record: DraftRecord, g) -> SMCResult:
     log_w = pop.log_weights()
     outs = [ParticleOut(list(p.token_ids), p.text, float(w)) for p, w in zip(pop.particles, log_w)]
     stats = dict(
         ess_trace=list(pop.ess_trace),
+        particle_trace=list(pop.particle_trace),
         n_resamples=pop.n_resamples,
         collapsed=bool(pop.ess_fractions) and statistics.fmean(pop.ess_fractions) < COLLAPSE_ESS_FRACTION,
         draft_lengths=list(pop.schedule.lengths) if pop.schedule else [],
         draft_record=learned(record, pop.schedule) if pop.schedule else record,
     )
     if not torch.isfinite(log_w).any():
-        msg = "every particle has zero weight: no particle satisfied the program's conditions"
-        return SMCResult([], "", -math.inf, outs, -1, message=msg, **stats)
+        return SMCResult([], "", -math.inf, outs, -1, message=_why_dead(pop), **stats)
     if cfg.selection == "argmax":
         chosen = int(torch.argmax(log_w))
     else:
@@ -134,6 +135,23 @@ def _result(pop: Population, cfg: SMCConfig, kernel: SMCSDKernel, record: DraftR
     best = outs[chosen]
     msg = _cut_short(pop.particles[chosen], kernel)
     return SMCResult(best.token_ids, best.text, final_log_z(pop), outs, chosen, message=msg, **stats)
+
+
+def _why_dead(pop: Population) -> str:
+    """What killed every particle: a constraint (by mode), else the program's conditions."""
+    reasons = {p.__dict__.get("killed_by") for p in pop.particles} - {None}
+    if "critic" in reasons:
+        return (
+            "every particle has zero weight: the constraint (critic mode) rejected every block, "
+            "since the target rarely writes exactly what it allows; use mode='proposal', which drafts "
+            "only allowed tokens"
+        )
+    if "proposal" in reasons:
+        return (
+            "every particle has zero weight: the constraint allowed no way on (a dead end) within "
+            "max_new_tokens"
+        )
+    return "every particle has zero weight: no particle satisfied the program's conditions"
 
 
 def _cut_short(p: SMCSDModel, kernel: SMCSDKernel) -> str:

@@ -8,7 +8,10 @@ the target in the run's one fused forward, and adds the SMC-SD weight::
         async def step(self):
             await self.extend()
 
-Particles are light: their KV state lives in row ``self.row`` of the batched backends.
+A program may also take LLaMPPL's token-level steps on its contexts
+(``await self.sample(self.context.next_token())``, ``observe``, ``mask_dist``,
+``intervene``; see ``inference.context``), and hold several contexts. Particles are
+light: each context's KV state lives in a row of the batched backends.
 """
 
 from __future__ import annotations
@@ -18,10 +21,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from llamppl import Model
 
-from ..potentials.constraints import Constraint
 from .blocks import BlockRequest, RowConstraint, ScoredBlock
+from .context import LMContext
 
 
 class CycleBarrier:
@@ -71,12 +75,16 @@ class CycleBarrier:
 
 @dataclass
 class Runtime:
-    """What a run shares with all its particles (never copied on resampling)."""
+    """What a run shares with all its particles (never copied on resampling).
+
+    ``generator`` is the current step's host generator: token-level draws use it.
+    """
 
     barrier: CycleBarrier
     max_new_tokens: int
     decode: Callable[[Sequence[int]], str]
     eos: frozenset[int]
+    generator: torch.Generator | None = None
 
 
 class SMCSDModel(Model):
@@ -84,27 +92,29 @@ class SMCSDModel(Model):
 
     Args:
         prompt: text (tokenized with the target's tokenizer, chat template applied
-            for instruct models) or a list of token ids.
+            for instruct models) or a list of token ids: the program's context
+            ``self.context``. None for a program that builds its own ``LMContext``s.
         constraint: a hard constraint every output must satisfy (also applied to the
-            first token, drawn before any block), used by ``extend()`` by default.
+            first token), used by ``extend()`` by default.
         mode: how ``extend()`` applies it: ``"proposal"`` or ``"critic"``.
 
     Attributes:
-        token_ids: tokens generated so far (the first is x0, drawn from the target).
-        row: this particle's row in the batched backends.
+        context: the program's main ``LMContext`` (its output is the particle's output).
         last_block: the ``ScoredBlock`` of the latest ``extend()``.
     """
 
     def __init__(
-        self, prompt: str | Sequence[int], constraint: Constraint | None = None, mode: str = "proposal"
+        self, prompt: str | Sequence[int] | None = None, constraint=None, mode: str = "proposal"
     ) -> None:
         super().__init__()
+        _check_constraint(constraint)
         self.prompt = prompt
         self.constraint, self.mode = constraint, mode
-        self.token_ids: list[int] = []
-        self.row = -1
+        if prompt is not None:
+            self.context = LMContext(None, prompt)
         self.last_block: ScoredBlock | None = None
         self.runtime: Runtime | None = None
+        self.unawaited: list[_Primitive] = []  # sample/observe/intervene calls not awaited yet
 
     def immutable_properties(self) -> set[str]:
         """Attributes shared, not copied, on resampling."""
@@ -120,11 +130,40 @@ class SMCSDModel(Model):
                 memo[id(value)] = value
         return super().__deepcopy__(memo)
 
+    def contexts(self) -> list[LMContext]:
+        """The program's contexts, in attribute order (each has its own row)."""
+        return [v for v in self.__dict__.values() if isinstance(v, LMContext)]
+
+    @property
+    def main_context(self) -> LMContext:
+        """``self.context`` if it is a context, else the first one the program holds."""
+        ctx = self.__dict__.get("context")
+        if isinstance(ctx, LMContext):
+            return ctx
+        found = self.contexts()
+        if not found:
+            raise ValueError(
+                f"{type(self).__name__} has no context: give it a prompt or an LMContext attribute"
+            )
+        return found[0]
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Tokens the main context has generated so far."""
+        return self.main_context.generated
+
+    @property
+    def row(self) -> int:
+        """The main context's row in the batched backends."""
+        return self.main_context.row
+
     async def step(self) -> None:
         """The default program: plain SMC-SD generation."""
         await self.extend()
 
-    async def extend(self, constraint: Constraint | None = None, mode: str | None = None) -> ScoredBlock:
+    async def extend(
+        self, constraint=None, mode: str | None = None, context: LMContext | None = None
+    ) -> ScoredBlock:
         """Draft up to K tokens, score them with the target, weight, and commit them with the bonus.
 
         The block is one request to the cycle's batched call (every particle's blocks are
@@ -136,27 +175,49 @@ class SMCSDModel(Model):
                 target becomes p^alpha x constraint. Defaults to ``self.constraint``.
             mode: ``"proposal"`` (the draft samples only allowed tokens) or ``"critic"``
                 (the block is cut before its first impossible token). Defaults to ``self.mode``.
+            context: the context to extend (default: the main context).
 
-        Finishes the particle at an EOS token (drafted or bonus), when
+        Finishes the particle at an EOS token (drafted or bonus), when the context's
         ``max_new_tokens`` is reached, or when the constraint allows nothing more.
         """
         if self.finished:
             raise ValueError("a finished particle cannot extend")
+        ctx = self.main_context if context is None else context
+        if self.runtime is None or ctx.runtime is None:
+            raise ValueError(
+                f"{type(self).__name__} is not bound to a run: run it with SMCSD.run or "
+                "smcsd_ppl.llamppl.smc_standard (llamppl.smc_standard cannot batch its blocks)"
+            )
         constraint = self.constraint if constraint is None else constraint
+        _check_constraint(constraint)
         row_constraint = (
-            None
-            if constraint is None
-            else RowConstraint(constraint, mode or self.mode, tuple(self.token_ids))
+            None if constraint is None else RowConstraint(constraint, mode or self.mode, tuple(ctx.generated))
         )
-        block: ScoredBlock = await self.runtime.barrier.submit(
-            BlockRequest(self.row, self.budget, row_constraint)
-        )
-        self.token_ids.extend(block.tokens)
+        budget = self.runtime.max_new_tokens - len(ctx.generated)
+        request = BlockRequest(ctx.row, budget, row_constraint, ctx.take_unsent(), ctx.mask)
+        block: ScoredBlock = await self.runtime.barrier.submit(request)
+        ctx.generated.extend(block.tokens)  # the row holds them already (the bonus queued)
+        ctx.mask = None
         self.last_block = block
+        if block.log_weight == float("-inf") and row_constraint is not None:
+            self.killed_by = row_constraint.mode  # a constraint, not a condition, ended it (for messages)
         self.score(block.log_weight)
         if block.stops:
             self.finish()
         return block
+
+    # LLaMPPL's primitives, tracked so that a call a step forgot to await is reported.
+    def sample(self, dist, proposal=None):
+        """LLaMPPL's ``sample`` (await it)."""
+        return _Primitive(self, "sample", super().sample(dist, proposal))
+
+    def observe(self, dist, x):
+        """LLaMPPL's ``observe`` (await it)."""
+        return _Primitive(self, "observe", super().observe(dist, x))
+
+    def intervene(self, dist, x):
+        """LLaMPPL's ``intervene`` (await it)."""
+        return _Primitive(self, "intervene", super().intervene(dist, x))
 
     @property
     def plain(self) -> bool:
@@ -165,13 +226,50 @@ class SMCSDModel(Model):
 
     @property
     def budget(self) -> int:
-        """How many more tokens this particle may emit."""
+        """How many more tokens the main context may emit."""
         return self.runtime.max_new_tokens - len(self.token_ids)
 
     @property
     def text(self) -> str:
-        """The generated text so far."""
+        """The main context's generated text."""
         return self.runtime.decode(self.token_ids)
 
     def __str__(self) -> str:
-        return self.text if self.runtime else f"SMCSDModel({self.prompt!r})"
+        return self.text if self.runtime else f"{type(self).__name__}({self.prompt!r})"
+
+
+class _Primitive:
+    """An awaitable LLaMPPL primitive that remembers, until awaited, that it was called."""
+
+    __slots__ = ("coro", "name", "owner")
+
+    def __init__(self, owner: SMCSDModel, name: str, coro) -> None:
+        self.owner, self.name, self.coro = owner, name, coro
+        owner.__dict__.setdefault("unawaited", []).append(self)
+
+    def __await__(self):
+        self.owner.unawaited.remove(self)
+        return self.coro.__await__()
+
+
+def unawaited_calls(particle: SMCSDModel) -> str:
+    """Which of ``sample``, ``observe``, ``intervene`` the particle's step called without await ('' if none).
+
+    Those calls are closed, never run: they did nothing, and leave no "never awaited" warning.
+    """
+    pending = particle.__dict__.get("unawaited")
+    if not pending:
+        return ""
+    name = sorted({p.name for p in pending})[0]
+    for p in pending:
+        p.coro.close()
+    pending.clear()
+    return name
+
+
+def _check_constraint(constraint) -> None:
+    if constraint is not None and not callable(getattr(constraint, "next_mask", None)):
+        raise ValueError(
+            f"constraint must be a constraint object, got {type(constraint).__name__} {constraint!r:.40}: "
+            "build one, e.g. RegexConstraint(pattern, pair.tokenizer, pair.eos_token_ids)"
+        )

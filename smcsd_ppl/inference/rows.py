@@ -1,10 +1,10 @@
 """The row store: every row of a draft and a target backend, and the only code that moves them.
 
-A row is one particle (or one request, for the speculative baselines). The store prefills,
-forks, forwards, commits and drops rows; it knows nothing of weights, temperatures or
-schedules. Besides the backends' KV caches it keeps, per row, the tokens each model has
-not read yet: the deferred bonus for the target, and for the draft also the kept tokens it
-did not feed.
+A row is one context of one particle (or one request, for the speculative baselines). The
+store prefills, forks, forwards, commits and drops rows; it knows nothing of weights,
+temperatures or schedules. Besides the backends' KV caches it keeps, per row, the tokens each
+model has not read yet (the deferred bonus for the target; for the draft also the kept tokens
+it did not feed), and, while the target has read everything, its logits for the next token.
 
 A feature draft (``models.feature_draft.FeatureDraft``) reads, with each token, the
 target's hidden state at the position before it. Inside a block it feeds back its own
@@ -48,6 +48,10 @@ class RowStore:
         self.target_pending: list[list[int]] = []
         self.draft_pending: list[list[int]] = []
         self.draft_hidden: list[torch.Tensor] = []  # per row: target states paired with draft_pending
+        # Per row, while ``target_pending`` is empty: the target's untempered logits for the next
+        # token [V] and (feature drafts) its state at the last position [H]; None otherwise.
+        self.known: list[torch.Tensor | None] = []
+        self.known_hidden: list[torch.Tensor | None] = []
 
     @property
     def n_rows(self) -> int:
@@ -56,42 +60,81 @@ class RowStore:
 
     @torch.inference_mode()
     def start(
-        self, prompts: Sequence[Sequence[int]], copies: int | Sequence[int], *, draft: bool = True
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Prefill both models and fork each prompt into ``copies`` (or ``copies[i]``) consecutive rows.
+        self, prompts: Sequence[Sequence[int]], rows: Sequence[int], *, draft: bool = True
+    ) -> torch.Tensor:
+        """Prefill both models with ``prompts``; row r then holds prompt ``rows[r]``.
 
-        Returns each row's next-token target logits ``[R, V]`` (untempered) and, for a feature
-        draft, the target's last prompt state per row ``[R, H]``; ``queue_first`` takes both
-        back with the first token. ``draft=False`` leaves the draft out, for runs whose rows
-        all decode with the target alone.
+        Returns each row's next-token target logits ``[R, V]`` (untempered), which the store
+        also keeps until a token is queued. ``draft=False`` leaves the draft out, for runs whose
+        rows all decode with the target alone.
         """
         logits = self.target.prefill(prompts)  # [B, V]
         self.draft_ready = draft
         last = None
-        if draft and self.reads_hidden:  # token j of a prompt goes with the target's state at j-1
+        if self.reads_hidden:  # token j of a prompt goes with the target's state at j-1
             h = self.target.hidden  # [B, W, H], left-padded
-            zero, w = h.new_zeros(1, h.shape[-1]), h.shape[1]
-            self.draft.prefill(
-                prompts, [torch.cat([zero, h[i, w - len(p) : w - 1]]) for i, p in enumerate(prompts)]
-            )
             last = h[:, -1]
+            if draft:
+                zero, w = h.new_zeros(1, h.shape[-1]), h.shape[1]
+                states = [torch.cat([zero, h[i, w - len(p) : w - 1]]) for i, p in enumerate(prompts)]
+                self.draft.prefill(prompts, states)
         elif draft:
             self.draft.prefill(prompts)
-        # Rows on the host: the backends fork without reading them back.
-        rows = torch.arange(len(prompts)).repeat_interleave(torch.as_tensor(copies))
-        self.target.fork(rows)
+        index = torch.tensor(list(rows))  # on the host: the backends fork without reading it back
+        self.target.fork(index)
         if draft:
-            self.draft.fork(rows)
-        self.target_pending = [[] for _ in range(len(rows))]
-        self.draft_pending = [[] for _ in range(len(rows))]
-        index = rows.to(logits.device)
-        return logits.index_select(0, index), None if last is None else last.index_select(0, index)
+            self.draft.fork(index)
+        n = len(index)
+        self.target_pending, self.draft_pending = [[] for _ in range(n)], [[] for _ in range(n)]
+        self.draft_hidden = [last.new_zeros(0, last.shape[-1]) for _ in range(n)] if last is not None else []
+        logits = logits.index_select(0, index.to(logits.device))
+        self.known = list(logits)
+        self.known_hidden = (
+            list(last.index_select(0, index.to(last.device))) if last is not None else [None] * n
+        )
+        return logits
 
-    def queue_first(self, tokens: Sequence[int], hidden: torch.Tensor | None = None) -> None:
-        """Queue each row's first generated token for both models (with ``start``'s states)."""
-        self.target_pending = [[int(t)] for t in tokens]
-        self.draft_pending = [[int(t)] for t in tokens]
-        self.draft_hidden = [hidden[i][None] for i in range(len(tokens))] if hidden is not None else []
+    def queue(self, tokens: dict[int, Sequence[int]]) -> None:
+        """Queue ``tokens[row]`` for both models to read with their next forwards.
+
+        A feature draft reads each token with the target's state before it, which the store
+        has only for the first token after a position the target has read.
+        """
+        for r, new in tokens.items():
+            if not new:
+                continue
+            if self.reads_hidden and self.draft_ready:
+                if len(new) > 1 or self.known_hidden[r] is None:
+                    raise ValueError(
+                        "token-level steps need a token draft: this draft reads the target's hidden states"
+                    )
+                self.draft_hidden[r] = torch.cat([self.draft_hidden[r], self.known_hidden[r][None]])
+            self.target_pending[r] = self.target_pending[r] + [int(t) for t in new]
+            if self.draft_ready:
+                self.draft_pending[r] = self.draft_pending[r] + [int(t) for t in new]
+            self.known[r] = self.known_hidden[r] = None
+
+    @torch.inference_mode()
+    def next_logits(self, rows: Sequence[int]) -> torch.Tensor:
+        """The target's untempered logits for the next token of each row ``[n, V]``.
+
+        Rows with queued tokens are read in ONE target forward (every other row a hole); the
+        draft reads them later, with its next forward.
+        """
+        todo = [r for r in rows if self.known[r] is None]
+        if todo:
+            if self.reads_hidden and self.draft_ready:
+                raise ValueError(
+                    "token-level steps need a token draft: this draft reads the target's hidden states"
+                )
+            asked = set(todo)
+            ids, valid = pad_left(
+                [p if r in asked else [] for r, p in enumerate(self.target_pending)], self.device
+            )
+            logits = self.target.extend(ids, valid)[:, -1]  # [R, V]
+            for r in todo:
+                self.known[r], self.target_pending[r] = logits[r], []
+        return torch.stack([self.known[r] for r in rows])
 
     def draft_input(self, asked: Sequence[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The draft's next input: the queued tokens of the ``asked`` rows, holes elsewhere.
@@ -156,7 +199,7 @@ class RowStore:
         with_states = self.reads_hidden and self.draft_ready
         for i, (r, block, n, nxt, f) in enumerate(zip(rows, blocks, kept, nexts, fed)):
             tail = [] if nxt is None else [nxt]
-            self.target_pending[r] = tail
+            self.target_pending[r], self.known[r], self.known_hidden[r] = tail, None, None
             if with_states:
                 self.draft_pending[r] = list(block[:n]) + tail if tail else []
                 self.draft_hidden[r] = hidden[i][: n + 1] if tail else hidden[i][:0]
@@ -188,6 +231,8 @@ class RowStore:
                 self.draft.fork(index)
         self.target_pending = [list(self.target_pending[r]) for r in rows]
         self.draft_pending = [list(self.draft_pending[r]) for r in rows]
+        self.known = [self.known[r] for r in rows]
+        self.known_hidden = [self.known_hidden[r] for r in rows]
         if self.reads_hidden and self.draft_hidden:
             self.draft_hidden = [self.draft_hidden[r] for r in rows]
 

@@ -31,6 +31,7 @@ class Population:
         particles: the particles (LLaMPPL programs; ``weight`` is each one's log-weight).
         log_z: log Z accumulated over the reshapes so far (the current weights not included).
         ess_trace: ESS before each cycle's resampling decision.
+        particle_trace: the particles each cycle ran.
         ess_fractions: ESS / N on the cycles that ran N >= 2 particles.
         n_resamples: resampling rounds.
         schedule: the request's draft schedule (None without the quality cut).
@@ -39,6 +40,7 @@ class Population:
     particles: tuple[SMCSDModel, ...]
     log_z: float = 0.0
     ess_trace: tuple[float, ...] = ()
+    particle_trace: tuple[int, ...] = ()
     ess_fractions: tuple[float, ...] = ()
     n_resamples: int = 0
     schedule: DraftSchedule | None = None
@@ -61,11 +63,13 @@ class SMCState:
         populations: one per request, in request order.
         record: the draft record the run started from.
         cycle: steps taken.
+        idle: the latest steps in a row in which no particle did anything.
     """
 
     populations: tuple[Population, ...]
     record: DraftRecord
     cycle: int = 0
+    idle: int = 0
 
     @property
     def done(self) -> bool:

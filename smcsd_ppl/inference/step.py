@@ -19,14 +19,14 @@ import torch
 
 from .. import smc
 from ..config import DraftRecord, SMCConfig
-from ..verification import power_log_normalizer, restrict_power, sample_tokens
-from . import constrained
-from .blocks import BlockRequest, ScoredBlock
-from .cycle import run_blocks
-from .program import CycleBarrier, Runtime, SMCSDModel
+from .blocks import ScoredBlock
+from .cycle import serve
+from .program import CycleBarrier, Runtime, SMCSDModel, unawaited_calls
 from .rows import RowStore
 from .schedule import DraftSchedule, draft_step_cost, schedule_from
 from .state import Population, SMCState, StepInfo, resampled
+
+MAX_IDLE_CYCLES = 64  # cycles in a row in which no particle did anything: a step that never extends
 
 
 def step_key(seed: int, step: int) -> int:
@@ -65,14 +65,11 @@ class SMCSDKernel:
         return program.plain and self.config.alpha == 1.0
 
     @torch.inference_mode()
-    def init(
-        self, programs: Sequence[SMCSDModel], prompts: Sequence[Sequence[int]], record: DraftRecord, key: int
-    ) -> SMCState:
-        """Prefill, fork each request into its particles, and draw every particle's first token.
+    def init(self, programs: Sequence[SMCSDModel], record: DraftRecord, encode: Callable | None) -> SMCState:
+        """Prefill every context's prompt and fork each request into its particles.
 
-        Each row draws its own first token x0 from p_T^alpha (restricted to what a
-        constraint allows), so no later weight has a shared draw to correct; x0's weight,
-        the same for every row of a request, goes into log Z.
+        Each particle's contexts get rows of their own; no token is drawn yet: a context's
+        first token comes with its first step (a token-level draw, or a block's lead).
         """
         c = self.config
         schedules = [
@@ -82,99 +79,112 @@ class SMCSDKernel:
             for p in programs
         ]
         counts = [c.n_particles if s is None else s.n_particles() for s in schedules]
+        prompts, first = [], []  # distinct prompts; index of each program's first
+        for program in programs:
+            program.runtime = self.runtime
+            first.append(len(prompts))
+            prompts += [_prompt_ids(ctx, encode) for ctx in program.contexts()]
+        rows = [
+            first[i] + j
+            for i, p in enumerate(programs)
+            for _ in range(counts[i])
+            for j in range(len(p.contexts()))
+        ]
         drafting = any(s is None or s.length != 0 for s in schedules)
-        logits, hidden = self.store.start(prompts, counts, draft=drafting)  # [R, V]
-        request = [i for i, n in enumerate(counts) for _ in range(n)]
-        x0, log_z0 = self._first_tokens(logits, [programs[i].constraint for i in request], key)
-        self.store.queue_first(x0, hidden)
+        self.store.start(prompts, rows, draft=drafting)
         pops, row = [], 0
         for i, program in enumerate(programs):
-            program.runtime = self.runtime
             particles = tuple(copy.deepcopy(program) for _ in range(counts[i]))
             for p in particles:
-                p.row, p.token_ids = row, [x0[row]]
-                if x0[row] in self.eos or c.max_new_tokens == 1:
-                    p.finish()
-                row += 1
-            schedule = schedules[i]
-            if schedule is not None and all(p.finished for p in particles):
-                schedule = replace(schedule, lengths=())  # no cycle will run
-            pops.append(Population(particles, log_z=log_z0[row - 1], schedule=schedule))
+                for j, ctx in enumerate(p.contexts()):
+                    ctx.row, ctx.prompt_ids, ctx.runtime = row, prompts[first[i] + j], self.runtime
+                    row += 1
+            pops.append(Population(particles, schedule=schedules[i]))
         return SMCState(tuple(pops), record)
-
-    def _first_tokens(
-        self, logits: torch.Tensor, constraints: list, key: int
-    ) -> tuple[list[int], list[float]]:
-        """x0 per row ``logits [R, V]`` from the (restricted) target power, and its log normalizer."""
-        c = self.config
-        log_z = power_log_normalizer(logits, c.target_temperature, c.alpha)
-        allowed = None
-        if any(x is not None for x in constraints):
-            masks = constrained.masks_for([(x, ()) for x in constraints if x is not None])
-            full = torch.ones(logits.shape[-1], dtype=torch.bool)
-            it = iter(masks)
-            allowed = torch.stack([full if x is None else next(it) for x in constraints]).to(logits.device)
-        power, log_z = restrict_power(c.alpha * logits.float() / c.target_temperature, log_z, allowed)
-        if not torch.isfinite(log_z).all():
-            raise ValueError("the constraint allows no first token: no output can satisfy it")
-        g, _ = generators(key, self.store.device)
-        return sample_tokens(power, 1.0, g).tolist(), log_z.tolist()
 
     async def step(self, state: SMCState, key: int) -> tuple[SMCState, StepInfo]:
         """One cycle of every request: step the programs, then reweigh, resample, resize, pack."""
         g_tokens, g_host = generators(key, self.store.device)
+        self.runtime.generator = torch.Generator().manual_seed(key ^ 0x2545F491)  # token-level draws
         pops = state.populations
         for pop in pops:
             for p in pop.particles:
                 p.untwist()
+        live = [p for pop in pops for p in pop.particles if not p.done_stepping()]
         limits = {
-            p.row: pop.schedule.length if pop.schedule is not None else self.config.block_size
+            ctx.row: pop.schedule.length if pop.schedule is not None else self.config.block_size
             for pop in pops
             for p in pop.particles
             if not p.done_stepping()
+            for ctx in p.contexts()
         }
         blocks: dict[int, list[ScoredBlock]] = {}
 
-        def serve(requests: list[BlockRequest]) -> list[ScoredBlock]:
-            out = run_blocks(
-                self.store,
-                requests,
-                config=self.config,
-                eos=self.eos,
-                limits=[limits[r.row] for r in requests],
-                g=g_tokens,
-            )
+        def handler(requests: list) -> list:
+            out = serve(self.store, requests, config=self.config, eos=self.eos, limits=limits.get, g=g_tokens)
             for b in out:
-                blocks.setdefault(b.row, []).append(b)
+                if isinstance(b, ScoredBlock):
+                    blocks.setdefault(b.row, []).append(b)
             return out
 
-        await self._step_programs([p for pop in pops for p in pop.particles if not p.done_stepping()], serve)
+        before = [(p.weight, p.finished, sum(len(x.generated) for x in p.contexts())) for p in live]
+        await self._step_programs(live, handler, first=state.cycle == 0)
+        self._settle(live)
+        idle = self._idle(state, live, before)
         new, ess, did = [], [], []
         for pop in pops:
-            pop = self._observed(pop, [b for p in pop.particles for b in blocks.get(p.row, [])])
+            rows = [ctx.row for p in pop.particles for ctx in p.contexts()]
+            pop = self._observed(pop, [b for r in rows for b in blocks.get(r, [])])
             pop, e, r = self._maybe_resample(pop, g_host)
             new.append(self._resized(pop, g_host))
             ess.append(e)
             did.append(r)
         self._pack(new)
-        out = SMCState(tuple(new), state.record, state.cycle + 1)
+        out = SMCState(tuple(new), state.record, state.cycle + 1, idle)
         every = [p for pop in new for p in pop.particles]
-        info = StepInfo(
-            out.cycle,
-            sum(not p.done_stepping() for p in every),
-            max(len(p.token_ids) for p in every),
-            tuple(ess),
-            tuple(did),
-        )
+        live_after = sum(not p.done_stepping() for p in every)
+        info = StepInfo(out.cycle, live_after, max(len(p.token_ids) for p in every), tuple(ess), tuple(did))
         return out, info
 
-    async def _step_programs(self, live: list[SMCSDModel], serve: Callable) -> None:
+    def _settle(self, live: list[SMCSDModel]) -> None:
+        """After the programs stepped: no primitive left un-awaited; a context out of budget ends."""
+        forgotten = {type(p).__name__: name for p in live if (name := unawaited_calls(p))}
+        if forgotten:
+            program, name = next(iter(forgotten.items()))
+            raise ValueError(
+                f"{program}.step() called self.{name}(...) without await, which does nothing: "
+                f"write `await self.{name}(...)`"
+            )
+        budget = self.runtime.max_new_tokens
+        for p in live:
+            if not p.finished and any(len(x.generated) >= budget for x in p.contexts()):
+                p.finish()  # token-level steps reach the budget here (a block stops there itself)
+
+    def _idle(self, state: SMCState, live: list[SMCSDModel], before: list) -> int:
+        """Consecutive cycles in which no particle asked, ended or changed; too many is a program bug."""
+        after = [(p.weight, p.finished, sum(len(x.generated) for x in p.contexts())) for p in live]
+        if self.runtime.barrier.served or after != before:
+            return 0
+        if state.idle + 1 >= MAX_IDLE_CYCLES:
+            name = type(live[0]).__name__
+            raise ValueError(
+                f"{name}.step() made no progress in {MAX_IDLE_CYCLES} cycles (no particle extended, took a "
+                "token-level step, changed weight or finished): every step must call extend(), a "
+                "token-level step, or self.finish()"
+            )
+        return state.idle + 1
+
+    async def _step_programs(self, live: list[SMCSDModel], serve: Callable, first: bool) -> None:
+        """Run every live particle's step (the first cycle runs LLaMPPL's ``start()`` before it)."""
         barrier = self.runtime.barrier
         barrier.open(len(live), serve)
 
         async def step(p: SMCSDModel) -> None:
             try:
-                await p.step()
+                if first:
+                    await p.start()
+                if not p.done_stepping():
+                    await p.step()
             finally:
                 barrier.leave()
 
@@ -195,6 +205,7 @@ class SMCSDKernel:
     def _maybe_resample(self, pop: Population, g: torch.Generator) -> tuple[Population, float, bool]:
         """Resample a request whose ESS fell under ``ess_threshold * N``; returns its ESS and whether."""
         c, log_w, n = self.config, pop.log_weights(), len(pop.particles)
+        pop = replace(pop, particle_trace=(*pop.particle_trace, n))
         if not torch.isfinite(log_w).any():  # every particle is dead; nothing to resample from
             return replace(pop, ess_trace=(*pop.ess_trace, 0.0)), 0.0, False
         e = smc.ess(log_w)
@@ -218,13 +229,25 @@ class SMCSDKernel:
         return pop if want == len(pop.particles) else resampled(pop, self.config.resampling, g, want)
 
     def _pack(self, pops: list[Population]) -> None:
-        """One fork: live particles get consecutive rows; finished ones release theirs."""
+        """One fork: live particles' contexts get consecutive rows; finished ones release theirs."""
         rows = []
         for pop in pops:
             for p in pop.particles:
-                if p.done_stepping():
-                    p.row = -1
-                else:
-                    rows.append(p.row)
-                    p.row = len(rows) - 1
+                for ctx in p.contexts():
+                    if p.done_stepping():
+                        ctx.row = -1
+                    else:
+                        rows.append(ctx.row)
+                        ctx.row = len(rows) - 1
         self.store.fork(rows)
+
+
+def _prompt_ids(ctx, encode) -> list[int]:
+    """A context's prompt as token ids (its model's ``encode``, else the run's, for a text)."""
+    prompt = ctx.prompt
+    if isinstance(prompt, str):
+        encode = getattr(ctx.lm, "encode", None) or encode
+        if encode is None:
+            raise ValueError("a text prompt needs a tokenizer; pass token ids or an encode function")
+        return encode(prompt)
+    return [int(t) for t in prompt]

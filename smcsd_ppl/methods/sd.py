@@ -95,9 +95,9 @@ class SpeculativeLoop:
         if not prompts:
             return
         n = len(prompts)
-        logits, hidden = self.store.start(prompts, 1)
+        logits = self.store.start(prompts, range(n))
         x0 = sample_tokens(logits, self.config.target_temperature, self.g).tolist()
-        self.store.queue_first(x0, hidden)
+        self.store.queue({i: [x] for i, x in enumerate(x0)})
         self.outs = [[x] for x in x0]
         self.drafted, self.accepted, self.vetoes = [0] * n, [0] * n, [0] * n
         self.rows = [i for i, x in enumerate(x0) if x not in self.eos and self.config.max_new_tokens > 1]

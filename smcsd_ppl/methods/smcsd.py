@@ -51,14 +51,16 @@ def run_programs(
 
 def smc_info(r: SMCResult) -> SMCInfo:
     """SMC-SD's report of one request."""
-    if r.ess_trace:
-        mean_ess = statistics.fmean(r.ess_trace)
-    else:  # no cycle ran (the first token ended every particle): the final weights' ESS
+    several = [e for e, n in zip(r.ess_trace, r.particle_trace) if n >= 2]
+    if several:
+        mean_ess = statistics.fmean(several)
+    else:  # every cycle ran one particle, or none ran: the final weights' ESS
         mean_ess = smc.ess(torch.tensor([p.log_weight for p in r.particles], dtype=torch.float64))
     return SMCInfo(
         r.log_z,
         r.particles,
         r.ess_trace,
+        r.particle_trace,
         mean_ess,
         r.n_resamples,
         r.collapsed,

@@ -1,0 +1,103 @@
+"""Programs that go wrong say so in one line: no progress, a forgotten await, a text as constraint,
+a constraint that kills every particle; and results say what they measure."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from types import SimpleNamespace
+
+import llamppl
+import pytest
+import torch
+
+from smcsd_ppl import SMCConfig, SMCSDModel
+from smcsd_ppl.cli.main import _ess
+from smcsd_ppl.potentials import RegexConstraint
+
+CFG = SMCConfig(n_particles=4, block_size=3, max_new_tokens=8, seed=0, cut=None)
+
+
+class Idle(SMCSDModel):
+    """A step that never extends, samples, observes or finishes."""
+
+    async def step(self):
+        pass
+
+
+class SometimesIdle(SMCSDModel):
+    """Extends every other cycle only: slow, but it progresses."""
+
+    def __init__(self, prompt):
+        super().__init__(prompt)
+        self.cycles = 0
+
+    async def step(self):
+        self.cycles += 1
+        if self.cycles % 2 == 0:
+            await self.extend()
+
+
+def test_a_step_that_never_extends_raises_instead_of_hanging(tiny_smcsd):
+    with pytest.raises(ValueError, match=r"Idle.step\(\) made no progress .* extend\(\)"):
+        tiny_smcsd.run([Idle("The cat")], CFG)
+    [out] = tiny_smcsd.run([SometimesIdle("The cat")], CFG)
+    assert out.token_ids
+
+
+class Forgot(SMCSDModel):
+    async def step(self):
+        self.observe(self.context.next_token(), 5)  # missing await: a no-op in LLaMPPL
+        await self.extend()
+
+
+def test_observe_without_await_is_an_error(tiny_smcsd):
+    with pytest.raises(ValueError, match=r"Forgot.step\(\) called self.observe\(...\) without await"):
+        tiny_smcsd.run([Forgot("The cat")], CFG)
+
+
+def test_a_string_as_constraint_names_the_fix(tiny_smcsd):
+    with pytest.raises(ValueError, match="constraint must be a constraint object.*RegexConstraint"):
+        SMCSDModel("The cat", r"[a-z]+")
+
+
+def test_critic_mode_death_blames_the_constraint_and_suggests_proposal_mode(tiny_smcsd):
+    only = RegexConstraint("zzzz", tiny_smcsd.tokenizer, tiny_smcsd.eos_token_ids)
+    [out] = tiny_smcsd.run([SMCSDModel("The cat", only, "critic")], CFG)
+    assert out.text == "" and "critic" in out.message and "proposal" in out.message
+    assert all(p.dead for p in out.smc.particles)  # their cut texts are no outputs
+
+
+class Rejects(SMCSDModel):
+    async def step(self):
+        await self.extend()
+        self.condition(False)
+
+
+def test_a_condition_death_blames_the_conditions(tiny_smcsd):
+    [out] = tiny_smcsd.run([Rejects("The cat")], CFG)
+    assert "conditions" in out.message and all(p.dead for p in out.smc.particles)
+
+
+def test_mean_ess_is_a_number_when_the_run_ends_at_its_first_token(tiny_smcsd):
+    [out] = tiny_smcsd.run([SMCSDModel("The cat")], SMCConfig(n_particles=4, max_new_tokens=1, seed=0))
+    assert len(out.token_ids) == 1 and out.smc.mean_ess == pytest.approx(4.0)
+
+
+def test_the_stats_line_says_what_the_mean_ess_averages():
+    alone = SimpleNamespace(particle_trace=[8, 1, 1, 1])
+    assert _ess(alone, "5.00/8") == "mean ESS 5.00/8 over 1 cycle(s); 3 more with one particle"
+    assert _ess(SimpleNamespace(particle_trace=[1, 1]), "1.00/8") == "one particle throughout (2 cycles)"
+
+
+def test_llamppl_smc_standard_on_an_smcsd_program_names_the_way_to_run_it():
+    with pytest.raises(ValueError, match="SMCSD.run or smcsd_ppl.llamppl.smc_standard"):
+        asyncio.run(llamppl.smc_standard(SMCSDModel("The cat"), 2))
+
+
+def test_dead_particles_are_marked(tiny_smcsd):
+    outs = tiny_smcsd.run([Rejects("A"), SMCSDModel("A")], CFG)
+    assert all(p.dead for p in outs[0].smc.particles)
+    assert not any(p.dead for p in outs[1].smc.particles)
+    assert all(math.isfinite(p.log_weight) == (not p.dead) for g in outs for p in g.smc.particles)
+    assert torch.isfinite(torch.tensor(outs[1].smc.log_z))
