@@ -44,6 +44,9 @@ class SMCConfig:
             the target alone where the draft does not pay. ``None``: the paper's algorithm
             (whole blocks, fixed N and K).
         cut_divergence: the divergence ``cut`` bounds, one of ``DIVERGENCE_NAMES``.
+        token_level: draft nothing: every block is one token drawn from the target (with its
+            weight), which makes a program token-level SMC with the target as proposal, the
+            baseline its blocks are measured against.
     """
 
     n_particles: int = 8
@@ -59,6 +62,7 @@ class SMCConfig:
     ignore_eos: bool = False
     cut: float | None = 0.3
     cut_divergence: str = "tv"
+    token_level: bool = False
 
     def __post_init__(self) -> None:
         _check_int("n_particles", self.n_particles, 1)

@@ -12,13 +12,16 @@ tokens/s compare at equal length. Tokens/s everywhere = mean tokens per particle
 
 from __future__ import annotations
 
+import datetime
 import itertools
+import json
 import math
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..backends.base import ForwardStats
+from ..config import SMCConfig
 from ..methods import steering
 from ..methods.hf_assisted import count_forwards
 from ..methods.registry import RunContext
@@ -28,17 +31,50 @@ from .quality import target_loglik_per_token
 
 @dataclass(frozen=True)
 class Task:
-    """A prompt and the regex (or genlm-control byte potential) its answer must satisfy."""
+    """A prompt, the constraint its answer must satisfy, and what the answer must mean.
+
+    ``constraint`` is a regex or a genlm-control byte potential; ``meaning`` checks what the form
+    cannot (None: the form is all).
+    """
 
     name: str
     prompt: str
     constraint: object
+    meaning: Callable[[str], bool] | None = None
+
+
+def is_calendar_date(text: str) -> bool:
+    """A real date in YYYY-MM-DD (not 1500-15-25)."""
+    try:
+        datetime.date.fromisoformat(text)
+    except ValueError:
+        return False
+    return True
+
+
+def is_person(text: str) -> bool:
+    """JSON that parses into ``{"name": str, "age": int}``."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False
+    return (
+        isinstance(value, dict)
+        and set(value) == {"name", "age"}
+        and isinstance(value["name"], str)
+        and type(value["age"]) is int
+    )
 
 
 TASKS: dict[str, Task] = {
     t.name: t
     for t in (
-        Task("date", "When did the first moon landing happen? Answer with a date.", r"\d{4}-\d{2}-\d{2}"),
+        Task(
+            "date",
+            "When did the first moon landing happen? Answer with a date.",
+            r"\d{4}-\d{2}-\d{2}",
+            is_calendar_date,
+        ),
         Task(
             "phone",
             "Give the phone number of a pizza place in New York. Answer with a US phone number.",
@@ -48,6 +84,7 @@ TASKS: dict[str, Task] = {
             "json",
             "Describe a fictional person as a JSON object with a name and an age.",
             r'\{"name": "[A-Z][a-z]{1,9}( [A-Z][a-z]{1,9})?", "age": \d{1,2}\}',
+            is_person,
         ),
         Task(
             "short_words",
@@ -98,7 +135,7 @@ def compare_constrained(
     temperature: float = 0.7,
     seed: int = 0,
     repeats: int = 1,
-    cut: float | None = None,
+    cut: float | None = SMCConfig().cut,
     on_run: Callable[[str, str, SteeringRecord], None] | None = None,
 ) -> list[CompareRow]:
     """Run every method on every task ``repeats`` times, interleaved; one row per (task, method)."""
@@ -107,7 +144,9 @@ def compare_constrained(
         raise ValueError(f"unknown methods {unknown}; choose from {tuple(METHODS)}")
     if not tasks:
         raise ValueError("give at least one task")
-    constraints = {t.name: TaskConstraint(pair.tokenizer, pair.eos_token_ids, t.constraint) for t in tasks}
+    constraints = {
+        t.name: TaskConstraint(pair.tokenizer, pair.eos_token_ids, t.constraint, t.meaning) for t in tasks
+    }
     ctx = pair.context()  # the runners' view of the pair; each SMC-SD run sets its own config
     kw = dict(n_particles=n_particles, max_new_tokens=max_new_tokens, temperature=temperature)
     _warm_up(ctx, tasks[0], constraints[tasks[0].name], methods, **kw)
@@ -168,6 +207,34 @@ def _row(task: str, method: str, recs: list[tuple[SteeringRecord, float]]) -> Co
         len(rs),
         rs[0].text,
     )
+
+
+def summaries(rows: Sequence[CompareRow], repeats: int, method: str = "smcsd_proposal") -> list[str]:
+    """One line per task: each method's quality (valid outputs, log p/token, log Z) beside its speed.
+
+    Speed ratios against ``method`` are given only against methods that returned a valid output,
+    and only from repeated runs (a single run's timing is noise).
+    """
+    lines = []
+    for task in dict.fromkeys(r.task for r in rows):
+        by = {r.method: r for r in rows if r.task == task}
+        quality = "; ".join(
+            f"{m} {r.output_validity:.0%} valid, log p/tok {r.loglik_per_token:.2f}, log Z {r.log_z:.1f}, "
+            f"{r.tokens_per_second:.1f} tok/s"
+            for m, r in by.items()
+        )
+        lines.append(f"{task}: {quality}")
+        if method not in by:
+            continue
+        if repeats < 2:
+            lines.append(f"{task}: speed ratios need --repeats 2 or more (one run's timing is noise)")
+            continue
+        ratios = {m: v for m, v in speed_ratios(rows, method)[task].items() if by[m].output_validity > 0}
+        if ratios:
+            lines.append(
+                f"{task}: {method} tokens/s = " + ", ".join(f"{v:.2f}x {m}" for m, v in ratios.items())
+            )
+    return lines
 
 
 def speed_ratios(rows: Sequence[CompareRow], method: str = "smcsd_proposal") -> dict[str, dict[str, float]]:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import warnings
 
 from .loading import load_pair
-from .options import command
-from .util import check_threads, csv, cut_value, progress
+from .options import SMC_DEFAULTS, command, smc_args, smc_config
+from .util import check_threads, csv, cut_value, err, progress
 
 # The names of smcsd_ppl.methods.steering.STEERING_METHODS, kept here so that building the parser imports no
 # torch; a test checks that they match.
@@ -43,10 +44,22 @@ def add_parser(sub) -> None:
     cc.add_argument(
         "--cut",
         type=cut_value,
-        default=None,
-        help="SMC-SD's quality cut (default off: the paper's algorithm)",
+        default=SMC_DEFAULTS.cut,
+        help="SMC-SD's quality cut, as everywhere ('off': the paper's algorithm)",
     )
     cc.set_defaults(run=_compare_constrained)
+    cp = command(
+        sub,
+        "compare-program",
+        "your own SMC-SD program under blocks and under token-level SMC: quality beside speed",
+    )
+    cp.add_argument(
+        "program", help="FILE.py:NAME or MODULE:NAME, a program class (or function) taking the prompt"
+    )
+    cp.add_argument("--prompt", required=True, help="the prompt given to the program")
+    cp.add_argument("--repeats", type=int, default=3, help="runs each way (medians reported)")
+    smc_args(cp)
+    cp.set_defaults(run=_compare_program)
 
 
 def _compare_constrained(args: argparse.Namespace) -> int:
@@ -61,7 +74,8 @@ def _compare_constrained(args: argparse.Namespace) -> int:
     check_threads(args.threads)
     pair = load_pair(args)
     total = args.repeats * len(tasks) * len(methods)
-    with progress(total, "runs") as bar:
+    with progress(total, "runs") as bar, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         done = [0]
 
         def tick(task: str, method: str, _rec) -> None:
@@ -82,12 +96,23 @@ def _compare_constrained(args: argparse.Namespace) -> int:
             on_run=tick,
         )
     _print_table(rows, args)
+    for line in _once(caught):
+        err(line)
     return 0
+
+
+def _once(caught) -> list[str]:
+    """Each library warning once, cut at its first parenthesis (some carry a whole tokenized prompt)."""
+    seen = {}
+    for w in caught:
+        head = str(w.message).split("(", 1)[0].strip()
+        seen.setdefault((w.category.__name__, head), w)
+    return [f"warning ({category}, shown once): {head} ..." for category, head in seen]
 
 
 def _print_table(rows, args: argparse.Namespace) -> None:
     """The comparison as a markdown table, then the speed ratios per task."""
-    from ..bench.constrained import speed_ratios
+    from ..bench.constrained import summaries
 
     print(
         f"N={args.particles}, K={args.block_size} (SMC-SD), T={args.temperature} for every model, "
@@ -108,8 +133,62 @@ def _print_table(rows, args: argparse.Namespace) -> None:
             f"{r.tokens_per_second:.2f} | {r.tokens:.1f} | {r.seconds:.1f} | {r.loglik_per_token:.2f} | "
             f"{r.log_z:.2f} | {r.ess:.2f} | {r.target_forwards:.0f} | {text} |"
         )
-    for task, ratios in speed_ratios(rows).items():
-        print(f"{task}: smcsd_proposal tokens/s = " + ", ".join(f"{v:.2f}x {m}" for m, v in ratios.items()))
+    for line in summaries(rows, args.repeats):
+        print(line)
+
+
+def _compare_program(args: argparse.Namespace) -> int:
+    from ..bench.programs import compare_program, summary
+
+    factory = _load_program(args.program)
+    config = smc_config(args)
+    check_threads(args.threads)
+    pair = load_pair(args)
+    with progress(2 * args.repeats, "runs") as bar:
+        done = [0]
+
+        def tick(_mode: str) -> None:
+            done[0] += 1
+            bar(done[0])
+
+        rows = compare_program(pair, lambda: factory(args.prompt), config, repeats=args.repeats, on_run=tick)
+    print(
+        f"N={config.n_particles}, K={config.block_size}, T_d={config.draft_temperature}, "
+        f"T_t={config.target_temperature}; medians of {args.repeats} repeat(s)"
+    )
+    print("| mode | valid | tokens/s | tokens | target calls | log p/tok | log Z | mean ESS | output |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        text = r.example.replace("|", "\\|").replace("\n", " ")[:40]
+        print(
+            f"| {r.mode} | {r.valid:.0%} | {r.tokens_per_second:.2f} | {r.tokens:.0f} | "
+            f"{r.target_calls:.0f} | {r.loglik_per_token:.2f} | {r.log_z:.2f} | {r.mean_ess:.2f} | {text} |"
+        )
+    print(summary(rows))
+    return 0
+
+
+def _load_program(spec: str):
+    """The program class (or function) named by ``FILE.py:NAME`` or ``MODULE:NAME``."""
+    import importlib
+    import importlib.util
+    import pathlib
+
+    where, _, name = spec.rpartition(":")
+    if not where or not name:
+        raise ValueError(f"give the program as FILE.py:NAME or MODULE:NAME, got {spec!r}")
+    if where.endswith(".py"):
+        path = pathlib.Path(where)
+        if not path.is_file():
+            raise ValueError(f"no such file: {where}")
+        loaded = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(loaded)
+        loaded.loader.exec_module(module)
+    else:
+        module = importlib.import_module(where)
+    if not callable(getattr(module, name, None)):
+        raise ValueError(f"{where} has no program named {name!r}")
+    return getattr(module, name)
 
 
 def _unknown(kind: str, name: str, known) -> None:

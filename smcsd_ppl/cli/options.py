@@ -26,6 +26,9 @@ METHOD_SUMMARIES = {
 }
 
 
+SMC_DEFAULTS = SMCConfig()  # one set of defaults for the API and the command line
+
+
 def model_args(p: argparse.ArgumentParser, *, draft: bool = True) -> None:
     """The ``models`` group: target, draft (unless ``draft=False``), dtype, threads, device, chat."""
     g = p.add_argument_group("models")
@@ -52,7 +55,7 @@ def model_args(p: argparse.ArgumentParser, *, draft: bool = True) -> None:
 
 def smc_args(p: argparse.ArgumentParser) -> None:
     """The ``sampling`` group: every ``SMCConfig`` field, with the API's defaults."""
-    d = SMCConfig()  # one set of defaults for the API and the command line
+    d = SMC_DEFAULTS
     g = p.add_argument_group("sampling")
     g.add_argument("-n", "--particles", type=int, default=d.n_particles, help="N particles")
     g.add_argument(
@@ -86,6 +89,11 @@ def smc_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="generation budget")
     g.add_argument("--seed", type=int, default=d.seed, help="seed of the run")
     g.add_argument("--ignore-eos", action="store_true", help="always emit --max-new-tokens tokens")
+    g.add_argument(
+        "--token-level",
+        action="store_true",
+        help="draft nothing: token-level SMC with the target as proposal (the baseline of SMC-SD's blocks)",
+    )
 
 
 def smc_config(args: argparse.Namespace) -> SMCConfig:
@@ -104,6 +112,7 @@ def smc_config(args: argparse.Namespace) -> SMCConfig:
         ignore_eos=args.ignore_eos,
         cut=args.cut,
         cut_divergence=args.cut_divergence,
+        token_level=args.token_level,
     )
 
 

@@ -74,7 +74,7 @@ class SMCSDKernel:
         c = self.config
         schedules = [
             schedule_from(record, c.block_size, c.n_particles, self.plain(p), self.draft_cost).advanced()
-            if c.cut is not None
+            if c.cut is not None and not c.token_level
             else None
             for p in programs
         ]
@@ -90,7 +90,7 @@ class SMCSDKernel:
             for _ in range(counts[i])
             for j in range(len(p.contexts()))
         ]
-        drafting = any(s is None or s.length != 0 for s in schedules)
+        drafting = not c.token_level and any(s is None or s.length != 0 for s in schedules)
         self.store.start(prompts, rows, draft=drafting)
         pops, row = [], 0
         for i, program in enumerate(programs):
@@ -112,7 +112,7 @@ class SMCSDKernel:
                 p.untwist()
         live = [p for pop in pops for p in pop.particles if not p.done_stepping()]
         limits = {
-            ctx.row: pop.schedule.length if pop.schedule is not None else self.config.block_size
+            ctx.row: self._draft_length(pop)
             for pop in pops
             for p in pop.particles
             if not p.done_stepping()
@@ -145,6 +145,12 @@ class SMCSDKernel:
         live_after = sum(not p.done_stepping() for p in every)
         info = StepInfo(out.cycle, live_after, max(len(p.token_ids) for p in every), tuple(ess), tuple(did))
         return out, info
+
+    def _draft_length(self, pop: Population) -> int:
+        """How many tokens a request's rows draft this cycle (0: the target alone)."""
+        if self.config.token_level:
+            return 0
+        return pop.schedule.length if pop.schedule is not None else self.config.block_size
 
     def _settle(self, live: list[SMCSDModel]) -> None:
         """After the programs stepped: no primitive left un-awaited; a context out of budget ends."""

@@ -109,10 +109,12 @@ class TaskConstraint:
         eos_token_ids: the EOS ids (allowed once the text is complete).
         pattern: a regex (Python ``re`` syntax, matched against the whole stripped text)
             or a genlm-control ``Potential`` over bytes.
+        meaning: what the text must also mean to count as valid (a real calendar date, JSON
+            that parses into the schema), beyond the form the constraint enforces; None: form only.
     """
 
-    def __init__(self, tokenizer, eos_token_ids: Sequence[int], pattern) -> None:
-        self.pattern = pattern
+    def __init__(self, tokenizer, eos_token_ids: Sequence[int], pattern, meaning=None) -> None:
+        self.pattern, self.meaning = pattern, meaning
         self.regex = pattern if isinstance(pattern, str) else None
         if self.regex is not None:
             from genlm.control import BoolFSA
@@ -124,11 +126,13 @@ class TaskConstraint:
             self.potential = pattern
 
     def check(self, text: str) -> bool:
-        """The whole (stripped) text satisfies the constraint."""
+        """The whole (stripped) text satisfies the constraint, and means what it must."""
         text = text.strip()
         if self.regex is not None:
-            return re.fullmatch(self.regex, text) is not None
-        return asyncio.run(self.potential.complete(list(text.encode()))) > -math.inf
+            ok = re.fullmatch(self.regex, text) is not None
+        else:
+            ok = asyncio.run(self.potential.complete(list(text.encode()))) > -math.inf
+        return ok and (self.meaning is None or self.meaning(text))
 
     def allows(self, ids: Sequence[int]) -> bool:
         """The last token of ``ids`` is allowed after the ones before it."""
@@ -292,7 +296,6 @@ def genlm_smc(
 
 def _smcsd(ctx, program, task, name, *, n_particles, max_new_tokens, temperature, seed, block_size, **cfg):
     """Run one SMC-SD program under the call's settings; the record keeps SMC-SD's own log Z."""
-    cfg.setdefault("cut", None)  # the paper's algorithm unless asked: filtering needs all N particles
     config = SMCConfig(
         n_particles=n_particles,
         block_size=block_size,
@@ -336,10 +339,18 @@ def smcsd_plain(
     ``ignore_eos`` emits exactly ``max_new_tokens`` tokens (for length-matched timing).
     """
     task = as_constraint(ctx, constraint)
-    program = SMCSDModel(prompt)
+    program = EveryParticle(prompt)
     return _smcsd(
         ctx, program, task, "smcsd_plain", block_size=block_size, ignore_eos=ignore_eos, **_defaults(kw)
     )
+
+
+class EveryParticle(SMCSDModel):
+    """The plain program, kept at N particles even where it decodes alone (filtering needs all N)."""
+
+    async def step(self) -> None:
+        """One block, as the plain program."""
+        await self.extend()
 
 
 def smcsd_filtered(ctx: RunContext, prompt, constraint, *, seed=0, **kw) -> SteeringRecord:
