@@ -21,7 +21,7 @@ from typing import Any
 from llamppl import Model
 
 from ..potentials.constraints import Constraint
-from .blocks import BlockRequest, RowConstraint, ScoredBlock
+from .blocks import BlockRequest, RowConstraint, ScoredBlock, check_constraint
 
 
 class CycleBarrier:
@@ -99,6 +99,7 @@ class SMCSDModel(Model):
         self, prompt: str | Sequence[int], constraint: Constraint | None = None, mode: str = "proposal"
     ) -> None:
         super().__init__()
+        check_constraint(constraint)
         self.prompt = prompt
         self.constraint, self.mode = constraint, mode
         self.token_ids: list[int] = []
@@ -115,8 +116,8 @@ class SMCSDModel(Model):
         # subclass declares immutable. Blocks are read-only records: share them too.
         for shared in (self.runtime, self.last_block):
             memo[id(shared)] = shared
-        for value in self.__dict__.values():  # constraints hold large tables; never copy them
-            if callable(getattr(type(value), "next_mask", None)):  # a type lookup: cheap per copy
+        for value in self.__dict__.values():  # constraints hold parser states; never copy them
+            if isinstance(value, Constraint):
                 memo[id(value)] = value
         return super().__deepcopy__(memo)
 

@@ -41,7 +41,7 @@ import torch
 from .. import smc
 from ..config import SMCConfig
 from ..inference.program import SMCSDModel
-from ..potentials.constraints import PotentialConstraint, RegexConstraint
+from ..potentials import PotentialConstraint, RegexConstraint
 from .registry import RunContext
 from .smcsd import run_programs
 

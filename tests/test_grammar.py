@@ -1,0 +1,175 @@
+"""Regexes and JSON schemas compiled by the grammar engine: the contract, coverage and bad input."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import jsonschema
+import pytest
+from test_contracts import regex_contract
+from tiny import tokenizer
+
+from smcsd_ppl.potentials import Constraint, JsonSchemaConstraint, RegexConstraint
+
+# A schema whose language is regular, and the same language as a regex written by hand:
+# the contract then checks every mask against brute-force matching of the regex.
+CITY = {"type": "object", "properties": {"city": {"enum": ["x", "yz"]}}, "required": ["city"]}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+        "tags": {"type": "array", "items": {"$ref": "#/$defs/tag"}, "minItems": 1, "maxItems": 2},
+        "addr": {**CITY, "additionalProperties": False},
+    },
+    "required": ["n", "tags"],
+    "additionalProperties": False,
+    "$defs": {"tag": {"enum": ["a", "b"]}},
+}
+SCHEMA_REGEX = (
+    r'\{"n": (0|[1-9][0-9]?), "tags": \[("a"|"b")(, ("a"|"b"))?\](, "addr": \{"city": ("x"|"yz")\})?\}'
+)
+
+
+def json_constraint(schema, tok, eos):
+    return JsonSchemaConstraint(schema, tok, eos)
+
+
+def test_a_json_schema_constraint_keeps_the_contract():
+    make = lambda pattern, tok, eos: json_constraint(SCHEMA, tok, eos)  # noqa: E731
+    regex_contract(make, SCHEMA_REGEX, walks=8, depth=40).check_all()
+
+
+def test_a_unicode_regex_keeps_the_contract():
+    # Tokens that split a character are allowed where it can still be completed.
+    regex_contract(RegexConstraint, "caf(é|e)s? ü+").check_all()
+
+
+NESTED = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 6},
+        "languages": {
+            "type": "array",
+            "items": {"type": "string", "maxLength": 4},
+            "minItems": 1,
+            "maxItems": 3,
+        },
+        "address": {"$ref": "#/$defs/address"},
+        "level": {"enum": ["low", "high", 3]},
+        "score": {"type": "number", "minimum": 0, "maximum": 10},
+        "active": {"type": "boolean"},
+    },
+    "required": ["name", "languages", "address"],
+    "additionalProperties": False,
+    "$defs": {
+        "address": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 5},
+                "zip": {"type": "string", "pattern": "^[0-9]{3}$"},
+            },
+            "required": ["city"],
+            "additionalProperties": False,
+        }
+    },
+}
+
+
+def random_outputs(
+    constraint: Constraint, eos: int, n: int, seed: int, max_tokens: int = 300
+) -> list[list[int]]:
+    """Walks through allowed tokens (EOS as soon as it is allowed) until EOS."""
+    rng, outs = random.Random(seed), []
+    for _ in range(n):
+        ids: list[int] = []
+        for _ in range(max_tokens):
+            mask = constraint.next_mask([ids])[0]
+            if mask[eos]:
+                break
+            ids.append(rng.choice(mask.nonzero().flatten().tolist()))
+        else:
+            raise AssertionError(f"no complete output within {max_tokens} tokens: {ids}")
+        outs.append(ids)
+    return outs
+
+
+def test_every_output_of_a_nested_schema_is_valid_and_fields_vary():
+    tok = tokenizer()
+    schema = JsonSchemaConstraint(NESTED, tok, [tok.eos_token_id])
+    outs = random_outputs(schema, tok.eos_token_id, 40, seed=0)
+    objects = [json.loads(tok.decode(ids)) for ids in outs]
+    for obj in objects:
+        jsonschema.validate(obj, NESTED)
+    assert {len(o["languages"]) for o in objects} == {1, 2, 3}  # minItems..maxItems
+    assert any("level" in o for o in objects) and any("level" not in o for o in objects)  # optional
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"name": "ab", "languages": [], "address": {"city": "c"}}',  # minItems
+        '{"name": "ab", "languages": ["a", "b", "c", "d"], "address": {"city": "c"}}',  # maxItems
+        '{"name": "abcdefg", "languages": ["a"], "address": {"city": "c"}}',  # maxLength
+        '{"name": "ab", "languages": ["a"]}',  # a required property
+        '{"name": "ab", "languages": ["a"], "address": {"city": "c", "zip": "12"}}',  # pattern
+        '{"name": "ab", "languages": ["a"], "address": {"city": "c"}, "level": "mid"}',  # enum
+        '{"name": "ab", "languages": ["a"], "address": {"city": "c"}, "extra": 1}',  # additionalProperties
+        '{"name":"ab","languages":["a"],"address":{"city":"c"}}',  # not the json.dumps layout
+    ],
+)
+def test_invalid_texts_are_refused(text):
+    tok = tokenizer()
+    eos = tok.eos_token_id
+    schema = JsonSchemaConstraint(NESTED, tok, [eos])
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(json.loads(text), NESTED)  # the texts are invalid indeed...
+        if "," in text and ", " not in text:
+            raise jsonschema.ValidationError("layout")
+    assert schema.allows([tok.encode(text) + [eos]]) == [False]  # ...and refused as outputs
+    good = '{"name": "ab", "languages": ["a"], "address": {"city": "c", "zip": "123"}, "level": 3}'
+    assert schema.allows([tok.encode(good) + [eos]]) == [True]
+
+
+@pytest.mark.parametrize(
+    ("make", "needle"),
+    [
+        (
+            lambda t, e: JsonSchemaConstraint({"type": "string", "maxLenght": 3}, t, e),
+            "unknown keyword(s) 'maxLenght'",
+        ),
+        (lambda t, e: JsonSchemaConstraint({"properties": {"a": {"not": {}}}}, t, e), "keyword(s): not"),
+        (lambda t, e: JsonSchemaConstraint({"type": "array", "uniqueItems": True}, t, e), "uniqueItems"),
+        (
+            lambda t, e: JsonSchemaConstraint({"type": "string", "format": "colour"}, t, e),
+            "Unknown format: colour",
+        ),
+        (
+            lambda t, e: JsonSchemaConstraint({"type": "string", "minLength": 5, "maxLength": 2}, t, e),
+            "minLength",
+        ),
+        (lambda t, e: JsonSchemaConstraint({"enum": []}, t, e), "nsatisfiable"),
+        (lambda t, e: JsonSchemaConstraint(False, t, e), "nsatisfiable"),
+        (lambda t, e: JsonSchemaConstraint({"$ref": "#/$defs/none"}, t, e), "/$defs/none"),
+        (lambda t, e: JsonSchemaConstraint("{not json", t, e), "not valid JSON"),
+        (lambda t, e: JsonSchemaConstraint([1], t, e), "expected an object"),
+        (lambda t, e: RegexConstraint(r"\d+(", t, e), "unclosed group"),
+        (lambda t, e: RegexConstraint(r"(?=a)a", t, e), "look-around"),
+        (lambda t, e: RegexConstraint(r"[^\s\S]", t, e), "unsatisfiable"),
+        (lambda t, e: RegexConstraint(b"a+", t, e), "must be a string"),
+        (lambda t, e: RegexConstraint("a+", t, []), "EOS"),
+    ],
+)
+def test_bad_constraints_get_one_line_naming_the_problem(make, needle):
+    tok = tokenizer()
+    with pytest.raises(ValueError) as info:
+        make(tok, [tok.eos_token_id])
+    message = str(info.value)
+    assert needle in message and "\n" not in message and type(info.value) is ValueError, message
+
+
+def test_a_regex_that_matches_only_the_empty_text_allows_only_eos():
+    tok = tokenizer()
+    empty = RegexConstraint("(abc){0}", tok, [tok.eos_token_id])
+    mask = empty.next_mask([[]])[0]
+    assert mask.nonzero().flatten().tolist() == [tok.eos_token_id] and empty.is_complete([])
