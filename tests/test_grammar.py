@@ -173,3 +173,53 @@ def test_a_regex_that_matches_only_the_empty_text_allows_only_eos():
     empty = RegexConstraint("(abc){0}", tok, [tok.eos_token_id])
     mask = empty.next_mask([[]])[0]
     assert mask.nonzero().flatten().tolist() == [tok.eos_token_id] and empty.is_complete([])
+
+
+BOUNDED = {  # an array of strings and a nested object, every length bounded
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "languages": {
+            "type": "array",
+            "items": {"type": "string", "maxLength": 12},
+            "minItems": 1,
+            "maxItems": 3,
+        },
+        "address": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "country": {"type": "string", "maxLength": 20},
+            },
+            "required": ["city", "country"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "languages", "address"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.slow
+def test_a_nested_schema_constrains_the_default_pair_and_every_output_is_valid(default_smcsd):
+    from smcsd_ppl import SMCConfig, SMCSDModel
+
+    pair = default_smcsd
+    schema = JsonSchemaConstraint(BOUNDED, pair.tokenizer, pair.eos_token_ids)
+    texts = [
+        "Ana Silva lives in Lima, Peru, and speaks Spanish and English.",
+        "Li Wei, who speaks Mandarin, lives in Shanghai, China.",
+    ]
+    prompts = [f"Extract the name, languages and address (city, country) as JSON: {t}" for t in texts]
+    config = SMCConfig(
+        n_particles=4, block_size=4, draft_temperature=0.7, target_temperature=0.7, max_new_tokens=160, seed=1
+    )
+    outs = pair.run([SMCSDModel(p, schema) for p in prompts], config)
+    eos = set(pair.eos_token_ids)
+    for out in outs:
+        assert out.message == "" and out.token_ids[-1] in eos, out.message
+        jsonschema.validate(json.loads(out.text), BOUNDED)
+        for p in out.smc.particles:  # every weighted particle is a complete, valid object
+            if p.log_weight > float("-inf"):
+                assert p.token_ids[-1] in eos and schema.allows([p.token_ids]) == [True]
+                jsonschema.validate(json.loads(pair.decode(p.token_ids[:-1])), BOUNDED)
