@@ -63,3 +63,9 @@ def test_compare_json_runs_smcsd_and_ar_under_the_mask(tiny_smcsd):
     assert [(s.method, s.runs) for s in rows] == [("smcsd", 4), ("ar_masked", 4)]
     with pytest.raises(ValueError, match="unknown"):
         json_tasks.compare_json(tiny_smcsd, ["flat"], ["beam"], config)
+
+
+def test_the_command_line_names_what_the_benchmarks_run():
+    from smcsd_ppl.cli.constraints import ENGINE_NAMES, JSON_METHODS
+
+    assert ENGINE_NAMES == tuple(engines.ENGINES) and JSON_METHODS == json_tasks.METHODS

@@ -223,3 +223,19 @@ def test_a_nested_schema_constrains_the_default_pair_and_every_output_is_valid(d
             if p.log_weight > float("-inf"):
                 assert p.token_ids[-1] in eos and schema.allows([p.token_ids]) == [True]
                 jsonschema.validate(json.loads(pair.decode(p.token_ids[:-1])), BOUNDED)
+
+
+def test_a_tokenizer_that_is_not_a_fast_one_is_read_from_its_token_bytes(monkeypatch):
+    import transformers
+
+    from smcsd_ppl.potentials import grammar
+
+    class NotThisOne:  # every tokenizer then takes the token-bytes path
+        pass
+
+    monkeypatch.setattr(transformers, "PreTrainedTokenizerFast", NotThisOne)
+    monkeypatch.setattr(grammar, "_TOKENIZERS", grammar.weakref.WeakKeyDictionary())
+    regex_contract(RegexConstraint, r"(the|a) [a-z]+( [a-z]+)?\.").check_all()
+    tok = tokenizer()
+    assert type(grammar.engine_tokenizer(tok, (tok.eos_token_id,))).__name__ == "LLTokenizer"
+    assert list(grammar._TOKENIZERS[tok]) == [((tok.eos_token_id,), None)]

@@ -22,8 +22,8 @@ from functools import partial
 import numpy as np
 import torch
 
-from ..potentials import Constraint, JsonSchemaConstraint, RegexConstraint, token_bytes
-from ..potentials.grammar import engine_tokenizer, mask_executor
+from ..potentials import JsonSchemaConstraint, RegexConstraint, token_bytes
+from ..potentials.grammar import engine_tokenizer, fill_bitmasks
 
 DATE = r"(19|20)\d{2}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])"
 FLAT = {
@@ -169,9 +169,7 @@ class _LLGuidance:
         return m.is_accepting()
 
     def fill(self, matchers: list, bits: np.ndarray) -> None:
-        mask_executor().unsafe_compute_mask_ptr(
-            [(m, i) for i, m in enumerate(matchers)], bits.ctypes.data, bits.shape[1] * 4, len(bits)
-        )
+        fill_bitmasks([(m, i) for i, m in enumerate(matchers)], bits)
 
 
 class _OutlinesCore:
@@ -335,39 +333,3 @@ def measure_engine(
             report.build_seconds.setdefault(task, None)
     report.coverage = _coverage(engine, tokenizer)
     return report
-
-
-class Timed(Constraint):
-    """A constraint that times every call of another (``next_mask``, ``allows``, ``is_complete``)."""
-
-    def __init__(self, inner) -> None:
-        super().__init__(getattr(inner, "vocab_size", None), getattr(inner, "eos_token_ids", ()))
-        self.inner, self.seconds = inner, 0.0
-
-    def _timed(self, name: str, arg):
-        start = time.perf_counter()
-        try:
-            return getattr(self.inner, name)(arg)
-        finally:
-            self.seconds += time.perf_counter() - start
-
-    def next_mask(self, contexts):  # noqa: D102
-        return self._timed("next_mask", contexts)
-
-    def allows(self, sequences):  # noqa: D102
-        return self._timed("allows", sequences)
-
-    def is_complete(self, context):  # noqa: D102
-        return self._timed("is_complete", context)
-
-
-def constraint_seconds_per_cycle(
-    pair, constraint, prompt: str, config, mode: str = "proposal"
-) -> tuple[float, int]:
-    """Seconds a run spends in ``constraint`` per SMC cycle, and the cycles it ran."""
-    from ..inference.program import SMCSDModel
-
-    timed = Timed(constraint)
-    [out] = pair.run([SMCSDModel(prompt, timed, mode)], config)
-    cycles = max(1, len(out.smc.ess_trace))
-    return timed.seconds / cycles, cycles

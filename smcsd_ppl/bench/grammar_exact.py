@@ -161,6 +161,7 @@ class ExactnessRow:
     n: int
     tv_global: float
     tv_local: float
+    empty: float  # share of requests whose particles all died: they return nothing
     runs: int
 
 
@@ -202,7 +203,7 @@ def grammar_exactness(
                     target, draft, n=n, mode=mode, runs=runs, seed=seed + 7919 * n, cut=cut
                 )
                 tvs = total_variation(exact, got), total_variation(local, got)
-                rows.append(ExactnessRow(_label(mode, cut), n, *tvs, runs))
+                rows.append(ExactnessRow(_label(mode, cut), n, *tvs, got.get((), 0.0), runs))
     return rows, refs
 
 

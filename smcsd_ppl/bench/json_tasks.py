@@ -4,7 +4,8 @@ Three ways to get schema-valid JSON from the same target, on the same prompts an
 interleaved in one process (repeat -> task -> text -> method):
 
 * ``smcsd``: the SMC-SD program with a ``JsonSchemaConstraint`` in proposal mode (N
-  particles, blocks of K drafted tokens, the run's cut);
+  particles, blocks of K drafted tokens, the run's cut); ``smcsd_paper``: the same without
+  the cut (the paper's algorithm: every cycle drafts K tokens);
 * ``ar_masked``: the target alone, one token at a time from its distribution restricted to
   the allowed tokens: what a user of a serving engine's structured outputs gets (the same
   engine with one particle and a record that says the draft does not pay);
@@ -105,7 +106,7 @@ TASKS: dict[str, tuple[dict, str, tuple[Extraction, ...]]] = {
         ),
     ),
 }
-METHODS = ("smcsd", "ar_masked", "genlm_awrs")
+METHODS = ("smcsd", "smcsd_paper", "ar_masked", "genlm_awrs")
 
 
 def prompt(task: str, text: str) -> str:
@@ -161,8 +162,9 @@ def run_method(method: str, pair, task: str, item: Extraction, constraint, confi
     """Run one method on one text (``constraint``: the task's ``JsonSchemaConstraint`` or genlm one)."""
     schema = TASKS[task][0]
     start = time.perf_counter()
-    if method == "smcsd":
-        text, tokens = _smcsd(pair, constraint, prompt(task, item.text), config, None)
+    if method in ("smcsd", "smcsd_paper"):
+        call = config if method == "smcsd" else dataclasses.replace(config, cut=None)
+        text, tokens = _smcsd(pair, constraint, prompt(task, item.text), call, None)
     elif method == "ar_masked":  # one particle, the target alone from the first token
         alone = dataclasses.replace(config, n_particles=1, cut=config.cut if config.cut is not None else 0.3)
         text, tokens = _smcsd(pair, constraint, prompt(task, item.text), alone, DraftRecord(0, 50))

@@ -9,7 +9,7 @@ from .options import command
 from .util import PROG, check_output_file, check_threads, csv, cut_value, progress
 
 ENGINE_NAMES = ("llguidance", "outlines-core", "xgrammar")  # bench.engines.ENGINES, without importing it
-JSON_METHODS = ("smcsd", "ar_masked", "genlm_awrs")  # bench.json_tasks.METHODS, likewise
+JSON_METHODS = ("smcsd", "smcsd_paper", "ar_masked", "genlm_awrs")  # bench.json_tasks.METHODS, likewise
 
 
 def add_parsers(sub) -> None:
@@ -18,10 +18,17 @@ def add_parsers(sub) -> None:
         sub,
         "constraint-engines",
         "grammar engines on the target's tokenizer: build and mask times, JSON Schema coverage, licence",
-        draft=False,
     )
     eng.add_argument("--engines", default=",".join(ENGINE_NAMES), help="comma-separated engines")
     eng.add_argument("--repeats", type=int, default=5, help="builds timed per task (medians reported)")
+    eng.add_argument(
+        "--cycles-against",
+        metavar="FILE.py",
+        default=None,
+        help="instead: time constrained SMC-SD runs (N=8 and 32, K=8, T=0.7, 40 tokens) per cycle, this "
+        "package's engine against the RegexConstraint class of FILE.py (e.g. an older version's "
+        "constraints.py)",
+    )
     eng.set_defaults(run=_engines)
 
     ex = sub.add_parser(
@@ -52,6 +59,8 @@ def add_parsers(sub) -> None:
 
 
 def _engines(args: argparse.Namespace) -> int:
+    if args.cycles_against:
+        return _cycles(args)
     names = csv(args.engines, str, "--engines")
     for name in names:
         if name not in ENGINE_NAMES:
@@ -84,6 +93,27 @@ def _engines(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cycles(args: argparse.Namespace) -> int:
+    from ..bench.mask_cycles import compare_cycles, load_regex_class
+    from ..config import SMCConfig
+
+    other = load_regex_class(args.cycles_against)
+    pair = load_pair(args)
+    print(f"constraint time per SMC cycle, ms; other = the RegexConstraint of {args.cycles_against}")
+    print("| N | task | engine | build s | first run, ms/cycle | warm runs, median ms/cycle |")
+    print("|---|---|---|---|---|---|")
+    for n in (8, 32):
+        config = SMCConfig(
+            n_particles=n, block_size=8, draft_temperature=0.7, target_temperature=0.7, max_new_tokens=40
+        )
+        for r in compare_cycles(pair, other, config):
+            print(
+                f"| {n} | {r['task']} | {r['engine']} | {r['build_s']:.3f} | {r['first_ms']:.2f} | "
+                f"{r['warm_ms']:.2f} |"
+            )
+    return 0
+
+
 def _ms(seconds: float | None) -> str:
     return "failed" if seconds is None else f"{1000 * seconds:.2f}"
 
@@ -108,12 +138,17 @@ def _exactness(args: argparse.Namespace) -> int:
     methods = list(dict.fromkeys(r.method for r in rows))
     print("| N | " + " | ".join(methods) + " |\n" + "|---" * (len(methods) + 1) + "|")
     for n in ns:
-        cells = [next(f"{r.tv_global:.3f}" for r in rows if r.method == m and r.n == n) for m in methods]
+        cells = [_cell(next(r for r in rows if r.method == m and r.n == n)) for m in methods]
         print(f"| {n} | " + " | ".join(cells) + " |")
     if args.plot:
         plot_exactness(rows, refs, args.plot)
         print(f"wrote {args.plot}")
     return 0
+
+
+def _cell(row) -> str:
+    """TV from p x phi, and the share of requests that returned nothing where some did."""
+    return f"{row.tv_global:.3f}" + (f" ({row.empty:.0%} empty)" if row.empty else "")
 
 
 def _compare_json(args: argparse.Namespace) -> int:

@@ -12,6 +12,7 @@ parser states their prefixes already reached.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import weakref
 from collections.abc import Sequence
@@ -23,6 +24,8 @@ from .constraints import Constraint, token_bytes
 from .schema import check_schema, engine_error
 
 MAX_CACHED_CONTEXTS = 50_000  # parser states kept per constraint; past that the tree restarts
+PARALLEL_MASKS = 16  # masks per call from which the engine's thread pool computes them
+_THREADS = max(1, min(32, (os.cpu_count() or 1) * 4 // 5))  # the pool's size (the engine's own rule)
 _TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 _EXECUTOR = None
@@ -65,7 +68,7 @@ class _ByteTokenizer:
 
 
 def mask_executor():
-    """One llguidance thread pool for every constraint (masks of a batch run in parallel)."""
+    """One llguidance thread pool for every constraint (large batches of masks run in parallel)."""
     global _EXECUTOR
     with _LOCK:
         if _EXECUTOR is None:
@@ -73,6 +76,20 @@ def mask_executor():
 
             _EXECUTOR = llguidance.LLExecutor()
         return _EXECUTOR
+
+
+def fill_bitmasks(matchers: Sequence[tuple[object, int]], bits: np.ndarray) -> None:
+    """Write the mask of each (matcher, row) into row ``row`` of ``bits [n, W]`` (int32 words).
+
+    Large batches go to the engine's thread pool where it has more than one thread; below
+    that, its dispatch costs more than the masks.
+    """
+    row_bytes = bits.shape[1] * 4
+    if len(matchers) >= PARALLEL_MASKS and _THREADS > 1:
+        mask_executor().unsafe_compute_mask_ptr(list(matchers), bits.ctypes.data, row_bytes, len(bits))
+    else:
+        for m, i in matchers:
+            m.unsafe_compute_mask_ptr(bits.ctypes.data + i * row_bytes, row_bytes)
 
 
 # Every tokenization of an output's text is allowed (the engine would otherwise force the
@@ -152,8 +169,7 @@ class GrammarConstraint(Constraint):
         """The masks ``[n, V]`` of parser states (None: a dead context, nothing allowed)."""
         bits = np.zeros((len(matchers), self._words), dtype=np.int32)
         live = [(m, i) for i, m in enumerate(matchers) if m is not None]
-        if live:
-            mask_executor().unsafe_compute_mask_ptr(live, bits.ctypes.data, self._words * 4, len(bits))
+        fill_bitmasks(live, bits)
         masks = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, : self.vocab_size]
         out = torch.from_numpy(masks.view(np.bool_))
         # Where no text may follow, the engine's mask holds EOS alone, complete or not (and the
