@@ -239,3 +239,29 @@ def test_a_tokenizer_that_is_not_a_fast_one_is_read_from_its_token_bytes(monkeyp
     tok = tokenizer()
     assert type(grammar.engine_tokenizer(tok, (tok.eos_token_id,))).__name__ == "LLTokenizer"
     assert list(grammar._TOKENIZERS[tok]) == [((tok.eos_token_id,), None)]
+
+
+def test_the_base_class_answers_allows_and_is_complete_from_the_masks():
+    import helpers
+
+    class Declared(helpers.NoOneZero):
+        def __init__(self):
+            super().__init__(helpers.V, [helpers.EOS])
+
+    c, eos = Declared(), helpers.EOS
+    seqs = [[2, 1], [1, 0], [2, eos], [1, eos], [], [2, eos, 1]]
+    assert c.allows(seqs) == [True, False, True, False, True, False]
+    assert c.is_complete([1, 2]) and not c.is_complete([1])
+    with pytest.raises(NotImplementedError, match="NoOneZero declares no eos_token_ids"):
+        helpers.NoOneZero().is_complete([2])
+    with pytest.raises(NotImplementedError, match="must define next_mask"):
+        Constraint().next_mask([[]])
+
+
+@pytest.mark.parametrize("bad", ["[a-z]+", object()])
+def test_anything_but_a_constraint_is_refused_in_one_line(bad):
+    from smcsd_ppl import SMCSDModel
+
+    with pytest.raises(ValueError) as info:
+        SMCSDModel([1, 2], bad)
+    assert "RegexConstraint(pattern" in str(info.value) and "\n" not in str(info.value)

@@ -48,7 +48,10 @@ NESTED = {
         },
         "address": {
             "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 30}, "country": {"type": "string"}},
+            "properties": {
+                "city": {"type": "string", "maxLength": 30},
+                "country": {"type": "string", "maxLength": 30},
+            },
             "required": ["city"],
             "additionalProperties": False,
         },
