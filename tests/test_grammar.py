@@ -265,3 +265,39 @@ def test_anything_but_a_constraint_is_refused_in_one_line(bad):
     with pytest.raises(ValueError) as info:
         SMCSDModel([1, 2], bad)
     assert "RegexConstraint(pattern" in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("kind", ["regex", "genlm potential"])
+@pytest.mark.parametrize("mode", ["proposal", "critic"])
+def test_constraints_compose_with_twists_and_conditions(tiny_smcsd, kind, mode):
+    import re
+
+    from genlm.control import BoolFSA
+
+    from smcsd_ppl import SMCConfig, SMCSDModel
+    from smcsd_ppl.potentials import PotentialConstraint
+
+    pattern = "[a-z]{1,4}( [a-z]{1,4}){0,5}"
+    pair = tiny_smcsd
+    if kind == "regex":
+        constraint = RegexConstraint(pattern, pair.tokenizer, pair.eos_token_ids)
+    else:
+        constraint = PotentialConstraint(BoolFSA.from_regex(pattern), pair.tokenizer, pair.eos_token_ids)
+
+    class Program(SMCSDModel):
+        async def step(self):
+            await self.extend()
+            self.condition("x" not in self.text)
+            if not self.finished:
+                self.twist(-0.1 * len(self.text))
+
+    config = SMCConfig(
+        n_particles=4, block_size=2, max_new_tokens=6, draft_temperature=1.0, target_temperature=1.0
+    )
+    outs = pair.run([Program("The quick brown fox", constraint, mode) for _ in range(3)], config)
+    for out in outs:
+        for p in out.smc.particles:
+            if p.log_weight > float("-inf"):
+                assert constraint.allows([p.token_ids]) == [True] and "x" not in p.text
+                if p.token_ids and p.token_ids[-1] in pair.eos_token_ids:
+                    assert re.fullmatch(pattern, pair.decode(p.token_ids[:-1]))

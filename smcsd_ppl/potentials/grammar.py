@@ -1,9 +1,9 @@
 """Regexes and JSON schemas compiled by llguidance against the LM's tokenizer.
 
 llguidance (a maintained Rust engine, MIT) turns a grammar into a token-level matcher:
-building one costs milliseconds, a mask over the whole vocabulary microseconds, and one
-call computes the masks of every context of a batch (``docs/constraints.md`` measures
-it against outlines-core and xgrammar). A ``GrammarConstraint`` keeps one matcher per
+building one costs milliseconds and a mask over the whole vocabulary microseconds; large
+batches of masks run on its thread pool (``docs/constraints.md`` measures it against
+outlines-core and xgrammar). A ``GrammarConstraint`` keeps one matcher per
 context it has seen (a prefix tree of copies: extending a context by a token is a copy
 and one step), so the masks of a block's positions and of resampled particles reuse the
 parser states their prefixes already reached.
@@ -138,7 +138,7 @@ class GrammarConstraint(Constraint):
             raise ValueError(f"{name} is unsatisfiable: no output (not even an empty one) matches it")
 
     def next_mask(self, contexts: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Allowed next tokens ``[n, V]``, computed for all distinct contexts in one engine call."""
+        """Allowed next tokens ``[n, V]``, computed once per distinct context, unpacked in one go."""
         keys = [tuple(int(t) for t in c) for c in contexts]
         unique = list(dict.fromkeys(keys))
         out = self._masks([self._matcher(k) for k in unique])  # [unique, V]
@@ -152,7 +152,7 @@ class GrammarConstraint(Constraint):
 
         The engine consumes some tokens its own mask refuses (ones leading into a dead end):
         a prefix is viable only where its state's mask allows something, so ``allows``
-        agrees with ``next_mask``. Those masks are computed in one batched call.
+        agrees with ``next_mask``. Those masks are computed together, once per state.
         """
         keys = [tuple(int(t) for t in s) for s in sequences]
         ends = [bool(k) and k[-1] in self._eos for k in keys]
