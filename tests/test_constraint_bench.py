@@ -66,6 +66,24 @@ def test_compare_json_runs_smcsd_and_ar_under_the_mask(tiny_smcsd):
 
 
 def test_the_command_line_names_what_the_benchmarks_run():
-    from smcsd_ppl.cli.constraints import ENGINE_NAMES, JSON_METHODS
+    from smcsd_ppl.cli.constraints import ENGINE_NAMES, JSON_METHODS, JSON_TASKS
 
     assert ENGINE_NAMES == tuple(engines.ENGINES) and JSON_METHODS == json_tasks.METHODS
+    assert JSON_TASKS == tuple(json_tasks.TASKS)
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["constraint-engines", "--engines", "llguidance,foo"], "unknown engine 'foo'"),
+        (["grammar-exactness", "--particles", "0,8"], "every N must be at least 1"),
+        (["compare-json", "--methods", "beam"], "unknown method 'beam'"),
+        (["compare-json", "--tasks", "deep"], "unknown task 'deep'"),
+    ],
+)
+def test_the_constraint_commands_refuse_bad_input_in_one_line_before_loading(args, needle):
+    from test_user_errors import assert_one_line_error, smcsd
+
+    code, out, err, _ = smcsd(*args, timeout=60)
+    assert_one_line_error(code, err, needle)
+    assert "loading" not in err and out == ""

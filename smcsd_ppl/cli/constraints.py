@@ -10,6 +10,7 @@ from .util import PROG, check_output_file, check_threads, csv, cut_value, progre
 
 ENGINE_NAMES = ("llguidance", "outlines-core", "xgrammar")  # bench.engines.ENGINES, without importing it
 JSON_METHODS = ("smcsd", "smcsd_paper", "ar_masked", "genlm_awrs")  # bench.json_tasks.METHODS, likewise
+JSON_TASKS = ("flat", "nested")  # bench.json_tasks.TASKS, likewise
 
 
 def add_parsers(sub) -> None:
@@ -156,6 +157,9 @@ def _compare_json(args: argparse.Namespace) -> int:
     for m in methods:
         if m not in JSON_METHODS:
             raise ValueError(f"unknown method {m!r}; choose from {', '.join(JSON_METHODS)}")
+    for t in tasks:
+        if t not in JSON_TASKS:
+            raise ValueError(f"unknown task {t!r}; choose from {', '.join(JSON_TASKS)}")
     check_threads(args.threads)
     pair = load_pair(args)
     from ..bench.json_tasks import TASKS, compare_json, summarize
@@ -170,7 +174,7 @@ def _compare_json(args: argparse.Namespace) -> int:
         seed=args.seed,
         cut=args.cut,
     )
-    total = args.repeats * len(methods) * sum(len(TASKS[t][2]) for t in tasks if t in TASKS)
+    total = args.repeats * len(methods) * sum(len(TASKS[t][2]) for t in tasks)
     with progress(total, "runs") as bar:
         done = [0]
 
