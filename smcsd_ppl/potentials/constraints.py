@@ -5,7 +5,7 @@ contexts (``next_mask``). EOS tokens are allowed exactly where the context is a
 complete string of the constraint's language. The implementations:
 
 * ``RegexConstraint`` and ``JsonSchemaConstraint`` (``potentials.grammar``): compiled
-  against the LM's tokenizer by llguidance; one batched mask call for all contexts.
+  against the LM's tokenizer by llguidance; the masks of all contexts computed together.
 * ``PotentialConstraint`` (below): any genlm-control ``Potential`` over bytes (a CFG, a
   product, your own), coerced to token ids with genlm-control's own coercion; exact for
   any potential, but its masks cost a ``batch_logw_next`` call.
