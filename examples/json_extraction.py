@@ -3,15 +3,17 @@
 import json
 
 from smcsd_ppl import SMCSD, SMCConfig, SMCSDModel
-from smcsd_ppl.potentials import RegexConstraint, schema_to_regex
+from smcsd_ppl.potentials import JsonSchemaConstraint
 
 SCHEMA = {
     "type": "object",
     "properties": {
         "name": {"type": "string", "maxLength": 30},
-        "age": {"type": "integer"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
         "city": {"type": "string", "maxLength": 30},
     },
+    "required": ["name", "age", "city"],
+    "additionalProperties": False,
 }
 
 
@@ -25,7 +27,7 @@ def main(pair=None, config=None):
     config = config or SMCConfig(
         n_particles=8, block_size=8, draft_temperature=0.7, target_temperature=0.7, max_new_tokens=64
     )
-    schema = RegexConstraint(schema_to_regex(SCHEMA), pair.tokenizer, pair.eos_token_ids)
+    schema = JsonSchemaConstraint(SCHEMA, pair.tokenizer, pair.eos_token_ids)
     text = "Maria Lopez is 34 years old and lives in Madrid."
     prompt = f"Extract name, age and city from this text as JSON: {text}"
     [out] = pair.run([Extract(prompt, schema)], config)

@@ -20,7 +20,8 @@ _EXPORTS = {
     "SpeculativeInfo": "results",
     "RunStats": "results",
     "Constraint": "potentials.constraints",
-    "RegexConstraint": "potentials.constraints",
+    "RegexConstraint": "potentials.grammar",
+    "JsonSchemaConstraint": "potentials.grammar",
     "PotentialConstraint": "potentials.constraints",
 }
 
@@ -35,6 +36,7 @@ __all__ = [  # noqa: RUF022 (the order of _EXPORTS)
     "RunStats",
     "Constraint",
     "RegexConstraint",
+    "JsonSchemaConstraint",
     "PotentialConstraint",
 ]
 
@@ -42,7 +44,8 @@ if TYPE_CHECKING:
     from .api import SMCSD
     from .config import DraftRecord, SMCConfig
     from .inference.program import SMCSDModel
-    from .potentials.constraints import Constraint, PotentialConstraint, RegexConstraint
+    from .potentials.constraints import Constraint, PotentialConstraint
+    from .potentials.grammar import JsonSchemaConstraint, RegexConstraint
     from .results import Generation, RunStats, SMCInfo, SpeculativeInfo
 
 

@@ -15,6 +15,7 @@ from smcsd_ppl.inference.loop import SMCResult, run_smc_sd
 from smcsd_ppl.inference.program import SMCSDModel
 from smcsd_ppl.inference.rows import RowStore
 from smcsd_ppl.methods.sd import AcceptRule, SpeculativeRun, exact_accept, speculative_sampling
+from smcsd_ppl.potentials import Constraint
 
 EOS = 3
 V = 4
@@ -110,7 +111,7 @@ def sd(target, draft, prompts, *, accept: AcceptRule = exact_accept, **cfg) -> S
     return speculative_sampling(RowStore(target, draft), config(**cfg), [EOS], prompts, accept=accept)
 
 
-class NoOneZero:
+class NoOneZero(Constraint):
     """Outputs without the bigram (1, 0); EOS only once a 2 has appeared."""
 
     def next_mask(self, contexts):
@@ -151,12 +152,12 @@ class Twisted(SMCSDModel):
             self.twist(0.7 * self.token_ids.count(2) - 0.3)
 
 
-class Nothing:
+class Nothing(Constraint):
     def next_mask(self, contexts):
         return torch.zeros(len(contexts), V, dtype=torch.bool)
 
 
-class DeadEnd:
+class DeadEnd(Constraint):
     """Only token 1 may come first; after it nothing is allowed (and EOS never)."""
 
     def next_mask(self, contexts):
@@ -171,7 +172,7 @@ def forced_prefix(seq) -> bool:
     return all(t == (2 if i % 4 == 1 else 1) for i, t in enumerate(seq) if i % 4 in (1, 2))
 
 
-class Forced:
+class Forced(Constraint):
     """Tokens 2 then 1 at positions 1, 2 (and 5, 6, 9, 10, ...); anything elsewhere."""
 
     def next_mask(self, contexts):

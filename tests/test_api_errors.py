@@ -15,7 +15,7 @@ import torch
 
 from smcsd_ppl import SMCSD, SMCConfig, SMCSDModel, smc
 from smcsd_ppl.bench import Grid, Prompt, run_bench
-from smcsd_ppl.potentials import RegexConstraint, schema_to_regex
+from smcsd_ppl.potentials import RegexConstraint
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -76,40 +76,6 @@ def test_ess_of_huge_log_weights_is_that_of_their_differences(log_w, shifted):
     assert smc.normalize(w).sum().item() == pytest.approx(1.0, abs=1e-12)
     expected = torch.softmax(torch.tensor(shifted, dtype=torch.float64), 0)
     assert smc.ess(w) == pytest.approx(float(1.0 / (expected * expected).sum()), rel=1e-9)
-
-
-BAD_SCHEMAS = [
-    (False, "must be an object"),
-    ({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0}}}, "minimum"),
-    ({"type": "object", "properties": {"n": {"type": "number", "maximum": 9}}}, "maximum"),
-    ({"type": "object", "properties": {"s": {"type": "string", "pattern": "a+"}}}, "pattern"),
-    ({"type": "object", "properties": {"s": {"enum": []}}}, "enum must be a non-empty list"),
-    ({"type": "object", "properties": {"s": {"type": "string", "minLength": 5, "maxLength": 2}}}, "greater"),
-    ({"type": "object", "properties": {"s": {"type": "string", "maxLength": -1}}}, "maxLength must be"),
-    ({"type": "object", "properties": {"o": {"type": "object"}}}, "unsupported"),
-    ({"type": "object", "properties": {"n": {"type": "integer"}}, "minProperties": 2}, "minProperties"),
-]
-
-
-@pytest.mark.parametrize(("schema", "needle"), BAD_SCHEMAS, ids=[n for _, n in BAD_SCHEMAS])
-def test_schema_to_regex_refuses_what_it_cannot_enforce(schema, needle):
-    with pytest.raises(ValueError, match=needle):
-        schema_to_regex(schema)
-
-
-def test_schema_to_regex_keeps_annotations_and_const():
-    schema = {
-        "title": "t",
-        "type": "object",
-        "required": ["a"],
-        "properties": {"a": {"type": "string", "description": "d"}, "b": {"const": 3}},
-    }
-    assert schema_to_regex(schema).endswith(r"(3)[ ]?\}")
-
-
-def test_regex_with_a_non_ascii_literal_says_why(tiny_smcsd):
-    with pytest.raises(ValueError, match="non-ASCII character 'é'"):
-        RegexConstraint("é+", tiny_smcsd.tokenizer, tiny_smcsd.eos_token_ids)
 
 
 # --- benchmark files are bound to their settings ---------------------------------------------

@@ -210,7 +210,7 @@ def test_the_test_constraints_keep_the_contract(name):
 class EarlyEOS(RegexConstraint):
     def next_mask(self, contexts):
         out = super().next_mask(contexts).clone()
-        out[:, self._eos] = True  # lets the output end before the match is complete
+        out[:, list(self.eos_token_ids)] = True  # lets the output end before the match is complete
         return out
 
 

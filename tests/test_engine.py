@@ -25,6 +25,7 @@ from smcsd_ppl.inference.drafting import draft_blocks
 from smcsd_ppl.inference.loop import run_smc_sd
 from smcsd_ppl.inference.program import SMCSDModel
 from smcsd_ppl.inference.rows import RowStore
+from smcsd_ppl.potentials import Constraint
 
 PROMPTS = ["The cat sat on", "Once upon a time there was a little girl who", "A"]
 
@@ -508,7 +509,7 @@ def test_drafting_stops_once_every_row_has_ended(eos_smcsd, block_lengths, metho
     assert shorter  # the EOS-heavy pair and the budget make some blocks short
 
 
-class FewTokens:
+class FewTokens(Constraint):
     """Allows a fixed handful of tokens (different ones at even and odd positions), and EOS."""
 
     def __init__(self, eos):

@@ -65,13 +65,13 @@ def test_regex_date(default_smcsd):
 
 @pytest.mark.slow
 def test_json_extraction(default_smcsd):
+    import jsonschema
+
     from examples.json_extraction import SCHEMA
-    from smcsd_ppl.potentials import schema_to_regex
 
     out = run("json_extraction", default_smcsd, 48)
-    pattern = schema_to_regex(SCHEMA)
     if out.token_ids and out.token_ids[-1] in default_smcsd.eos_token_ids:
-        assert re.fullmatch(pattern, out.text)
+        jsonschema.validate(json.loads(out.text), SCHEMA)
         assert set(json.loads(out.text)) == {"name", "age", "city"}
     else:  # the budget ran out first: a prefix of a valid object, flagged as incomplete
         assert out.text.startswith("{") and out.message.startswith("incomplete")

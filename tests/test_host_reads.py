@@ -28,6 +28,7 @@ from smcsd_ppl.api import SMCSD
 from smcsd_ppl.backends.syncs import HostReads, reads_per_cycle
 from smcsd_ppl.config import SMCConfig
 from smcsd_ppl.inference.program import SMCSDModel
+from smcsd_ppl.potentials import Constraint
 
 K = 4
 CFG = SMCConfig(n_particles=8, block_size=K, max_new_tokens=24, ignore_eos=True, seed=0)
@@ -68,7 +69,7 @@ def test_speculative_cycles_stay_within_budget(smc, method):
     assert max(counts) <= BUDGET[method], counts
 
 
-class EvenTokens:
+class EvenTokens(Constraint):
     """Allows even token ids only (any context)."""
 
     def next_mask(self, contexts):

@@ -15,6 +15,7 @@ from helpers import EOS, V, exact_target, marginal_tv, mock_pair, smc
 from smcsd_ppl.backends.mock import MockLM
 from smcsd_ppl.config import DraftRecord
 from smcsd_ppl.inference.program import SMCSDModel
+from smcsd_ppl.potentials import Constraint
 
 PROMPT, H, RUNS = [1, 2], 4, 2000
 TV_LIMIT = 0.05  # the marginals' sampling noise at RUNS is ~0.015
@@ -80,7 +81,7 @@ def test_a_power_target_decoding_alone_returns_power_outputs(n):
     assert tv < TV_LIMIT if n > 1 else tv > 2 * TV_LIMIT, tv
 
 
-class NoZero:
+class NoZero(Constraint):
     """Never token 0."""
 
     def next_mask(self, contexts):

@@ -57,7 +57,7 @@ def test_observe_without_await_is_an_error(tiny_smcsd):
 
 
 def test_a_string_as_constraint_names_the_fix(tiny_smcsd):
-    with pytest.raises(ValueError, match="constraint must be a constraint object.*RegexConstraint"):
+    with pytest.raises(ValueError, match="must be a smcsd_ppl.potentials.Constraint.*RegexConstraint"):
         SMCSDModel("The cat", r"[a-z]+")
 
 

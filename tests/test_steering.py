@@ -125,7 +125,7 @@ def test_compare_rows_and_length_matched_plain(tiny_smcsd):
         block_size=3,
         max_new_tokens=8,
         temperature=1.0,
-        cut=None,  # the paper's whole blocks: random weights would cut at every position
+        cut=None,  # the paper's whole blocks: random weights would cut at every position (default: 0.3)
         on_run=lambda task, method, rec: seen.append((method, rec)),
     )
     assert [(r.task, r.method) for r in rows] == [
@@ -157,7 +157,31 @@ def test_compare_constrained_cli_default_model(capsys):
 
     argv = ["compare-constrained", "--tasks", "date", "-n", "4", "--max-new-tokens", "16"]
     assert main(argv) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     for method in compare.METHODS:
         assert f"| date | {method} |" in out
-    assert "date: smcsd_proposal tokens/s" in out
+    # Quality beside speed, for every method; no ratio from a single run.
+    quality = next(line for line in out.splitlines() if line.startswith("date: smcsd_proposal "))
+    assert all(f"{m} " in quality for m in compare.METHODS) and "log p/tok" in quality and "log Z" in quality
+    assert "speed ratios need --repeats 2" in out and "tokens/s =" not in out
+    assert "Token(token_id" not in captured.err  # a library's warning, once and without the prompt
+
+
+def row(method, valid, tps):
+    return compare.CompareRow(method, "t", valid, valid, tps, 8, 1, -1.0, -2.0, 3.0, 9, 2, "x")
+
+
+def test_the_summary_gives_no_ratio_against_a_method_without_valid_output():
+    rows = [row("smcsd_proposal", 1.0, 20.0), row("llamppl_masked", 1.0, 10.0), row("llamppl_smc", 0.0, 40.0)]
+    lines = compare.summaries(rows, repeats=3)
+    assert "llamppl_smc 0% valid" in lines[0]  # its quality is shown
+    assert lines[1] == "t: smcsd_proposal tokens/s = 2.00x llamppl_masked"  # but no ratio against it
+    assert compare.summaries(rows, repeats=1)[1].startswith("t: speed ratios need --repeats 2")
+
+
+def test_task_checks_judge_meaning_too():
+    assert compare.is_calendar_date("1969-07-20") and not compare.is_calendar_date("1500-15-25")
+    assert compare.is_person('{"name": "Ada", "age": 36}') and not compare.is_person(
+        '{"name": "Ada", "age": "x"}'
+    )

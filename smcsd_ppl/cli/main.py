@@ -10,7 +10,7 @@ import sys
 
 from ..config import RESAMPLING_SCHEMES, SMCConfig
 from ..text import check_prompt
-from . import compare, device, distill, fidelity
+from . import compare, constraints, device, distill, fidelity
 from .loading import load_pair
 from .options import METHOD_SUMMARIES, grid_args, model_args, prompt_args, smc_args, smc_config
 from .util import (
@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(sub)
     _add_report(sub)
     compare.add_parser(sub)
+    constraints.add_parsers(sub)
     device.add_parser(sub)
     fidelity.add_parser(sub)
     distill.add_parsers(sub)

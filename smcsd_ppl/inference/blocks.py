@@ -12,6 +12,16 @@ from ..potentials.constraints import Constraint
 CONSTRAINT_MODES = ("proposal", "critic")
 
 
+def check_constraint(constraint: object) -> None:
+    """Raise a one-line ``ValueError`` unless ``constraint`` is a ``Constraint`` (or None)."""
+    if constraint is not None and not isinstance(constraint, Constraint):
+        raise ValueError(
+            f"a constraint must be a smcsd_ppl.potentials.Constraint, got {type(constraint).__name__}: "
+            "build one (RegexConstraint(pattern, pair.tokenizer, pair.eos_token_ids), "
+            "JsonSchemaConstraint(schema, ...)) or subclass Constraint"
+        )
+
+
 @dataclass(frozen=True)
 class RowConstraint:
     """A hard constraint on one particle's next block.
@@ -29,6 +39,7 @@ class RowConstraint:
     context: tuple[int, ...]
 
     def __post_init__(self) -> None:
+        check_constraint(self.constraint)
         if self.mode not in CONSTRAINT_MODES:
             raise ValueError(f"constraint mode must be one of {CONSTRAINT_MODES}, got {self.mode!r}")
 

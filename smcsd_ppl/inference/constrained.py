@@ -28,7 +28,6 @@ from collections.abc import Sequence
 import torch
 
 from ..backends.base import to_device
-from ..potentials.constraints import allows
 
 
 def masks_for(pairs: Sequence[tuple[object, tuple[int, ...]]]) -> list[torch.Tensor]:
@@ -131,7 +130,7 @@ class Masking:
             groups.setdefault(id(c.constraint), []).append((i, r, c))
         for items in groups.values():
             seqs = [c.context + tuple(tokens[r, : j + 1].tolist()) for _, r, c in items for j in range(k)]
-            ok = allows(items[0][2].constraint, seqs)
+            ok = items[0][2].constraint.allows(seqs)
             for n, (i, _, _) in enumerate(items):
                 bad = [j for j in range(k) if not ok[n * k + j]]
                 if bad:
@@ -186,7 +185,7 @@ def check_bonus(entries: Sequence[tuple]) -> list[bool]:
     for idx in groups.values():
         c = entries[idx[0]][0].constraint
         seqs = [entries[i][0].context + tuple(entries[i][1]) + (int(entries[i][2]),) for i in idx]
-        for i, good in zip(idx, allows(c, seqs)):
+        for i, good in zip(idx, c.allows(seqs)):
             ok[i] = good
     return ok
 

@@ -12,7 +12,6 @@ import torch
 
 from .. import smc
 from ..config import DraftRecord, SMCConfig
-from ..potentials.constraints import allows
 from ..results import ParticleOut
 from .program import SMCSDModel
 from .rows import RowStore
@@ -162,8 +161,9 @@ def _cut_short(p: SMCSDModel, kernel: SMCSDKernel) -> str:
     eos = kernel.eos
     if ids and ids[-1] in eos:
         return ""
-    # Could it end here? Then the output satisfies the constraint (without EOS ids: ask it).
-    if allows(c, [[*ids, min(eos)]])[0] if eos else getattr(c, "is_complete", lambda _: True)(ids):
+    # Could it end here? Then the output satisfies the constraint. A run without EOS ids asks
+    # the constraint's own (a constraint that declares none cannot tell: no message).
+    if c.allows([[*ids, min(eos)]])[0] if eos else not c.eos_token_ids or c.is_complete(ids):
         return ""
     return (
         f"incomplete: max_new_tokens ({budget}) ran out before the constraint was "

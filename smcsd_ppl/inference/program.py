@@ -24,7 +24,8 @@ from typing import Any
 import torch
 from llamppl import Model
 
-from .blocks import BlockRequest, RowConstraint, ScoredBlock
+from ..potentials.constraints import Constraint
+from .blocks import BlockRequest, RowConstraint, ScoredBlock, check_constraint
 from .context import LMContext
 
 
@@ -107,7 +108,7 @@ class SMCSDModel(Model):
         self, prompt: str | Sequence[int] | None = None, constraint=None, mode: str = "proposal"
     ) -> None:
         super().__init__()
-        _check_constraint(constraint)
+        check_constraint(constraint)
         self.prompt = prompt
         self.constraint, self.mode = constraint, mode
         if prompt is not None:
@@ -125,8 +126,8 @@ class SMCSDModel(Model):
         # subclass declares immutable. Blocks are read-only records: share them too.
         for shared in (self.runtime, self.last_block):
             memo[id(shared)] = shared
-        for value in self.__dict__.values():  # constraints hold large tables; never copy them
-            if callable(getattr(type(value), "next_mask", None)):  # a type lookup: cheap per copy
+        for value in self.__dict__.values():  # constraints hold parser states; never copy them
+            if isinstance(value, Constraint):
                 memo[id(value)] = value
         return super().__deepcopy__(memo)
 
@@ -189,7 +190,7 @@ class SMCSDModel(Model):
                 "smcsd_ppl.llamppl.smc_standard (llamppl.smc_standard cannot batch its blocks)"
             )
         constraint = self.constraint if constraint is None else constraint
-        _check_constraint(constraint)
+        check_constraint(constraint)
         row_constraint = (
             None if constraint is None else RowConstraint(constraint, mode or self.mode, tuple(ctx.generated))
         )
@@ -265,11 +266,3 @@ def unawaited_calls(particle: SMCSDModel) -> str:
         p.coro.close()
     pending.clear()
     return name
-
-
-def _check_constraint(constraint) -> None:
-    if constraint is not None and not callable(getattr(constraint, "next_mask", None)):
-        raise ValueError(
-            f"constraint must be a constraint object, got {type(constraint).__name__} {constraint!r:.40}: "
-            "build one, e.g. RegexConstraint(pattern, pair.tokenizer, pair.eos_token_ids)"
-        )

@@ -19,7 +19,7 @@ The token-level libraries share one ``AsyncTransformer`` per pair; its caches ar
 cleared before every run, its auto-batch size is set to N (a batch leaves as soon as
 every particle has asked) and only the prompt's KV is cached, as those libraries do.
 ``seconds`` covers the SMC call, prompt prefill included; building vocabularies,
-coercions and DFA tables once per pair or constraint is not timed.
+coercions and compiled constraints once per pair or constraint is not timed.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import torch
 from .. import smc
 from ..config import SMCConfig
 from ..inference.program import SMCSDModel
-from ..potentials.constraints import PotentialConstraint, RegexConstraint
+from ..potentials import PotentialConstraint, RegexConstraint
 from .registry import RunContext
 from .smcsd import run_programs
 

@@ -1,6 +1,13 @@
 """Constraints and twists that enter SMC-SD weights (genlm-control potentials among them)."""
 
-from .constraints import Constraint, PotentialConstraint, RegexConstraint, allows, token_bytes
-from .json_regex import schema_to_regex
+from .constraints import Constraint, PotentialConstraint, token_bytes
+from .grammar import GrammarConstraint, JsonSchemaConstraint, RegexConstraint
 
-__all__ = ["Constraint", "PotentialConstraint", "RegexConstraint", "allows", "schema_to_regex", "token_bytes"]
+__all__ = [
+    "Constraint",
+    "GrammarConstraint",
+    "JsonSchemaConstraint",
+    "PotentialConstraint",
+    "RegexConstraint",
+    "token_bytes",
+]

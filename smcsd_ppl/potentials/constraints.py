@@ -1,16 +1,15 @@
-"""Hard constraints over token sequences, evaluated for whole batches of particles.
+"""Hard constraints over token sequences: the ``Constraint`` base class.
 
 A constraint answers one question fast: which tokens may follow each of several
 contexts (``next_mask``). EOS tokens are allowed exactly where the context is a
-complete string of the constraint's language. Two implementations:
+complete string of the constraint's language. The implementations:
 
-* ``RegexConstraint`` compiles a regular expression to a byte DFA and, per DFA
-  state, a table of the state every vocabulary token leads to (built once per
-  state, vectorized over the vocabulary), so a mask is one table lookup.
-* ``PotentialConstraint`` lifts any genlm-control ``Potential`` over bytes
-  (``BoolFSA.from_regex``, ``BoolCFG.from_lark``, ``JsonSchema``, ...) to token ids
-  with genlm-control's own coercion; exact for any potential, but its masks cost
-  a ``batch_logw_next`` call.
+* ``RegexConstraint`` and ``JsonSchemaConstraint`` (``potentials.grammar``): compiled
+  against the LM's tokenizer by llguidance; the masks of all contexts computed together.
+* ``PotentialConstraint`` (below): any genlm-control ``Potential`` over bytes (a CFG, a
+  product, your own), coerced to token ids with genlm-control's own coercion; exact for
+  any potential, but its masks cost a ``batch_logw_next`` call.
+* Your own: subclass ``Constraint`` and define ``next_mask``.
 """
 
 from __future__ import annotations
@@ -18,180 +17,86 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
-DEAD = -1
 
+class Constraint:
+    """Base class of hard constraints, shared by all particles of a run and never copied.
 
-@runtime_checkable
-class Constraint(Protocol):
-    """What the engine needs from a hard constraint.
+    A subclass must define ``next_mask``. ``allows`` and ``is_complete`` have defaults
+    built on it; override them where the constraint answers more cheaply than a full mask
+    (critic mode calls ``allows`` for every prefix of every block). Keep a constraint
+    stateless with respect to particles: caches keyed by context are fine.
 
-    ``next_mask`` is required. A constraint may also define ``allows(sequences) ->
-    list[bool]`` (each sequence is a viable prefix, or complete when it ends with
-    EOS), which critic mode uses instead of full masks when it is cheaper.
+    Args:
+        vocab_size: V, the width of the masks (None: not declared).
+        eos_token_ids: the tokens that end an output; ``is_complete`` needs them.
     """
 
+    vocab_size: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __init__(self, vocab_size: int | None = None, eos_token_ids: Sequence[int] = ()) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(sorted({int(e) for e in eos_token_ids}))
+
     def next_mask(self, contexts: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Allowed next tokens ``[n, V]`` (bool) after each context of token ids."""
+        """Allowed next tokens ``[n, V]`` (bool) after each context; EOS only after a complete output.
 
+        A context the constraint would not let through (or one holding an EOS) allows nothing.
+        """
+        raise NotImplementedError(f"{type(self).__name__} must define next_mask(contexts)")
 
-def allows(constraint: Constraint, sequences: Sequence[Sequence[int]]) -> list[bool]:
-    """Whether each token sequence can still satisfy the constraint (see ``Constraint``)."""
-    if hasattr(constraint, "allows"):
-        return list(constraint.allows(sequences))
-    masks = constraint.next_mask([s[:-1] for s in sequences])
-    return [bool(m[s[-1]]) if s else True for m, s in zip(masks, sequences)]
+    def allows(self, sequences: Sequence[Sequence[int]]) -> list[bool]:
+        """Whether each sequence is a viable prefix, or a complete output followed by EOS.
+
+        The default reads one mask per sequence (after all its tokens but the last).
+        """
+        seqs = [list(s) for s in sequences]
+        out = [True] * len(seqs)  # the empty sequence is every output's prefix
+        idx = [i for i, s in enumerate(seqs) if s]
+        if idx:
+            masks = self.next_mask([seqs[i][:-1] for i in idx])  # [n, V]
+            last = torch.tensor([seqs[i][-1] for i in idx], dtype=torch.long)
+            for i, ok in zip(idx, masks[torch.arange(len(idx)), last.to(masks.device)].tolist()):
+                out[i] = bool(ok)
+        return out
+
+    def is_complete(self, context: Sequence[int]) -> bool:
+        """Whether ``context`` is a complete output (an EOS may follow it)."""
+        if not self.eos_token_ids:
+            raise NotImplementedError(
+                f"{type(self).__name__} declares no eos_token_ids: pass them to Constraint.__init__ "
+                "or define is_complete(context)"
+            )
+        mask = self.next_mask([list(context)])[0]
+        return bool(mask[list(self.eos_token_ids)].any())
 
 
 def token_bytes(tokenizer) -> tuple[list[bytes | None], list[int]]:
-    """Byte string of every token id (None for special tokens) and the special ids."""
+    """Byte string of every token id (None for special tokens) and the special ids.
+
+    Special tokens are the tokenizer's special ids and every added token marked special
+    (control tokens a decoder with ``skip_special_tokens`` drops): they are never text.
+    """
     from genlm.backend.tokenization import decode_vocab
 
     byte_vocab = decode_vocab(tokenizer)[0]
-    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    special = special_ids(tokenizer)
     out = [None if i in special else bytes(t) for i, t in enumerate(byte_vocab)]
     return out, sorted(special)
 
 
-class RegexConstraint:
-    """Token sequences whose bytes match a regular expression (Python ``re`` syntax).
-
-    Matching is over bytes: ASCII patterns behave exactly as over text; a
-    non-ASCII byte counts as one character that only negated classes and ``.``
-    accept.
-
-    Args:
-        pattern: the regex the whole output must match (a prefix of it while generating).
-        tokenizer: the LM's tokenizer (byte-level BPE or SentencePiece).
-        eos_token_ids: tokens that end the output; allowed only on a full match.
-    """
-
-    def __init__(self, pattern: str, tokenizer, eos_token_ids: Sequence[int]) -> None:
-        import interegular
-
-        wide = next((c for c in pattern if ord(c) > 127), None)
-        if wide is not None:  # it would match no byte, and the constraint would allow nothing
-            raise ValueError(
-                f"regex {pattern!r} holds the non-ASCII character {wide!r}: constraints match bytes, "
-                "where only '.' and negated classes cover non-ASCII text; write it with those"
-            )
-        try:
-            fsm = interegular.parse_pattern(pattern).to_fsm()
-        except Exception as err:  # interegular raises its own parse errors
-            raise ValueError(f"cannot compile regex {pattern!r}: {err}") from err
-        self.pattern = pattern
-        self._trans, self._start, self._finals = _byte_dfa(fsm)
-        vocab, special = token_bytes(tokenizer)
-        self.vocab_size = len(vocab)
-        self._order, self._bytes, self._active = _sorted_bytes(vocab)
-        self._special = np.array(special, dtype=np.int64)
-        self._eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long)
-        self._eos_set = set(self._eos.tolist())
-        self._tables: dict[int, np.ndarray] = {}  # DFA state -> next state of every token
-        self._masks: dict[int, torch.Tensor] = {}
-        self._states: dict[tuple[int, ...], int] = {(): self._start}
-
-    def state(self, context: Sequence[int]) -> int:
-        """DFA state after a token sequence (``DEAD`` once it cannot match)."""
-        key = tuple(int(t) for t in context)
-        n = len(key)
-        while key[:n] not in self._states:  # the longest prefix already walked
-            n -= 1
-        s = self._states[key[:n]]
-        if len(self._states) > 500_000:  # bound memory on very long runs
-            self._states = {(): self._start}
-        for i in range(n, len(key)):
-            s = DEAD if s == DEAD else int(self._table(s)[key[i]])
-            self._states[key[: i + 1]] = s
-        return s
-
-    def next_mask(self, contexts: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Allowed next tokens ``[n, V]``; EOS only where the match is complete."""
-        return torch.stack([self._mask(self.state(c)) for c in contexts])
-
-    def is_complete(self, context: Sequence[int]) -> bool:
-        """The context's bytes match the whole pattern."""
-        return self.state(context) in self._finals
-
-    def allows(self, sequences: Sequence[Sequence[int]]) -> list[bool]:
-        """Each sequence is a viable prefix (or a full match followed by EOS)."""
-        out = []
-        for seq in sequences:
-            if seq and int(seq[-1]) in self._eos_set:
-                out.append(self.is_complete(seq[:-1]))
-            else:
-                out.append(self.state(seq) != DEAD)
-        return out
-
-    def _mask(self, state: int) -> torch.Tensor:
-        mask = self._masks.get(state)
-        if mask is None:
-            mask = torch.zeros(self.vocab_size, dtype=torch.bool)
-            if state != DEAD:
-                mask = torch.from_numpy(self._table(state) != DEAD)
-                if state in self._finals:
-                    mask[self._eos] = True
-            self._masks[state] = mask
-        return mask
-
-    def _table(self, state: int) -> np.ndarray:
-        table = self._tables.get(state)
-        if table is None:
-            # Walk every token's bytes at once from `state`. Tokens are sorted by
-            # length, so position `pos` touches only the tokens that long.
-            cur = np.full(len(self._order), state, dtype=np.int64)
-            for pos, n in enumerate(self._active):
-                head = cur[:n]
-                live = head != DEAD
-                head[live] = self._trans[head[live], self._bytes[:n, pos][live]]
-            table = np.full(self.vocab_size, DEAD, dtype=np.int64)
-            table[self._order] = cur
-            table[self._special] = DEAD  # special tokens are never text
-            self._tables[state] = table
-        return table
+def special_ids(tokenizer) -> set[int]:
+    """The tokenizer's special ids and its added tokens marked special."""
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    return special | {int(i) for i, t in added.items() if getattr(t, "special", False)}
 
 
-def _byte_dfa(fsm) -> tuple[np.ndarray, int, set[int]]:
-    """The character DFA of interegular as a ``[states, 256]`` byte transition table."""
-    from interegular.fsm import anything_else
-
-    states = sorted(fsm.states)
-    index = {s: i for i, s in enumerate(states)}
-    other = fsm.alphabet[anything_else] if anything_else in fsm.alphabet else None
-    trans = np.full((len(states), 256), DEAD, dtype=np.int64)
-    for s in states:
-        arcs = fsm.map.get(s, {})
-        for b in range(256):
-            ch = chr(b) if b < 128 else None
-            symbol = fsm.alphabet[ch] if ch is not None and ch in fsm.alphabet else other
-            if symbol is not None and symbol in arcs:
-                trans[index[s], b] = index[arcs[symbol]]
-    return trans, index[fsm.initial], {index[f] for f in fsm.finals}
-
-
-def _sorted_bytes(vocab: list[bytes | None]) -> tuple[np.ndarray, np.ndarray, list[int]]:
-    """Token ids by decreasing byte length, their byte matrix, and counts per position.
-
-    Returns the order, the ``[V, L]`` byte matrix in that order, and how many tokens
-    are longer than each position.
-    """
-    lengths = np.array([0 if t is None else len(t) for t in vocab], dtype=np.int64)
-    order = np.argsort(-lengths, kind="stable")
-    width = max(1, int(lengths.max()))
-    out = np.zeros((len(vocab), width), dtype=np.int64)
-    for row, i in enumerate(order):
-        t = vocab[i]
-        if t:
-            out[row, : len(t)] = np.frombuffer(t, dtype=np.uint8)
-    active = [int((lengths > pos).sum()) for pos in range(width)]
-    return order, out, active
-
-
-class PotentialConstraint:
+class PotentialConstraint(Constraint):
     """Any genlm-control ``Potential`` over bytes, as a constraint on token ids.
 
     The potential is coerced to the LM's vocabulary (``b"".join`` of token bytes);
@@ -207,12 +112,13 @@ class PotentialConstraint:
         from genlm.backend.tokenization import decode_vocab
         from genlm.control.potential.coerce import Coerced
 
+        super().__init__(None, eos_token_ids)
         self.vocab_tokens = list(decode_vocab(tokenizer)[0])
         self.vocab_size = len(self.vocab_tokens)
         # Pruning keeps only tokens whose bytes the potential can ever accept (for a
         # grammar over digits and operators, a few hundred of 49k): masks get that cheap.
         self.coerced = Coerced(potential, self.vocab_tokens, f=b"".join, prune=True)
-        special = set(getattr(tokenizer, "all_special_ids", []) or [])
+        special = special_ids(tokenizer)
         ids = [t.token_id for t in self.coerced.vocab]
         keep = [n for n, i in enumerate(ids) if i not in special]
         self._columns = torch.tensor(keep, dtype=torch.long)  # text tokens among the coerced vocab
@@ -240,24 +146,20 @@ class PotentialConstraint:
                 self._cache[c] = mask
         return torch.stack([self._cache[tuple(int(t) for t in c)] for c in contexts])
 
-
-def _potential_allows(self, sequences: Sequence[Sequence[int]]) -> list[bool]:
-    """Viable prefix (``batch_prefix``), or complete before a final EOS (``batch_complete``)."""
-    eos = set(self._eos.tolist())
-    ends = [bool(s) and int(s[-1]) in eos for s in sequences]
-    bodies = [[self.vocab_tokens[t] for t in (s[:-1] if e else s)] for s, e in zip(sequences, ends)]
-    out = [True] * len(sequences)
-    for want_complete in (False, True):
-        idx = [i for i, e in enumerate(ends) if e == want_complete]
-        if idx:
-            call = self.coerced.batch_complete if want_complete else self.coerced.batch_prefix
-            weights = _run(call([bodies[i] for i in idx]))
-            for i, w in zip(idx, weights):
-                out[i] = bool(np.isfinite(float(w)))
-    return out
-
-
-PotentialConstraint.allows = _potential_allows
+    def allows(self, sequences: Sequence[Sequence[int]]) -> list[bool]:
+        """Viable prefix (``batch_prefix``), or complete before a final EOS (``batch_complete``)."""
+        eos = set(self._eos.tolist())
+        ends = [bool(s) and int(s[-1]) in eos for s in sequences]
+        bodies = [[self.vocab_tokens[t] for t in (s[:-1] if e else s)] for s, e in zip(sequences, ends)]
+        out = [True] * len(sequences)
+        for want_complete in (False, True):
+            idx = [i for i, e in enumerate(ends) if e == want_complete]
+            if idx:
+                call = self.coerced.batch_complete if want_complete else self.coerced.batch_prefix
+                weights = _run(call([bodies[i] for i in idx]))
+                for i, w in zip(idx, weights):
+                    out[i] = bool(np.isfinite(float(w)))
+        return out
 
 
 def _run(coro):

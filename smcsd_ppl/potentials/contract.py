@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..backends.contract import ContractError
-from .constraints import Constraint, allows
+from .constraints import Constraint
 
 Oracle = Callable[[Sequence[int]], bool]
 
@@ -108,7 +108,7 @@ class ConstraintContract:
         constraint = self.factory()
         for c in self.contexts:
             mask = constraint.next_mask([c])[0].bool().tolist()
-            verdicts = allows(constraint, [[*c, t] for t in range(self.vocab_size)])
+            verdicts = constraint.allows([[*c, t] for t in range(self.vocab_size)])
             for t, (m, a) in enumerate(zip(mask, verdicts)):
                 if bool(a) != m:
                     raise ContractError(
@@ -127,8 +127,8 @@ class ConstraintContract:
             for c, mask in zip(self.contexts, masks)
             for t in (*self.eos, *_allowed(mask)[:2], *_allowed(~mask)[:1])
         ]
-        together = allows(self.factory(), sequences)
-        alone = [allows(single, [s])[0] for s in sequences]
+        together = self.factory().allows(sequences)
+        alone = [single.allows([s])[0] for s in sequences]
         for s, a, b in zip(sequences, together, alone):
             if bool(a) != bool(b):
                 raise ContractError(f"batch_equals_single: allows({s}) depends on its batch")

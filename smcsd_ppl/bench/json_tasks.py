@@ -1,0 +1,259 @@
+"""JSON extraction with a flat and a nested schema: SMC-SD vs AR under the mask vs token-level SMC.
+
+Three ways to get schema-valid JSON from the same target, on the same prompts and seeds,
+interleaved in one process (repeat -> task -> text -> method):
+
+* ``smcsd``: the SMC-SD program with a ``JsonSchemaConstraint`` in proposal mode (N
+  particles, blocks of K drafted tokens, the run's cut); ``smcsd_paper``: the same without
+  the cut (the paper's algorithm: every cycle drafts K tokens);
+* ``ar_masked``: the target alone, one token at a time from its distribution restricted to
+  the allowed tokens: what a user of a serving engine's structured outputs gets (the same
+  engine with one particle and a record that says the draft does not pay);
+* ``genlm_awrs``: genlm-control's token-level SMC (AWRS) with its own ``JsonSchema``
+  potential, N particles.
+
+Each returned text is parsed and validated against the schema (validity) and compared
+field by field with the answer written into the task (field accuracy); tokens/s is the
+mean tokens per particle (EOS included) over the wall time of the call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import jsonschema
+
+from ..config import DraftRecord, SMCConfig
+from ..inference.program import SMCSDModel
+from ..methods import steering
+from ..methods.smcsd import run_programs
+from ..potentials import JsonSchemaConstraint
+from .engines import FLAT, NESTED
+
+
+@dataclass(frozen=True)
+class Extraction:
+    """A text to extract from, and the object a correct extraction equals."""
+
+    text: str
+    answer: dict
+
+
+TASKS: dict[str, tuple[dict, str, tuple[Extraction, ...]]] = {
+    "flat": (
+        FLAT,
+        "the person's name, age and city",
+        (
+            Extraction(
+                "Maria Lopez is 34 years old and lives in Madrid.",
+                {"name": "Maria Lopez", "age": 34, "city": "Madrid"},
+            ),
+            Extraction(
+                "Tom Baker, aged 52, runs a bakery in Chicago.",
+                {"name": "Tom Baker", "age": 52, "city": "Chicago"},
+            ),
+            Extraction(
+                "At 27, Aiko Tanaka moved to Osaka for work.",
+                {"name": "Aiko Tanaka", "age": 27, "city": "Osaka"},
+            ),
+            Extraction(
+                "The painter Jean Dupont, 61, has a studio in Paris.",
+                {"name": "Jean Dupont", "age": 61, "city": "Paris"},
+            ),
+        ),
+    ),
+    "nested": (
+        NESTED,
+        "the person's name, the languages they speak and their address (city, country)",
+        (
+            Extraction(
+                "Ana Silva lives in Lima, Peru, and speaks Spanish and English.",
+                {
+                    "name": "Ana Silva",
+                    "languages": ["Spanish", "English"],
+                    "address": {"city": "Lima", "country": "Peru"},
+                },
+            ),
+            Extraction(
+                "Omar Haddad speaks Arabic and French; his home is in Beirut, Lebanon.",
+                {
+                    "name": "Omar Haddad",
+                    "languages": ["Arabic", "French"],
+                    "address": {"city": "Beirut", "country": "Lebanon"},
+                },
+            ),
+            Extraction(
+                "Li Wei, who speaks Mandarin, lives in Shanghai, China.",
+                {
+                    "name": "Li Wei",
+                    "languages": ["Mandarin"],
+                    "address": {"city": "Shanghai", "country": "China"},
+                },
+            ),
+            Extraction(
+                "Greta Berg from Oslo, Norway, speaks Norwegian and German.",
+                {
+                    "name": "Greta Berg",
+                    "languages": ["Norwegian", "German"],
+                    "address": {"city": "Oslo", "country": "Norway"},
+                },
+            ),
+        ),
+    ),
+}
+METHODS = ("smcsd", "smcsd_paper", "ar_masked", "genlm_awrs")
+
+
+def prompt(task: str, text: str) -> str:
+    """The instruction for one text of a task."""
+    return f"Extract {TASKS[task][1]} from this text as JSON: {text}"
+
+
+def _leaves(obj, prefix: str = "") -> dict[str, object]:
+    """Fields by path; a list of strings counts as one field, compared as a set."""
+    if isinstance(obj, dict):
+        out = {}
+        for k, v in obj.items():
+            out |= _leaves(v, f"{prefix}{k}.")
+        return out
+    if isinstance(obj, list):
+        return {prefix[:-1]: frozenset(str(x).strip().casefold() for x in obj)}
+    return {prefix[:-1]: str(obj).strip().casefold()}
+
+
+def score(text: str, schema: dict, answer: dict) -> tuple[bool, float]:
+    """(the text is JSON valid under the schema, the share of the answer's fields it gets right)."""
+    try:
+        obj = json.loads(text)
+        jsonschema.validate(obj, schema)
+    except (json.JSONDecodeError, jsonschema.ValidationError):
+        return False, 0.0
+    want, got = _leaves(answer), _leaves(obj)
+    return True, sum(got.get(k) == v for k, v in want.items()) / len(want)
+
+
+@dataclass
+class Run:
+    """One method on one text: what it returned and what it cost."""
+
+    method: str
+    task: str
+    text: str
+    valid: bool
+    accuracy: float
+    tokens: float
+    seconds: float
+
+
+def _smcsd(pair, schema: JsonSchemaConstraint, text: str, config: SMCConfig, record) -> tuple[str, float]:
+    """One SMC-SD program run; (returned text, mean tokens per particle)."""
+    ctx = pair.context(config, record=record)
+    out = run_programs(ctx, [SMCSDModel(text, schema)])
+    particles = out.info[0].particles
+    return out.texts[0], statistics.fmean(len(p.token_ids) for p in particles) if particles else 0.0
+
+
+def run_method(method: str, pair, task: str, item: Extraction, constraint, config: SMCConfig) -> Run:
+    """Run one method on one text (``constraint``: the task's ``JsonSchemaConstraint`` or genlm one)."""
+    schema = TASKS[task][0]
+    start = time.perf_counter()
+    if method in ("smcsd", "smcsd_paper"):
+        call = config if method == "smcsd" else dataclasses.replace(config, cut=None)
+        text, tokens = _smcsd(pair, constraint, prompt(task, item.text), call, None)
+    elif method == "ar_masked":  # one particle, the target alone from the first token
+        alone = dataclasses.replace(config, n_particles=1, cut=config.cut if config.cut is not None else 0.3)
+        text, tokens = _smcsd(pair, constraint, prompt(task, item.text), alone, DraftRecord(0, 50))
+    elif method == "genlm_awrs":
+        rec = steering.genlm_smc(
+            pair.context(config),
+            prompt(task, item.text),
+            constraint,
+            n_particles=config.n_particles,
+            max_new_tokens=config.max_new_tokens,
+            temperature=config.target_temperature,
+            seed=config.seed,
+            sampler="awrs",
+        )
+        text, tokens = rec.text, rec.tokens
+    else:
+        raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+    seconds = time.perf_counter() - start
+    valid, accuracy = score(text.strip(), schema, item.answer)
+    return Run(method, task, item.text, valid, accuracy, tokens, seconds)
+
+
+def compare_json(
+    pair,
+    tasks: Sequence[str] = tuple(TASKS),
+    methods: Sequence[str] = METHODS,
+    config: SMCConfig | None = None,
+    *,
+    repeats: int = 1,
+    on_run: Callable[[Run], None] | None = None,
+) -> list[Run]:
+    """Every method on every text of every task, ``repeats`` times with seeds ``seed + repeat``."""
+    from genlm.control import JsonSchema
+
+    config = config or SMCConfig(draft_temperature=0.7, target_temperature=0.7, max_new_tokens=96)
+    unknown = [m for m in methods if m not in METHODS] + [t for t in tasks if t not in TASKS]
+    if unknown:
+        raise ValueError(f"unknown {unknown}; methods: {', '.join(METHODS)}; tasks: {', '.join(TASKS)}")
+    ours = {t: JsonSchemaConstraint(TASKS[t][0], pair.tokenizer, pair.eos_token_ids) for t in tasks}
+    theirs = {
+        t: steering.TaskConstraint(pair.tokenizer, pair.eos_token_ids, JsonSchema(TASKS[t][0]))
+        for t in tasks
+        if "genlm_awrs" in methods
+    }
+    first = tasks[0], TASKS[tasks[0]][2][0]
+    for method in methods:  # untimed: lazy imports, the token-level backend, first-call kernels
+        constraint = theirs[first[0]] if method == "genlm_awrs" else ours[first[0]]
+        run_method(method, pair, *first, constraint, dataclasses.replace(config, max_new_tokens=2))
+    runs = []
+    for rep in range(repeats):
+        call = dataclasses.replace(config, seed=config.seed + rep)
+        for task in tasks:
+            for item in TASKS[task][2]:
+                for method in methods:
+                    constraint = theirs[task] if method == "genlm_awrs" else ours[task]
+                    runs.append(run_method(method, pair, task, item, constraint, call))
+                    if on_run is not None:
+                        on_run(runs[-1])
+    return runs
+
+
+@dataclass(frozen=True)
+class Summary:
+    """One method on one task over its texts and repeats."""
+
+    task: str
+    method: str
+    validity: float
+    accuracy: float
+    tokens_per_second: float
+    seconds: float
+    runs: int
+
+
+def summarize(runs: Sequence[Run]) -> list[Summary]:
+    """Means of validity and field accuracy; tokens/s as total tokens over total seconds."""
+    out = []
+    for task, method in dict.fromkeys((r.task, r.method) for r in runs):
+        mine = [r for r in runs if r.task == task and r.method == method]
+        seconds = sum(r.seconds for r in mine)
+        out.append(
+            Summary(
+                task,
+                method,
+                statistics.fmean(r.valid for r in mine),
+                statistics.fmean(r.accuracy for r in mine),
+                sum(r.tokens for r in mine) / seconds if seconds > 0 else 0.0,
+                statistics.median(r.seconds for r in mine),
+                len(mine),
+            )
+        )
+    return out
