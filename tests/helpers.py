@@ -73,9 +73,15 @@ def marginals(dist: dict, horizon: int) -> list[Counter]:
 def marginal_tv(outputs, exact: dict, horizon: int) -> float:
     """The largest TV, over positions, between the outputs' token marginals and the exact ones."""
     n = len(outputs)
-    empirical = {k: c / n for k, c in Counter(map(tuple, outputs)).items()}
+    return distribution_marginal_tv(
+        {k: c / n for k, c in Counter(map(tuple, outputs)).items()}, exact, horizon
+    )
+
+
+def distribution_marginal_tv(dist: dict, exact: dict, horizon: int) -> float:
+    """``marginal_tv`` of a distribution over outputs (summing to 1) against unnormalized exact weights."""
     z = sum(exact.values())
-    a, b = marginals(empirical, horizon), marginals({k: v / z for k, v in exact.items()}, horizon)
+    a, b = marginals(dist, horizon), marginals({k: v / z for k, v in exact.items()}, horizon)
     return max(
         0.5 * sum(abs(a[j].get(k, 0) - b[j].get(k, 0)) for k in set(a[j]) | set(b[j])) for j in range(horizon)
     )

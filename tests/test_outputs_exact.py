@@ -8,9 +8,11 @@ particle (the output is then a draft sample) shows that the same check fails whe
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
-from helpers import EOS, V, exact_target, marginal_tv, mock_pair, smc
+from helpers import EOS, V, distribution_marginal_tv, exact_target, marginal_tv, mock_pair, smc
 
 from smcsd_ppl.backends.mock import MockLM
 from smcsd_ppl.config import DraftRecord
@@ -120,3 +122,84 @@ def test_outputs_do_not_leak_eos():
     target, draft = mock_pair()
     outs = returned(target, draft, lambda: SMCSDModel(PROMPT), n_particles=4)
     assert all(EOS not in o[:-1] and len(o) <= H for o in outs)
+
+
+class PreferTwos(Constraint):
+    """A soft potential: every token is allowed, a 2 weighs e^BONUS (the target becomes p(y) e^(BONUS #2))."""
+
+    weighted = True
+    BONUS = 0.7
+
+    def next_mask(self, contexts):
+        return torch.ones(len(contexts), V, dtype=torch.bool)
+
+    def next_log_weights(self, contexts):
+        out = torch.zeros(len(contexts), V)
+        out[:, 2] = self.BONUS
+        return out
+
+
+def test_a_soft_potential_weighs_the_outputs():
+    target, draft = mock_pair()
+    weights, _ = exact_target(target, PROMPT, H)
+    tilted = {y: w * math.exp(PreferTwos.BONUS * y.count(2)) for y, w in weights.items()}
+    outs = returned(target, draft, lambda: SMCSDModel(PROMPT, PreferTwos()), n_particles=32, cut=0.3)
+    tv = report("soft potential, cut 0.3, N=32", marginal_tv(outs, tilted, H))
+    assert tv < TV_LIMIT
+    assert marginal_tv(outs, weights, H) > 2 * TV_LIMIT  # the weights did move the outputs
+
+
+def test_a_soft_potential_is_properly_weighted_in_the_papers_algorithm():
+    # Whole blocks drafted without the potential: the outputs' own bias at N = 32 is larger
+    # (about 0.05), but Z-pooled particles are right for any N.
+    target, draft = mock_pair()
+    weights, _ = exact_target(target, PROMPT, H)
+    tilted = {y: w * math.exp(PreferTwos.BONUS * y.count(2)) for y, w in weights.items()}
+    z = sum(tilted.values())
+    programs = [SMCSDModel(PROMPT, PreferTwos()) for _ in range(RUNS)]
+    results = smc(
+        target, draft, programs, block_size=2, max_new_tokens=H, draft_temperature=1.0, seed=3, n_particles=8
+    )
+    zs = torch.tensor([math.exp(r.log_z) for r in results], dtype=torch.float64)
+    assert abs(float(zs.mean()) - z) < 4 * float(zs.std() / math.sqrt(len(zs)))  # unbiased
+    pooled: dict = {}
+    for r, zr in zip(results, zs.tolist()):
+        w = torch.softmax(torch.tensor([p.log_weight for p in r.particles], dtype=torch.float64), 0)
+        for p, wi in zip(r.particles, w.tolist()):
+            pooled[tuple(p.token_ids)] = pooled.get(tuple(p.token_ids), 0.0) + zr * wi / float(zs.sum())
+    assert distribution_marginal_tv(pooled, tilted, H) < TV_LIMIT
+
+
+def test_a_soft_potential_weighs_in_critic_mode_too():
+    target, draft = mock_pair()
+    weights, _ = exact_target(target, PROMPT, H)
+    tilted = {y: w * math.exp(PreferTwos.BONUS * y.count(2)) for y, w in weights.items()}
+    outs = returned(
+        target, draft, lambda: SMCSDModel(PROMPT, PreferTwos(), "critic"), n_particles=32, cut=0.3
+    )
+    assert report("soft potential, critic, cut 0.3, N=32", marginal_tv(outs, tilted, H)) < TV_LIMIT
+
+
+def test_a_genlm_control_potential_keeps_its_finite_weights(tiny_smcsd):
+    from genlm.control.potential.base import Potential
+
+    from smcsd_ppl.potentials import PotentialConstraint
+
+    class FewAs(Potential):
+        """Every byte string, weighed down by half a nat per letter a."""
+
+        def __init__(self):
+            super().__init__(list(range(256)))
+
+        async def prefix(self, context):
+            return -0.5 * bytes(context).count(b"a")
+
+        async def complete(self, context):
+            return -0.5 * bytes(context).count(b"a")
+
+    soft = PotentialConstraint(FewAs(), tiny_smcsd.tokenizer, tiny_smcsd.eos_token_ids)
+    [weights] = soft.next_log_weights([[]])
+    a = tiny_smcsd.tokenizer.convert_tokens_to_ids("a")
+    assert soft.weighted and weights[a] == pytest.approx(-0.5)
+    assert torch.isfinite(weights).sum() > 100  # a soft potential rules nothing out...
+    assert weights.max() == 0.0 and int((weights == -0.5).sum()) > 1  # ...it weighs

@@ -23,6 +23,7 @@ weights stay proper and no particle dies where the target still has mass.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -190,18 +191,59 @@ def check_bonus(entries: Sequence[tuple]) -> list[bool]:
     return ok
 
 
-def proposal_masks(blocks: Sequence, vocab_size: int, device: torch.device) -> torch.Tensor | None:
-    """What each proposal-constrained row allows at each drafted position and after them.
+def factors_for(pairs: Sequence[tuple[object, tuple[int, ...]]]) -> list[torch.Tensor]:
+    """``next_log_weights`` for (constraint, context) pairs, one batched call per constraint."""
+    out: list[torch.Tensor | None] = [None] * len(pairs)
+    groups: dict[int, list[int]] = {}
+    for i, (c, _) in enumerate(pairs):
+        groups.setdefault(id(c), []).append(i)
+    for idx in groups.values():
+        weights = pairs[idx[0]][0].next_log_weights([pairs[i][1] for i in idx])
+        for i, w in zip(idx, weights):
+            out[i] = w
+    return out
 
-    Returns ``[R, k+1, V]`` bool (every token for unconstrained rows and past a row's end),
-    or None when no row is constrained. Drafting recorded the masks up to where each block
-    ended; the one at its end, where the bonus may be drawn, is computed here with one
-    batched call per constraint.
+
+def proposal_factors(blocks: Sequence, vocab_size: int, device: torch.device) -> torch.Tensor | None:
+    """What each row's constraint weighs, at each drafted position and after them.
+
+    Returns ``[R, k+1, V]`` float log-weights: -inf where not allowed, 0 where allowed (and for
+    unconstrained rows and past a row's end), a weighted constraint's own log-weights where it
+    has them; None when no row needs them. Proposal-mode rows and rows of a weighted constraint
+    in either mode count (a critic's hard constraint weighs through its ``allows`` instead). A
+    hard constraint's masks come from drafting, the one at the block's end (where the bonus may
+    be drawn) is computed here; a weighted one is asked for its weights up to the end, in one call.
     """
-    rows = [i for i, b in enumerate(blocks) if b.constraint is not None and b.constraint.mode == "proposal"]
+    rows = [
+        i
+        for i, b in enumerate(blocks)
+        if b.constraint is not None and (b.constraint.mode == "proposal" or b.constraint.constraint.weighted)
+    ]
     if not rows:
         return None
     k = len(blocks[0].tokens)
+    out = torch.zeros(len(blocks), k + 1, vocab_size)
+    hard = [i for i in rows if not blocks[i].constraint.constraint.weighted]
+    for i, masks in zip(hard, _hard_masks(blocks, hard)):
+        if masks:
+            out[i, : min(k + 1, len(masks))] = torch.where(torch.stack(masks[: k + 1]), 0.0, -math.inf)
+    soft = [
+        (i, j)
+        for i in rows
+        if blocks[i].constraint.constraint.weighted
+        for j in range(min(k, blocks[i].kept) + 1)
+    ]
+    pairs = [
+        (blocks[i].constraint.constraint, blocks[i].constraint.context + tuple(blocks[i].tokens[:j]))
+        for i, j in soft
+    ]
+    for (i, j), w in zip(soft, factors_for(pairs)):
+        out[i, j] = w
+    return to_device(out, device)
+
+
+def _hard_masks(blocks, rows) -> list[list[torch.Tensor]]:
+    """Each row's masks from drafting, with the one at the block's end added where it is missing."""
     masks = {i: list(blocks[i].allowed) for i in rows}
     need = [i for i in rows if len(masks[i]) <= blocks[i].kept and not blocks[i].stops]
     pairs = [
@@ -210,8 +252,4 @@ def proposal_masks(blocks: Sequence, vocab_size: int, device: torch.device) -> t
     ]
     for i, mask in zip(need, masks_for(pairs)):
         masks[i] = masks[i][: blocks[i].kept] + [mask]
-    allowed = torch.ones(len(blocks), k + 1, vocab_size, dtype=torch.bool)
-    for i in rows:
-        if masks[i]:
-            allowed[i, : min(k + 1, len(masks[i]))] = torch.stack(masks[i][: k + 1])
-    return to_device(allowed, device)
+    return [masks[i] for i in rows]

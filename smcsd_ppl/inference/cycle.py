@@ -111,9 +111,9 @@ def _leads(store, requests, c: SMCConfig, eos, g) -> dict[int, tuple[tuple[int, 
         FirstBlock(None if (x := requests[i].constraint) is None else replace(x, mode="proposal"))
         for i in todo
     ]
-    allowed = constrained.proposal_masks(blocks, lp.shape[-1], lp.device)
+    factor = constrained.proposal_factors(blocks, lp.shape[-1], lp.device)
     power, log_z = restrict_power(
-        c.alpha * lp, power_log_normalizer(lp, 1.0, c.alpha), None if allowed is None else allowed[:, 0]
+        c.alpha * lp, power_log_normalizer(lp, 1.0, c.alpha), None if factor is None else factor[:, 0]
     )
     lead = sample_tokens(power, 1.0, g)
     tokens, log_z = lead.tolist(), log_z.tolist()  # one host read
@@ -204,7 +204,7 @@ def _verify(
         cut=c.cut if cutting else None,
         divergence=c.cut_divergence,
         draft_probs=torch.stack([b.draft_probs for b in drafted]).to(device) if cutting else None,
-        allowed=constrained.proposal_masks(drafted, logits.shape[-1], device),
+        log_factor=constrained.proposal_factors(drafted, logits.shape[-1], device),
     )
 
 

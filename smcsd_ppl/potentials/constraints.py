@@ -37,6 +37,7 @@ class Constraint:
 
     vocab_size: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    weighted: bool = False  # its allowed tokens carry log-weights (a soft potential), not only 0
 
     def __init__(self, vocab_size: int | None = None, eos_token_ids: Sequence[int] = ()) -> None:
         self.vocab_size = vocab_size
@@ -48,6 +49,14 @@ class Constraint:
         A context the constraint would not let through (or one holding an EOS) allows nothing.
         """
         raise NotImplementedError(f"{type(self).__name__} must define next_mask(contexts)")
+
+    def next_log_weights(self, contexts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Log-weight of each next token ``[n, V]`` (float): -inf where not allowed.
+
+        A hard constraint's allowed tokens weigh 0 (the default); a ``weighted`` one's finite
+        log-weights multiply the target: its outputs follow p(y) times their product.
+        """
+        return torch.where(self.next_mask(contexts), 0.0, float("-inf"))
 
     def allows(self, sequences: Sequence[Sequence[int]]) -> list[bool]:
         """Whether each sequence is a viable prefix, or a complete output followed by EOS.
@@ -97,22 +106,33 @@ def special_ids(tokenizer) -> set[int]:
 
 
 class PotentialConstraint(Constraint):
-    """Any genlm-control ``Potential`` over bytes, as a constraint on token ids.
+    """Any genlm-control ``Potential`` over bytes, as a (weighted) constraint on token ids.
 
-    The potential is coerced to the LM's vocabulary (``b"".join`` of token bytes);
-    a token is allowed where the coerced potential's next-token weight is finite.
+    The potential is coerced to the LM's vocabulary (``b"".join`` of token bytes); a token is
+    allowed where the coerced potential's next-token weight is finite, and that finite weight
+    multiplies the target (0 for a Boolean potential such as ``BoolFSA``: a hard constraint).
 
     Args:
         potential: a genlm-control potential whose vocabulary is bytes (ints 0-255).
         tokenizer: the LM's tokenizer.
         eos_token_ids: tokens that end the output (the potential's EOS).
+        weighted: whether its finite weights matter (None: yes, unless it is one of
+            genlm-control's Boolean potentials, ``BoolFSA`` or ``BoolCFG``, whose weights are
+            all 0). A weighted constraint costs a weights call at every drafted position.
     """
 
-    def __init__(self, potential, tokenizer, eos_token_ids: Sequence[int]) -> None:
+    def __init__(
+        self, potential, tokenizer, eos_token_ids: Sequence[int], weighted: bool | None = None
+    ) -> None:
         from genlm.backend.tokenization import decode_vocab
         from genlm.control.potential.coerce import Coerced
 
         super().__init__(None, eos_token_ids)
+        if weighted is None:
+            from genlm.control import BoolCFG, BoolFSA
+
+            weighted = not isinstance(potential, (BoolFSA, BoolCFG))
+        self.weighted = weighted
         self.vocab_tokens = list(decode_vocab(tokenizer)[0])
         self.vocab_size = len(self.vocab_tokens)
         # Pruning keeps only tokens whose bytes the potential can ever accept (for a
@@ -124,26 +144,29 @@ class PotentialConstraint(Constraint):
         self._columns = torch.tensor(keep, dtype=torch.long)  # text tokens among the coerced vocab
         self._ids = torch.tensor([ids[n] for n in keep], dtype=torch.long)  # and their token ids
         self._eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long)
-        self._cache: dict[tuple[int, ...], torch.Tensor] = {}
+        self._cache: dict[tuple[int, ...], torch.Tensor] = {}  # context -> next-token log-weights [V]
 
     def next_mask(self, contexts: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Allowed next tokens ``[n, V]`` from the coerced potential's ``logw_next``."""
+        """Allowed next tokens ``[n, V]``: where the coerced potential's ``logw_next`` is finite."""
+        return torch.isfinite(self.next_log_weights(contexts))
+
+    def next_log_weights(self, contexts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """The coerced potential's next-token log-weights ``[n, V]`` (-inf: not allowed)."""
         todo = [c for c in dict.fromkeys(tuple(int(t) for t in c) for c in contexts) if c not in self._cache]
         eos = set(self._eos.tolist())
         # Dead contexts (past an EOS or off the language) allow nothing; genlm-control
         # refuses to compute next-token weights for them.
         live = [c for c, ok in zip(todo, self.allows(todo)) if ok and not (set(c) & eos)]
         for c in todo:
-            self._cache[c] = torch.zeros(self.vocab_size, dtype=torch.bool)
+            self._cache[c] = torch.full((self.vocab_size,), float("-inf"))
         if live:
             batch = _run(self.coerced.batch_logw_next([[self.vocab_tokens[t] for t in c] for c in live]))
-            weights = torch.as_tensor(np.asarray(batch.weights), dtype=torch.float64)  # [n, V+1]
+            weights = torch.as_tensor(np.asarray(batch.weights), dtype=torch.float32)  # [n, V+1]
             for c, w in zip(live, weights):
-                mask = torch.zeros(self.vocab_size, dtype=torch.bool)
-                mask[self._ids] = torch.isfinite(w[self._columns])
-                if torch.isfinite(w[-1]):  # the coerced vocabulary ends with EOS
-                    mask[self._eos] = True
-                self._cache[c] = mask
+                out = torch.full((self.vocab_size,), float("-inf"))
+                out[self._ids] = w[self._columns]
+                out[self._eos] = w[-1]  # the coerced vocabulary ends with EOS
+                self._cache[c] = out
         return torch.stack([self._cache[tuple(int(t) for t in c)] for c in contexts])
 
     def allows(self, sequences: Sequence[Sequence[int]]) -> list[bool]:

@@ -54,16 +54,16 @@ def power_log_normalizer(logits: torch.Tensor, temperature: float, alpha: float)
 def restrict_power(
     power: torch.Tensor,  # [R, V] alpha * l / T_t
     log_z: torch.Tensor,  # [R] log sum_v p_T(v)^alpha
-    allowed: torch.Tensor | None,  # [R, V] bool, or None: every token
+    log_factor: torch.Tensor | None,  # [R, V]: 0 or a constraint's log-weight; -inf: not allowed
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The power restricted to ``allowed`` tokens, and the log of the mass it keeps.
+    """The power times a constraint's factor (a hard constraint: restricted), and the log mass kept.
 
-    A row that allows nothing keeps its logits (so a draw stays defined) and gets a
-    -inf mass: whatever it draws carries zero weight.
+    A row that allows nothing keeps its logits (so a draw stays defined) and gets a -inf mass:
+    whatever it draws carries zero weight.
     """
-    if allowed is None:
+    if log_factor is None:
         return power, log_z
-    masked = power.masked_fill(~allowed, -torch.inf)
-    kept = torch.logsumexp(masked, -1) - torch.logsumexp(power, -1)  # exactly 0 where all are allowed
-    none = ~allowed.any(-1, keepdim=True)
-    return torch.where(none, power, masked), log_z + kept
+    tilted = power + log_factor
+    kept = torch.logsumexp(tilted, -1) - torch.logsumexp(power, -1)  # exactly 0 where the factor is 0
+    none = ~torch.isfinite(log_factor).any(-1, keepdim=True)
+    return torch.where(none, power, tilted), log_z + kept

@@ -21,11 +21,13 @@ def block_log_weights(
     bonus_log_z: torch.Tensor,  # [R] log Z of the bonus position
     has_bonus: torch.Tensor,  # [R] bool: a bonus token is drawn after the block
     alpha: float,
+    log_factor: torch.Tensor | None = None,  # [R, K] a weighted constraint's log-weight of each d_j
 ) -> torch.Tensor:
-    """SMC-SD incremental log-weight sum_{j<kept} [alpha log p - log q] + log Z_bonus (``[R]``)."""
+    """SMC-SD incremental log-weight sum_{j<kept} [alpha log p + log w - log q] + log Z_bonus (``[R]``)."""
     k = target_logp.shape[1]
     live = torch.arange(k, device=kept.device)[None, :] < kept[:, None]
-    terms = torch.where(live, alpha * target_logp - draft_logq, torch.zeros_like(target_logp))
+    log_p = alpha * target_logp if log_factor is None else alpha * target_logp + log_factor
+    terms = torch.where(live, log_p - draft_logq, torch.zeros_like(target_logp))
     return terms.sum(1) + torch.where(has_bonus, bonus_log_z, torch.zeros_like(bonus_log_z))
 
 
@@ -51,20 +53,20 @@ def cut_divergence(
     draft_probs: torch.Tensor,  # [R, k, V] q at the same positions (masked where a constraint forbids)
     alpha: float,
     name: str,
-    allowed: torch.Tensor | None = None,  # [R, k, V] bool: what a proposal constraint allows; None: all
+    log_factor: torch.Tensor | None = None,  # [R, k, V] a proposal constraint's factor; None: none
 ) -> torch.Tensor:
     """D(p^alpha / Z || q) at every drafted position (``[R, k]``).
 
-    Where a proposal-mode constraint masks q, the target it stands for is p^alpha
-    restricted to the allowed tokens.
+    Where a proposal-mode constraint masks q, the target it stands for is p^alpha times the
+    constraint's factor (restricted to the allowed tokens, tilted by a weighted one's weights).
     """
     log_p = torch.log_softmax(alpha * target_logits.float(), -1)
-    if allowed is not None:
-        masked = log_p.masked_fill(~allowed, -torch.inf)
-        masked = masked - torch.logsumexp(masked, -1, keepdim=True)
-        # Rows allowing everything stay exact; a dead end (nothing allowed) keeps p.
-        partial = (~allowed).any(-1, keepdim=True) & allowed.any(-1, keepdim=True)
-        log_p = torch.where(partial, masked, log_p)
+    if log_factor is not None:
+        tilted = log_p + log_factor
+        tilted = tilted - torch.logsumexp(tilted, -1, keepdim=True)
+        # Rows without a factor stay exact; a dead end (nothing allowed) keeps p.
+        partial = (log_factor != 0).any(-1, keepdim=True) & torch.isfinite(log_factor).any(-1, keepdim=True)
+        log_p = torch.where(partial, tilted, log_p)
     q = draft_probs.float()
     log_q = q.clamp_min(torch.finfo(q.dtype).tiny).log()
     return DIVERGENCES[name](log_p.exp(), q, log_p, log_q)
@@ -122,20 +124,21 @@ def verify_blocks(
     cut: float | None = None,
     divergence: str = "tv",
     draft_probs: torch.Tensor | None = None,  # [R, k, V] q, needed by the cut
-    allowed: torch.Tensor | None = None,  # [R, k+1, V] bool: tokens a proposal constraint allows
+    log_factor: torch.Tensor | None = None,  # [R, k+1, V] a proposal constraint's log-weights (-inf: no)
 ) -> Verdict:
     """Cut each block, weigh it, and draw its bonus token from the (restricted) target power.
 
     The cut falls at the first position where D(p^alpha || q) exceeds ``cut`` (prefix only,
     so the weights stay proper); a dead block comes alive when the cut falls at or before
-    the position that killed it, since the token there is dropped. The bonus is drawn from
-    p_T^alpha restricted to ``allowed`` tokens, and weighs the mass it was drawn from.
+    the position that killed it, since the token there is dropped. Kept tokens weigh their
+    ``log_factor`` too, and the bonus is drawn from p_T^alpha times the factor (restricted to
+    allowed tokens), weighing the mass it was drawn from.
     """
     r, k = tokens.shape
     kept, diverged = ends, torch.zeros_like(stops)
     if cut is not None and k:
-        restrict = allowed[:, :k] if allowed is not None else None
-        at = first_cut(cut_divergence(logits[:, :k], draft_probs, alpha, divergence, restrict), cut)
+        factor = log_factor[:, :k] if log_factor is not None else None
+        at = first_cut(cut_divergence(logits[:, :k], draft_probs, alpha, divergence, factor), cut)
         diverged = (at < ends) | (dead & (at == ends))
         kept = torch.where(diverged, at, ends)
         stops, dead = stops & ~diverged, dead & ~diverged
@@ -145,10 +148,11 @@ def verify_blocks(
     power, bonus_log_z = restrict_power(
         alpha * at_bonus,
         power_log_normalizer(at_bonus, 1.0, alpha),
-        allowed[rows, kept] if allowed is not None else None,
+        log_factor[rows, kept] if log_factor is not None else None,
     )
     bonus = sample_tokens(power, 1.0, g)
     has_bonus = ~stops & ~dead & torch.isfinite(bonus_log_z)
-    log_w = block_log_weights(target_logp, draft_logq, kept, bonus_log_z, has_bonus, alpha)
+    drafted_factor = pick(log_factor[:, :k], tokens) if log_factor is not None else None
+    log_w = block_log_weights(target_logp, draft_logq, kept, bonus_log_z, has_bonus, alpha, drafted_factor)
     log_w = log_w.masked_fill(dead | (~stops & ~has_bonus), -torch.inf)
     return Verdict(kept, diverged, stops, dead, target_logp, bonus, has_bonus, bonus_log_z, log_w)
