@@ -18,9 +18,12 @@ from .inference.rows import RowStore
 from .inference.state import StepInfo
 from .models import LoadedModel, eos_ids, load_model
 from .models.drafts import resolve_draft
+from .models.loading import cache_root
 from .proposals.retrieval import RetrievalDrafter
 from .results import Generation, RunStats, SMCInfo, SpeculativeInfo
 from .text import check_prompt
+
+BACKENDS = ("hf", "vllm")
 
 
 class SMCSD:
@@ -34,7 +37,11 @@ class SMCSD:
         target: the target model, loaded (see ``smcsd_ppl.models``).
         draft: the draft model, loaded; its tokenizer must have the target's vocabulary.
         chat: wrap text prompts in the tokenizer's chat template when it has one.
-        max_cache_bytes: KV-cache budget of each backend.
+        max_cache_bytes: KV-cache budget of each backend (HF backend).
+        backend: ``"hf"`` (batched KV caches in PyTorch, the default and the exactness
+            reference) or ``"vllm"`` (both models on vLLM engines; see docs/scaling.md).
+        vllm_options: more ``vllm.LLM`` arguments for both engines (``tensor_parallel_size``,
+            ``max_model_len``, ...).
     """
 
     def __init__(
@@ -44,7 +51,11 @@ class SMCSD:
         *,
         chat: bool = True,
         max_cache_bytes: int = DEFAULT_CACHE_BUDGET,
+        backend: str = "hf",
+        vllm_options: dict | None = None,
     ) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
         if (
             draft.tokenizer is not target.tokenizer
             and draft.tokenizer.get_vocab() != target.tokenizer.get_vocab()
@@ -55,8 +66,16 @@ class SMCSD:
             )
         self.target, self.draft, self.chat = target, draft, chat
         self.tokenizer = target.tokenizer
-        self.target_lm = HFBatchedLM(target.model, max_cache_bytes=max_cache_bytes, name="target")
-        self.draft_lm = HFBatchedLM(draft.model, max_cache_bytes=max_cache_bytes, name="draft")
+        self.backend = backend
+        if backend == "vllm":
+            from .backends.vllm import vllm_backend
+
+            options = dict(vllm_options or {})
+            self.target_lm = vllm_backend(target, role="target", cache_root=cache_root(), options=options)
+            self.draft_lm = vllm_backend(draft, role="draft", cache_root=cache_root(), options=options)
+        else:
+            self.target_lm = HFBatchedLM(target.model, max_cache_bytes=max_cache_bytes, name="target")
+            self.draft_lm = HFBatchedLM(draft.model, max_cache_bytes=max_cache_bytes, name="draft")
         self.eos_token_ids = eos_ids(target)
         # What SMC-SD's adaptive drafting knows of this draft before a request: a value each
         # request starts from and none changes (assign a learned one to change it).
@@ -80,6 +99,10 @@ class SMCSD:
 
         ``draft`` may also be ``"layers:N"``, the target's first N layers (a weak draft).
         """
+        if kwargs.get("backend") == "vllm":  # not installed: say so before loading anything
+            from .backends.vllm import import_vllm
+
+            import_vllm()
         t = load_model(target, device=device, dtype=dtype)
         return cls(t, resolve_draft(draft, t, device=device, dtype=dtype), **kwargs)
 

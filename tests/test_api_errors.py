@@ -155,3 +155,11 @@ def test_generate_reads_standard_input_and_json_has_the_message(tiny_smcsd, tmp_
     assert run.returncode == 0, run.stderr
     record = json.loads(run.stdout)
     assert "message" in record and 1 <= record["new_tokens"] <= 3
+
+
+def test_backend_is_checked_and_a_missing_vllm_names_its_extra(tiny_models, monkeypatch):
+    with pytest.raises(ValueError, match="unknown backend 'tpu'; choose from hf, vllm"):
+        SMCSD(*tiny_models, backend="tpu")
+    monkeypatch.setitem(sys.modules, "vllm", None)  # as if not installed
+    with pytest.raises(ValueError, match=r"pip install 'smcsd_ppl\[vllm\]' on a GPU"):
+        SMCSD(*tiny_models, backend="vllm")

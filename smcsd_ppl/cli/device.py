@@ -18,6 +18,12 @@ def add_parser(sub) -> None:
     dc.add_argument("--max-new-tokens", type=int, default=128, help="tokens per timed run")
     dc.add_argument("--prompt-tokens", type=int, default=128, help="random prompt length")
     dc.add_argument("--repeats", type=int, default=3, help="timed runs per method (medians)")
+    dc.add_argument(
+        "--backend",
+        choices=("hf", "vllm"),
+        default="hf",
+        help="vllm: also time AR, SD and SMC-SD on vLLM engines over the same models",
+    )
     dc.set_defaults(run=_device_check)
 
 
@@ -31,6 +37,7 @@ def _device_check(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         prompt_tokens=args.prompt_tokens,
         repeats=args.repeats,
+        backend=args.backend,
     )
     print(json.dumps(report))
     return 0 if report["equivalence_ok"] else 1

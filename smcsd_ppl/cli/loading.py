@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 
 from .util import check_threads, err, status
 
@@ -23,6 +24,10 @@ def load_target(args: argparse.Namespace):
     """The target model alone (``smcsd distill`` has no draft yet)."""
     from ..models import load_model
 
+    if args.backend != "hf":
+        raise ValueError(
+            f"--backend {args.backend}: this command runs the target in PyTorch (use --backend hf)"
+        )
     set_threads(args)
     with status(f"loading the target on {args.device} ({args.dtype})"):
         target = load_model(args.target, device=args.device, dtype=args.dtype)
@@ -35,9 +40,23 @@ def load_pair(args: argparse.Namespace):
     from ..api import SMCSD
 
     set_threads(args)
-    with status(f"loading models on {args.device} ({args.dtype})"):
+    if args.tensor_parallel < 1:
+        raise ValueError(f"--tensor-parallel must be at least 1, got {args.tensor_parallel}")
+    if args.tensor_parallel > 1 and args.backend != "vllm":
+        raise ValueError("--tensor-parallel needs --backend vllm")
+    options = {"tensor_parallel_size": args.tensor_parallel} if args.tensor_parallel > 1 else {}
+    if args.backend == "vllm":  # its start-up notes run to hundreds of lines; errors still show
+        logging.getLogger("vllm").setLevel(logging.ERROR)
+    where = f"{args.device} ({args.dtype})" + (", on vLLM" if args.backend == "vllm" else "")
+    with status(f"loading models on {where}"):
         pair = SMCSD.load(
-            args.target, args.draft, device=args.device, dtype=args.dtype, chat=not args.no_chat
+            args.target,
+            args.draft,
+            device=args.device,
+            dtype=args.dtype,
+            chat=not args.no_chat,
+            backend=args.backend,
+            vllm_options=options,
         )
     err(f"target: {pair.target.name} [{pair.target.source}]")
     err(f"draft:  {pair.draft.name} [{pair.draft.source}]")

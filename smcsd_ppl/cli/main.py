@@ -197,14 +197,21 @@ def _drafting(lengths: list[int]) -> str:
 
 
 def _speed(args: argparse.Namespace) -> int:
-    from ..bench.speed import SPEED_METHODS, compare_speed
+    from ..api import SMCSD
+    from ..bench.speed import SPEED_METHODS, VLLM_SPEED_METHODS, compare_speed
 
     config = smc_config(args)
     prompts = [check_prompt(p) for p in args.prompt or SPEED_PROMPTS]
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     pair = load_pair(args)
-    total = args.repeats * len(prompts) * len(SPEED_METHODS)
+    methods, others = SPEED_METHODS, {}
+    if args.backend == "vllm":  # the HF backend's AR beside, on the same loaded models
+        methods, others = (
+            VLLM_SPEED_METHODS,
+            {"ar (HF backend)": (SMCSD(pair.target, pair.draft, chat=pair.chat), "ar")},
+        )
+    total = args.repeats * len(prompts) * (len(methods) + len(others))
     with progress(total, "runs") as bar:
         done = [0]
 
@@ -212,10 +219,13 @@ def _speed(args: argparse.Namespace) -> int:
             done[0] += 1
             bar(done[0])
 
-        rows = compare_speed(pair, prompts, config, repeats=args.repeats, on_run=tick)
+        rows = compare_speed(
+            pair, prompts, config, repeats=args.repeats, methods=methods, on_run=tick, others=others
+        )
     print(
         f"{config.max_new_tokens} tokens per run, N={config.n_particles}, K={config.block_size}, "
-        f"T_d={config.draft_temperature}, T_t={config.target_temperature}, {args.dtype} on {args.device}; "
+        f"T_d={config.draft_temperature}, T_t={config.target_temperature}, {args.dtype} on {args.device} "
+        f"({args.backend} backend); "
         f"medians of {args.repeats} repeats x {len(prompts)} prompts"
     )
     print("| method | tokens/s | x autoregressive | tokens/target call | loop overhead |")

@@ -51,6 +51,19 @@ def model_args(p: argparse.ArgumentParser, *, draft: bool = True) -> None:
     )
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    g.add_argument(
+        "--backend",
+        choices=("hf", "vllm"),
+        default="hf",
+        help="hf: batched KV caches in PyTorch (default); vllm: both models on vLLM engines",
+    )
+    g.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=1,
+        metavar="N",
+        help="vLLM backend: GPUs each engine spreads over (tensor_parallel_size)",
+    )
 
 
 def smc_args(p: argparse.ArgumentParser) -> None:

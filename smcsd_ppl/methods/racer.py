@@ -197,6 +197,10 @@ def _emit(reqs: _Requests, drafter: RetrievalDrafter, req: int, new: list[int]) 
 
 
 def _run(ctx: RunContext, temperature: float) -> MethodOutput:
+    if not isinstance(ctx.target_lm, TreeLM):
+        raise ValueError(
+            f"RACER verifies token trees, which {type(ctx.target_lm).__name__} cannot; use the HF backend"
+        )
     g = torch.Generator(device=ctx.target_lm.device).manual_seed(ctx.config.seed)
     run = racer_generate(
         ctx.target_lm,

