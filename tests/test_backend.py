@@ -257,7 +257,7 @@ def test_extend_over_a_vocabulary_subset_returns_those_logits(tiny_llama, plain_
     vocab = torch.tensor([3, 17, 250, 299])
     lm = HFBatchedLM(tiny_llama)
     lm.prefill(PROMPTS)
-    assert lm._plain_head()  # a Llama's logits are its head on the decoder's output
+    assert lm.has_plain_head()  # a Llama's logits are its head on the decoder's output
     lm.plain_head = plain_head
     tokens = block(len(PROMPTS), 3)
     full = lm.extend(tokens)

@@ -177,3 +177,11 @@ def test_device_check_times_both_backends():
     assert report["equivalence_ok"]
     assert set(report["vllm"]) == {"ar", "sd", "smcsd_paper"}, report["vllm"]
     assert report["vllm"]["smcsd_paper"]["tokens_per_target_call"] > 1
+
+
+def test_a_model_whose_logits_are_not_its_head_is_refused(hf32, monkeypatch):
+    from smcsd_ppl.backends.hf import HFBatchedLM
+
+    monkeypatch.setattr(HFBatchedLM, "has_plain_head", lambda self: False)  # as a soft-capped model
+    with pytest.raises(ValueError, match="logits are not its LM head"):
+        SMCSD(hf32.target, hf32.draft, backend="vllm")

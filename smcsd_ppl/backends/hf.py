@@ -275,7 +275,7 @@ class HFBatchedLM(TreeOps):
         if read is not None:
             kwargs[self.decoder_cache_kw] = self.cache
             hidden = self.model.predict_hidden(ids, read, **kwargs)
-        elif self.keeps_hidden or (vocab is not None and self._plain_head()):
+        elif self.keeps_hidden or (vocab is not None and self.has_plain_head()):
             kwargs[self.decoder_cache_kw] = self.cache
             hidden = self.model.get_decoder()(input_ids=ids, **kwargs).last_hidden_state
         else:
@@ -293,7 +293,7 @@ class HFBatchedLM(TreeOps):
             hidden = hidden.index_select(1, torch.tensor([t - 1], device=self.device))  # see above
         return _head(self.model.get_output_embeddings(), hidden, vocab).float()
 
-    def _plain_head(self) -> bool:
+    def has_plain_head(self) -> bool:
         """Whether the logits are the LM head applied to the decoder's output, as in Llama.
 
         Checked once on two tokens: some models scale or soft-cap their logits after the

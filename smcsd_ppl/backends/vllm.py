@@ -302,6 +302,13 @@ def vllm_backend(model, *, role: str, cache_root: pathlib.Path, options: dict) -
         raise ValueError(
             f"the vLLM backend cannot run the {role} {model.name!r}: feature drafts read the target's states"
         )
+    from .hf import HFBatchedLM
+
+    if not HFBatchedLM(model.model, name=role).has_plain_head():  # checked on two tokens
+        raise ValueError(
+            f"the vLLM backend cannot run the {role} {model.name!r}: its logits are not its LM head "
+            "applied to its last hidden state (scaled or soft-capped); use the HF backend"
+        )
     head = model.model.get_output_embeddings()
     config = model.model.config
     max_length = options.get("max_model_len") or getattr(config, "max_position_embeddings", None)
