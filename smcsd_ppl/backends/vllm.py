@@ -202,12 +202,13 @@ class VLLMBatchedLM:
         return data
 
     def _logits(self, states: torch.Tensor, vocab: torch.Tensor | None) -> torch.Tensor:
+        """The LM head on ``states``: float32 logits of every token, or of ``vocab``'s only."""
         self.hidden = states if self.keeps_hidden else None
-        head = self.head if vocab is None else self.head.index_select(0, vocab.to(self.device))
-        bias = (
-            None if self.bias is None or vocab is None else self.bias.index_select(0, vocab.to(self.device))
-        )
-        logits = torch.nn.functional.linear(states, head, self.bias if vocab is None else bias).float()
+        head, bias = self.head, self.bias
+        if vocab is not None:
+            vocab = vocab.to(self.device)
+            head, bias = head.index_select(0, vocab), None if bias is None else bias.index_select(0, vocab)
+        logits = torch.nn.functional.linear(states, head, bias).float()
         self.nonfinite |= bool(torch.isnan(logits).any())
         return logits
 
