@@ -317,7 +317,7 @@ def weights_dir(model, cache_root: pathlib.Path) -> str:
         return model.path
     digest = hashlib.sha256(model.source.encode())
     for p in model.model.parameters():
-        digest.update(f"{p.shape}{p.dtype}{float(p.float().sum()):.6e}".encode())
+        digest.update(f"{p.shape}{p.dtype}{float(p.sum(dtype=torch.float32)):.6e}".encode())  # no fp32 copy
     final = cache_root / "vllm" / digest.hexdigest()[:16]
     if (final / "config.json").is_file():
         return str(final)

@@ -33,14 +33,23 @@ from ..backends.base import to_device
 
 def masks_for(pairs: Sequence[tuple[object, tuple[int, ...]]]) -> list[torch.Tensor]:
     """``next_mask`` for (constraint, context) pairs, one batched call per constraint."""
+    return _per_constraint(pairs, lambda c, contexts: c.next_mask(contexts))
+
+
+def factors_for(pairs: Sequence[tuple[object, tuple[int, ...]]]) -> list[torch.Tensor]:
+    """``next_log_weights`` for (constraint, context) pairs, one batched call per constraint."""
+    return _per_constraint(pairs, lambda c, contexts: c.next_log_weights(contexts))
+
+
+def _per_constraint(pairs, ask) -> list[torch.Tensor]:
+    """``ask(constraint, contexts)`` once per distinct constraint, its rows put back in order."""
     out: list[torch.Tensor | None] = [None] * len(pairs)
     groups: dict[int, list[int]] = {}
     for i, (c, _) in enumerate(pairs):
         groups.setdefault(id(c), []).append(i)
     for idx in groups.values():
-        masks = pairs[idx[0]][0].next_mask([pairs[i][1] for i in idx])
-        for i, m in zip(idx, masks):
-            out[i] = m
+        for i, row in zip(idx, ask(pairs[idx[0]][0], [pairs[i][1] for i in idx])):
+            out[i] = row
     return out
 
 
@@ -189,19 +198,6 @@ def check_bonus(entries: Sequence[tuple]) -> list[bool]:
         for i, good in zip(idx, c.allows(seqs)):
             ok[i] = good
     return ok
-
-
-def factors_for(pairs: Sequence[tuple[object, tuple[int, ...]]]) -> list[torch.Tensor]:
-    """``next_log_weights`` for (constraint, context) pairs, one batched call per constraint."""
-    out: list[torch.Tensor | None] = [None] * len(pairs)
-    groups: dict[int, list[int]] = {}
-    for i, (c, _) in enumerate(pairs):
-        groups.setdefault(id(c), []).append(i)
-    for idx in groups.values():
-        weights = pairs[idx[0]][0].next_log_weights([pairs[i][1] for i in idx])
-        for i, w in zip(idx, weights):
-            out[i] = w
-    return out
 
 
 def proposal_factors(blocks: Sequence, vocab_size: int, device: torch.device) -> torch.Tensor | None:
