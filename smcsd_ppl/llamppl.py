@@ -37,6 +37,7 @@ from .config import SMCConfig
 from .inference.context import LMContext
 from .inference.loop import run_to_end
 from .inference.program import SMCSDModel as Model
+from .inference.state import final_particles
 
 __all__ = ["CachedCausalLM", "LMContext", "Model", "smc_standard", "smc_steer"]
 
@@ -106,7 +107,7 @@ async def smc_standard(
     with pair.lock:
         store = pair.rows()
         _, state = await run_to_end([model], store, config, eos, pair.draft_record, lm.encode, pair.decode)
-    return list(state.populations[0].particles)
+    return final_particles(state.populations[0])
 
 
 async def smc_steer(model: Model, n_particles: int, n_beam: int, *args, **kwargs):

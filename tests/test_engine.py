@@ -98,7 +98,7 @@ def test_forward_counts_with_the_mock_backend():
     assert len(cycles) == 3
     assert target.stats.calls == 1 + len(cycles)
     assert draft.stats.calls == 1 + 3 + 3 + 1  # the last block has a budget of one token
-    assert all(len(p.token_ids) == 10 for r in res for p in r.particles)
+    assert all(len(p.token_ids) == 10 for r in res for p in r.info.particles)
 
 
 # --- seeded determinism ---
@@ -128,7 +128,7 @@ def test_mock_smcsd_is_deterministic():
             max_new_tokens=6,
             seed=seed,
         )
-        return [(r.token_ids, r.log_z) for r in out]
+        return [(r.token_ids, r.info.log_z) for r in out]
 
     assert run(0) == run(0)
     assert run(0) != run(1)
@@ -380,7 +380,7 @@ def test_mock_smcsd_particles_end_at_their_first_eos():
     res = smc(
         MockLM(4, seed=0), MockLM(4, seed=3), programs, block_size=2, max_new_tokens=8, n_particles=4, seed=1
     )
-    particles = [p.token_ids for r in res for p in r.particles]
+    particles = [p.token_ids for r in res for p in r.info.particles]
     assert [p for p in particles if EOS in p[:-1]] == []
     assert sum(p[-1] == EOS for p in particles) > len(particles) // 4  # EOS did come, often
 
@@ -456,12 +456,12 @@ def test_twists_leave_final_weights_unchanged(tiny_smcsd, twist):
     assert [g.token_ids for g in plain] == [g.token_ids for g in twisted]
     for a, b in zip(plain, twisted):
         a, b = a.smc, b.smc
-        assert b.n_resamples == 0
-        assert [p.token_ids for p in a.particles] == [p.token_ids for p in b.particles]
-        assert [p.log_weight for p in b.particles] == pytest.approx(
-            [p.log_weight for p in a.particles], abs=1e-9
+        assert b.info.n_resamples == 0
+        assert [p.token_ids for p in a.info.particles] == [p.token_ids for p in b.info.particles]
+        assert [p.log_weight for p in b.info.particles] == pytest.approx(
+            [p.log_weight for p in a.info.particles], abs=1e-9
         )
-        assert b.log_z == pytest.approx(a.log_z, abs=1e-9)
+        assert b.info.log_z == pytest.approx(a.info.log_z, abs=1e-9)
 
 
 def test_constant_twist_with_resampling_changes_nothing_normalized(tiny_smcsd):
@@ -477,11 +477,11 @@ def test_constant_twist_with_resampling_changes_nothing_normalized(tiny_smcsd):
         assert any(c.resampled[i] for c in cycles[:-1]) and not cycles[-1].resampled[i]
     for a, b in zip(plain, twisted):
         a, b = a.smc, b.smc
-        assert a.n_resamples == b.n_resamples > 0
-        assert [p.token_ids for p in a.particles] == [p.token_ids for p in b.particles]
-        assert b.log_z == pytest.approx(a.log_z, abs=1e-9)
-        wa = torch.softmax(torch.tensor([p.log_weight for p in a.particles], dtype=torch.float64), 0)
-        wb = torch.softmax(torch.tensor([p.log_weight for p in b.particles], dtype=torch.float64), 0)
+        assert a.info.n_resamples == b.info.n_resamples > 0
+        assert [p.token_ids for p in a.info.particles] == [p.token_ids for p in b.info.particles]
+        assert b.info.log_z == pytest.approx(a.info.log_z, abs=1e-9)
+        wa = torch.softmax(torch.tensor([p.log_weight for p in a.info.particles], dtype=torch.float64), 0)
+        wb = torch.softmax(torch.tensor([p.log_weight for p in b.info.particles], dtype=torch.float64), 0)
         torch.testing.assert_close(wa, wb)
 
 

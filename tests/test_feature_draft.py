@@ -159,7 +159,7 @@ def test_smcsd_with_a_feature_draft_is_properly_weighted():
     )
     store = RowStore(HFBatchedLM(target), HFBatchedLM(draft))
     results = run_smc_sd([SMCSDModel([1, 2]) for _ in range(runs)], store, config, [EOS])
-    assert sum(r.n_resamples for r in results) > 0
+    assert sum(r.info.n_resamples for r in results) > 0
     exact, z = exact_target(_Enumerable(target), [1, 2], horizon)
     tests = {"one": lambda y: 1.0, "length": len} | {
         f"first={v}": (lambda y, v=v: float(y[0] == v)) for v in range(4)
@@ -167,12 +167,12 @@ def test_smcsd_with_a_feature_draft_is_properly_weighted():
     for name, f in tests.items():
         per_run = torch.tensor(
             [
-                math.exp(r.log_z)
+                math.exp(r.info.log_z)
                 * sum(
                     w * f(p.token_ids)
                     for p, w in zip(
-                        r.particles,
-                        torch.softmax(torch.tensor([p.log_weight for p in r.particles]), 0).tolist(),
+                        r.info.particles,
+                        torch.softmax(torch.tensor([p.log_weight for p in r.info.particles]), 0).tolist(),
                     )
                 )
                 for r in results

@@ -66,8 +66,8 @@ def test_requests_known_to_decode_alone_skip_the_draft_entirely():
         record=DraftRecord(0.0, 50.0),
     )
     assert draft.stats.calls == before  # not even prefilled
-    assert any(r.draft_lengths for r in results) and not any(any(r.draft_lengths) for r in results)
-    assert all(len(r.particles) == 1 for r in results if r.draft_lengths)  # one particle decodes
+    assert any(r.info.draft_lengths for r in results) and not any(any(r.info.draft_lengths) for r in results)
+    assert all(len(r.info.particles) == 1 for r in results if r.info.draft_lengths)  # one particle decodes
 
 
 def test_with_the_target_as_draft_the_cut_never_fires_and_target_calls_match_the_paper():
@@ -89,7 +89,7 @@ def test_with_the_target_as_draft_the_cut_never_fires_and_target_calls_match_the
         )
         calls[cut] = target.stats.calls
         if cut is not None:
-            assert all(set(r.draft_lengths) <= {3} for r in results) and any(r.draft_lengths for r in results)
+            assert all(set(r.info.draft_lengths) <= {3} for r in results) and any(r.info.draft_lengths for r in results)
     assert calls[0.05] == calls[None]
 
 
@@ -132,6 +132,6 @@ def test_a_collapsed_request_says_so():
         programs = [SMCSDModel([1, 2]) for _ in range(20)]
         cfg = dict(max_new_tokens=16, n_particles=8, draft_temperature=1.0, cut=cut)
         results = smc(target, far, programs, eos=[], record=DraftRecord(passed=8.0), **cfg)  # drafts at once
-        flags[cut] = sum(r.collapsed for r in results)
+        flags[cut] = sum(r.info.collapsed for r in results)
     assert flags[None] >= 15  # the paper's algorithm collapses, and says so
     assert flags[0.25] == 0  # the cut soon leaves such a draft out

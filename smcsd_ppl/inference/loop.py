@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import math
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from .. import smc
 from ..config import DraftRecord, SMCConfig
-from ..results import ParticleOut
+from ..results import ParticleOut, SMCInfo
 from .program import SMCSDModel
 from .rows import RowStore
 from .schedule import learned
@@ -26,38 +25,21 @@ COLLAPSE_ESS_FRACTION = 0.3
 
 @dataclass
 class SMCResult:
-    """The outcome of one request.
+    """The outcome of one request: the selected particle's output and SMC-SD's report.
 
     Attributes:
         token_ids: the selected particle's output tokens (empty if every particle died).
         text: the selected particle's output text.
-        log_z: estimate of log Z (unbiased in Z), the target's normalizer relative to q.
-        particles: all final particles with their log-weights.
         chosen: index of the selected particle, or -1 when none had positive weight.
-        ess_trace: ESS before each cycle's resampling decision.
-        particle_trace: the particles each cycle ran.
-        n_resamples: resampling rounds.
+        info: log Z, the final particles, the ESS and draft-length traces.
         message: why the result is empty or incomplete, if it is.
-        collapsed: the ESS averaged under ``COLLAPSE_ESS_FRACTION`` of the particles: the
-            draft is too far from the target at these settings.
-        draft_lengths: with ``SMCConfig.cut``, the draft length of each cycle (0: the
-            target alone).
-        draft_record: the run's starting record with this request's evidence added
-            (``schedule.learned``); pass it to later calls to let them learn from this one.
     """
 
     token_ids: list[int]
     text: str
-    log_z: float
-    particles: list[ParticleOut]
     chosen: int
-    ess_trace: list[float] = field(default_factory=list)
-    particle_trace: list[int] = field(default_factory=list)
-    n_resamples: int = 0
+    info: SMCInfo
     message: str = ""
-    collapsed: bool = False
-    draft_lengths: list[int] = field(default_factory=list)
-    draft_record: DraftRecord = field(default_factory=DraftRecord)
 
 
 async def smc_sd(
@@ -89,12 +71,18 @@ async def smc_sd(
     """
     record = record or DraftRecord()
     kernel, state = await run_to_end(programs, store, config, eos, record, encode, decode, on_cycle)
-    _, g = generators(step_key(config.seed, -1), torch.device("cpu"))
-    return [_result(pop, config, kernel, record, g) for pop in state.populations]
+    return [_result(pop, kernel, record) for pop in state.populations]
 
 
 async def run_to_end(
-    programs, store, config, eos, record, encode=None, decode=None, on_cycle=None
+    programs: Sequence[SMCSDModel],
+    store: RowStore,
+    config: SMCConfig,
+    eos: Sequence[int],
+    record: DraftRecord,
+    encode: Callable[[str], list[int]] | None = None,
+    decode: Callable[[Sequence[int]], str] | None = None,
+    on_cycle: Callable[[StepInfo], None] | None = None,
 ) -> tuple[SMCSDKernel, SMCState]:
     """The loop itself: ``init``, then ``step`` until no particle steps; the final state."""
     decode = decode or (lambda ids: " ".join(map(str, ids)))
@@ -114,26 +102,35 @@ def run_smc_sd(
     return asyncio.run(smc_sd(programs, store, config, eos, **kwargs))
 
 
-def _result(pop: Population, cfg: SMCConfig, kernel: SMCSDKernel, record: DraftRecord, g) -> SMCResult:
+def smc_info(pop: Population, record: DraftRecord) -> SMCInfo:
+    """SMC-SD's report of one finished request."""
     log_w = pop.log_weights()
-    outs = [ParticleOut(list(p.token_ids), p.text, float(w)) for p, w in zip(pop.particles, log_w)]
-    stats = dict(
+    several = [e for e, n in zip(pop.ess_trace, pop.particle_trace) if n >= 2]
+    return SMCInfo(
+        log_z=final_log_z(pop),
+        particles=[ParticleOut(list(p.token_ids), p.text, float(w)) for p, w in zip(pop.particles, log_w)],
         ess_trace=list(pop.ess_trace),
         particle_trace=list(pop.particle_trace),
+        # with no cycle of two or more particles, the final weights' ESS
+        mean_ess=statistics.fmean(several) if several else smc.ess(log_w),
         n_resamples=pop.n_resamples,
         collapsed=bool(pop.ess_fractions) and statistics.fmean(pop.ess_fractions) < COLLAPSE_ESS_FRACTION,
         draft_lengths=list(pop.schedule.lengths) if pop.schedule else [],
         draft_record=learned(record, pop.schedule) if pop.schedule else record,
     )
+
+
+def _result(pop: Population, kernel: SMCSDKernel, record: DraftRecord) -> SMCResult:
+    info, log_w = smc_info(pop, record), pop.log_weights()
     if not torch.isfinite(log_w).any():
-        return SMCResult([], "", -math.inf, outs, -1, message=_why_dead(pop), **stats)
-    if cfg.selection == "argmax":
+        return SMCResult([], "", -1, info, _why_dead(pop))
+    if kernel.config.selection == "argmax":
         chosen = int(torch.argmax(log_w))
-    else:
+    else:  # each request draws its output from its own stream
+        _, g = generators(step_key(pop.seed, -1), torch.device("cpu"))
         chosen = int(smc.resample(log_w, "multinomial", g, 1)[0])
-    best = outs[chosen]
-    msg = _cut_short(pop.particles[chosen], kernel)
-    return SMCResult(best.token_ids, best.text, final_log_z(pop), outs, chosen, message=msg, **stats)
+    best = info.particles[chosen]
+    return SMCResult(best.token_ids, best.text, chosen, info, _cut_short(pop.particles[chosen], kernel))
 
 
 def _why_dead(pop: Population) -> str:

@@ -74,18 +74,18 @@ class CycleBarrier:
             fut.set_result(result)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Runtime:
-    """What a run shares with all its particles (never copied on resampling).
+    """What one step shares with the particles it steps (made by each step, bound to its copies).
 
-    ``generator`` is the current step's host generator: token-level draws use it.
+    ``generator`` is the step's host generator: token-level draws use it.
     """
 
     barrier: CycleBarrier
     max_new_tokens: int
     decode: Callable[[Sequence[int]], str]
     eos: frozenset[int]
-    generator: torch.Generator | None = None
+    generator: torch.Generator
 
 
 class SMCSDModel(Model):

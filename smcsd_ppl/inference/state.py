@@ -1,12 +1,16 @@
 """A run's explicit state: each request's particles and the SMC bookkeeping around them.
 
-``SMCState`` is what ``SMCSDKernel.step`` takes and returns: every field is a value, and a
-step builds new ones instead of writing the old. The particles are the user's LLaMPPL
-programs, which step in place as in LLaMPPL; their KV state lives in the row store, which
-a step moves on, so a state is read once, by the step that follows it.
+``SMCState`` is what ``SMCSDKernel.step`` takes and returns, and it is a value: a step never
+writes the state it was given. The particles are the user's LLaMPPL programs, which step in
+place as in LLaMPPL, so a step steps copies of them (``Population.bound``) and the state
+treats every particle object as frozen: two slots may share one object after resampling.
+What a particle owns apart from its program lives on the population, as tuples: its
+log-weight and its contexts' rows in the row store (which a step moves on).
 
 Every change of a population's particles (resampling, shrinking to one particle, growing)
-goes through ``reshape``, which adds the log Z increment once.
+goes through ``reshape``, one gather that gives each drawn particle the average weight, as
+LLaMPPL does, so the final weights' log-mean-exp estimates log Z whether or not a request
+resampled.
 """
 
 from __future__ import annotations
@@ -18,18 +22,19 @@ from dataclasses import dataclass, replace
 import torch
 
 from .. import smc
-from ..config import DraftRecord
-from .program import SMCSDModel
+from .program import Runtime, SMCSDModel
 from .schedule import DraftSchedule
 
 
 @dataclass(frozen=True)
 class Population:
-    """One request's particles, with its log Z estimate and ESS history.
+    """One request's particles, their weights and rows, with its ESS history and settings.
 
     Attributes:
-        particles: the particles (LLaMPPL programs; ``weight`` is each one's log-weight).
-        log_z: log Z accumulated over the reshapes so far (the current weights not included).
+        particles: the particles (LLaMPPL programs), never written once in a state.
+        weights: each particle's log-weight (its program's ``weight`` while it steps).
+        rows: each particle's contexts' rows in the row store (-1: released).
+        seed: the request's seed; its resampling draws come from it alone.
         ess_trace: ESS before each cycle's resampling decision.
         particle_trace: the particles each cycle ran.
         ess_fractions: ESS / N on the cycles that ran N >= 2 particles.
@@ -38,21 +43,57 @@ class Population:
     """
 
     particles: tuple[SMCSDModel, ...]
-    log_z: float = 0.0
+    weights: tuple[float, ...]
+    rows: tuple[tuple[int, ...], ...]
+    seed: int = 0
     ess_trace: tuple[float, ...] = ()
     particle_trace: tuple[int, ...] = ()
     ess_fractions: tuple[float, ...] = ()
     n_resamples: int = 0
     schedule: DraftSchedule | None = None
 
+    def __post_init__(self) -> None:
+        assert len(self.particles) == len(self.weights) == len(self.rows), "one weight and row set a particle"
+
     def log_weights(self) -> torch.Tensor:
         """The particles' log-weights ``[N]`` (float64; NaN cleaned to -inf)."""
-        return smc.clean_log_weights(torch.tensor([p.weight for p in self.particles], dtype=torch.float64))
+        return smc.clean_log_weights(torch.tensor(self.weights, dtype=torch.float64))
 
     @property
     def stepping(self) -> bool:
         """Some particle still steps."""
         return any(not p.done_stepping() for p in self.particles)
+
+    def bound(self, runtime: Runtime) -> Population:
+        """The population a step runs: a fresh copy of every particle that may change, bound to it.
+
+        A copy carries its slot's weight and rows and the step's runtime; finished particles
+        with nothing to untwist are shared as they are. The twist of the last step is
+        divided out here, as LLaMPPL does before each step.
+        """
+        particles = []
+        for p, w, rows in zip(self.particles, self.weights, self.rows):
+            if p.done_stepping() and not p.twist_amount:
+                particles.append(p)
+                continue
+            p = copy.deepcopy(p)
+            p.runtime, p.weight = runtime, w
+            for ctx, row in zip(p.contexts(), rows):
+                ctx.row, ctx.runtime = row, runtime
+            p.untwist()
+            particles.append(p)
+        return replace(self, particles=tuple(particles), weights=tuple(p.weight for p in particles))
+
+    def stepped(self, before: Population) -> Population:
+        """This bound population after its particles stepped: their programs' weights read back.
+
+        ``before`` is the population it was bound from; particles shared with it did not step.
+        """
+        weights = (
+            w if p is q else float(p.weight)
+            for p, q, w in zip(self.particles, before.particles, before.weights)
+        )
+        return replace(self, weights=tuple(weights))
 
 
 @dataclass(frozen=True)
@@ -61,13 +102,11 @@ class SMCState:
 
     Attributes:
         populations: one per request, in request order.
-        record: the draft record the run started from.
         cycle: steps taken.
         idle: the latest steps in a row in which no particle did anything.
     """
 
     populations: tuple[Population, ...]
-    record: DraftRecord
     cycle: int = 0
     idle: int = 0
 
@@ -97,19 +136,20 @@ class StepInfo:
 
 
 def reshape(pop: Population, ancestors: list[int], log_w: torch.Tensor) -> Population:
-    """The population of ``ancestors``' copies, with weights reset and log Z updated once.
+    """The population of ``ancestors``' particles, each with the average weight.
 
     Resampling (M = N), shrinking (M = 1) and growing (M > N) all go through here: each
-    draws M ancestors in proportion to the weights, so log Z gains log mean exp(log_w).
+    draws M ancestors in proportion to the weights, and each draw carries the average
+    weight log mean exp(log_w), the evidence so far. Particles are gathered, not copied:
+    a step copies what it steps.
     """
-    used: set[int] = set()
-    particles = []
-    for a in ancestors:  # the first copy of an ancestor is the ancestor itself
-        particles.append(pop.particles[a] if a not in used else copy.deepcopy(pop.particles[a]))
-        used.add(a)
-    for p in particles:
-        p.weight = 0.0
-    return replace(pop, particles=tuple(particles), log_z=pop.log_z + smc.log_mean_exp(log_w))
+    average = smc.log_mean_exp(log_w)
+    return replace(
+        pop,
+        particles=tuple(pop.particles[a] for a in ancestors),
+        weights=(average,) * len(ancestors),
+        rows=tuple(pop.rows[a] for a in ancestors),
+    )
 
 
 def resampled(pop: Population, scheme: str, g: torch.Generator, m: int | None = None) -> Population:
@@ -121,6 +161,16 @@ def resampled(pop: Population, scheme: str, g: torch.Generator, m: int | None = 
 
 
 def final_log_z(pop: Population) -> float:
-    """Log Z of a finished request: the reshapes' increments plus the final weights' mean."""
+    """Log Z of a finished request: the log-mean-exp of its final weights (-inf if all are 0)."""
     log_w = pop.log_weights()
-    return pop.log_z + smc.log_mean_exp(log_w) if torch.isfinite(log_w).any() else -math.inf
+    return smc.log_mean_exp(log_w) if torch.isfinite(log_w).any() else -math.inf
+
+
+def final_particles(pop: Population) -> list[SMCSDModel]:
+    """A finished request's particles as LLaMPPL hands them back: each a copy holding its weight."""
+    out = []
+    for p, w in zip(pop.particles, pop.weights):
+        p = copy.deepcopy(p)
+        p.weight = w
+        out.append(p)
+    return out

@@ -4,7 +4,9 @@ A step runs every live particle's program once (their ``extend()`` calls batched
 draft-and-verify call per barrier flush), then, per request: feeds the draft schedule what
 the cycle's blocks saw, resamples when the ESS is low, and resizes the population to what
 the schedule asks (one particle for a plain request decoding alone). Finally the row store
-keeps the live particles' rows, in order. All randomness comes from ``key``.
+keeps the live particles' rows, in order. A step steps copies of the programs and builds a
+new state: the state it was given is not written, and the row store is the one thing it
+changes. Token draws come from the step's key; each request's resampling from its own seed.
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ def step_key(seed: int, step: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+def request_seed(seed: int, index: int) -> int:
+    """The seed of request ``index`` of a call seeded with ``seed``: its own resampling stream."""
+    return step_key(seed, -2 - index)
+
+
 def generators(key: int, device: torch.device) -> tuple[torch.Generator, torch.Generator]:
     """Two independent generators from one key: on the device (tokens), on the host (resampling)."""
     return (
@@ -46,6 +53,9 @@ def generators(key: int, device: torch.device) -> tuple[torch.Generator, torch.G
 class SMCSDKernel:
     """SMC-SD over a row store: ``init`` builds the state, ``step`` advances it.
 
+    The kernel holds only what every step of a run shares (the row store, the settings);
+    what one step needs (its barrier, its generators) it makes for itself.
+
     Args:
         store: the rows of the draft and the target.
         config: the run's settings.
@@ -54,8 +64,7 @@ class SMCSDKernel:
     """
 
     def __init__(self, store: RowStore, config: SMCConfig, eos: Sequence[int], decode: Callable) -> None:
-        self.store, self.config, self.eos = store, config, frozenset(int(e) for e in eos)
-        self.runtime = Runtime(CycleBarrier(), config.max_new_tokens, decode, self.eos)
+        self.store, self.config, self.eos, self.decode = store, config, frozenset(int(e) for e in eos), decode
         self.draft_cost = draft_step_cost(
             getattr(store.draft, "n_params", None), getattr(store.target, "n_params", None), store.device.type
         )
@@ -69,7 +78,9 @@ class SMCSDKernel:
         """Prefill every context's prompt and fork each request into its particles.
 
         Each particle's contexts get rows of their own; no token is drawn yet: a context's
-        first token comes with its first step (a token-level draw, or a block's lead).
+        first token comes with its first step (a token-level draw, or a block's lead). The
+        programs given are not written: each request's particles share one copy of its program
+        until they step.
         """
         c = self.config
         schedules = [
@@ -79,41 +90,39 @@ class SMCSDKernel:
             for p in programs
         ]
         counts = [c.n_particles if s is None else s.n_particles() for s in schedules]
-        prompts, first = [], []  # distinct prompts; index of each program's first
-        for program in programs:
-            program.runtime = self.runtime
-            first.append(len(prompts))
-            prompts += [_prompt_ids(ctx, encode) for ctx in program.contexts()]
-        rows = [
-            first[i] + j
-            for i, p in enumerate(programs)
-            for _ in range(counts[i])
-            for j in range(len(p.contexts()))
-        ]
+        copies = [copy.deepcopy(p) for p in programs]
+        prompts: list[list[int]] = []  # distinct prompts, each request's contexts in order
+        for program in copies:
+            for ctx in program.contexts():
+                ctx.prompt_ids = _prompt_ids(ctx, encode)
+                prompts.append(ctx.prompt_ids)
+        pops, sources, first = [], [], 0  # sources: each row's prompt; first: a request's first prompt
+        for i, (program, count, schedule) in enumerate(zip(copies, counts, schedules)):
+            width = len(program.contexts())
+            slots = tuple(
+                tuple(range(len(sources) + k * width, len(sources) + (k + 1) * width)) for k in range(count)
+            )
+            sources += [first + j for _ in range(count) for j in range(width)]
+            first += width
+            seed = request_seed(c.seed, i)
+            pops.append(Population((program,) * count, (0.0,) * count, slots, seed, schedule=schedule))
         drafting = not c.token_level and any(s is None or s.length != 0 for s in schedules)
-        self.store.start(prompts, rows, draft=drafting)
-        pops, row = [], 0
-        for i, program in enumerate(programs):
-            particles = tuple(copy.deepcopy(program) for _ in range(counts[i]))
-            for p in particles:
-                for j, ctx in enumerate(p.contexts()):
-                    ctx.row, ctx.prompt_ids, ctx.runtime = row, prompts[first[i] + j], self.runtime
-                    row += 1
-            pops.append(Population(particles, schedule=schedules[i]))
-        return SMCState(tuple(pops), record)
+        self.store.start(prompts, sources, draft=drafting)
+        return SMCState(tuple(pops))
 
     async def step(self, state: SMCState, key: int) -> tuple[SMCState, StepInfo]:
-        """One cycle of every request: step the programs, then reweigh, resample, resize, pack."""
-        g_tokens, g_host = generators(key, self.store.device)
-        self.runtime.generator = torch.Generator().manual_seed(key ^ 0x2545F491)  # token-level draws
-        pops = state.populations
-        for pop in pops:
-            for p in pop.particles:
-                p.untwist()
-        live = [p for pop in pops for p in pop.particles if not p.done_stepping()]
+        """One cycle of every request: step copies of the programs, then reweigh, resample, resize, pack.
+
+        ``state`` is not written; the row store is the one thing a step changes. Token draws
+        come from ``key``, each request's resampling from its own seed and the cycle.
+        """
+        g_tokens, g_draws = generators(key, self.store.device)
+        runtime = Runtime(CycleBarrier(), self.config.max_new_tokens, self.decode, self.eos, g_draws)
+        bound = [pop.bound(runtime) for pop in state.populations]
+        live = [p for pop in bound for p in pop.particles if not p.done_stepping()]
         limits = {
             ctx.row: self._draft_length(pop)
-            for pop in pops
+            for pop in bound
             for p in pop.particles
             if not p.done_stepping()
             for ctx in p.contexts()
@@ -127,23 +136,24 @@ class SMCSDKernel:
                     blocks.setdefault(b.row, []).append(b)
             return out
 
-        before = [(p.weight, p.finished, sum(len(x.generated) for x in p.contexts())) for p in live]
-        await self._step_programs(live, handler, first=state.cycle == 0)
+        before = [_progress(p) for p in live]
+        await _step_programs(live, runtime.barrier, handler, first=state.cycle == 0)
         self._settle(live)
-        idle = self._idle(state, live, before)
-        new, ess, did = [], [], []
-        for pop in pops:
-            rows = [ctx.row for p in pop.particles for ctx in p.contexts()]
-            pop = self._observed(pop, [b for r in rows for b in blocks.get(r, [])])
-            pop, e, r = self._maybe_resample(pop, g_host)
-            new.append(self._resized(pop, g_host))
+        idle = self._idle(state, live, before, runtime.barrier)
+        cycle, new, ess, did = state.cycle + 1, [], [], []
+        for pop, old in zip(bound, state.populations):
+            pop = self._observed(
+                pop.stepped(old), [b for rs in pop.rows for r in rs for b in blocks.get(r, [])]
+            )
+            _, g = generators(step_key(pop.seed, cycle), torch.device("cpu"))
+            pop, e, r = self._maybe_resample(pop, g)
+            new.append(self._resized(pop, g))
             ess.append(e)
             did.append(r)
-        self._pack(new)
-        out = SMCState(tuple(new), state.record, state.cycle + 1, idle)
-        every = [p for pop in new for p in pop.particles]
+        out = SMCState(tuple(self._pack(new)), cycle, idle)
+        every = [p for pop in out.populations for p in pop.particles]
         live_after = sum(not p.done_stepping() for p in every)
-        info = StepInfo(out.cycle, live_after, max(len(p.token_ids) for p in every), tuple(ess), tuple(did))
+        info = StepInfo(cycle, live_after, max(len(p.token_ids) for p in every), tuple(ess), tuple(did))
         return out, info
 
     def _draft_length(self, pop: Population) -> int:
@@ -161,15 +171,14 @@ class SMCSDKernel:
                 f"{program}.step() called self.{name}(...) without await, which does nothing: "
                 f"write `await self.{name}(...)`"
             )
-        budget = self.runtime.max_new_tokens
+        budget = self.config.max_new_tokens
         for p in live:
             if not p.finished and any(len(x.generated) >= budget for x in p.contexts()):
                 p.finish()  # token-level steps reach the budget here (a block stops there itself)
 
-    def _idle(self, state: SMCState, live: list[SMCSDModel], before: list) -> int:
+    def _idle(self, state: SMCState, live: list[SMCSDModel], before: list, barrier: CycleBarrier) -> int:
         """Consecutive cycles in which no particle asked, ended or changed; too many is a program bug."""
-        after = [(p.weight, p.finished, sum(len(x.generated) for x in p.contexts())) for p in live]
-        if self.runtime.barrier.served or after != before:
+        if barrier.served or [_progress(p) for p in live] != before:
             return 0
         if state.idle + 1 >= MAX_IDLE_CYCLES:
             name = type(live[0]).__name__
@@ -179,25 +188,6 @@ class SMCSDKernel:
                 "token-level step, or self.finish()"
             )
         return state.idle + 1
-
-    async def _step_programs(self, live: list[SMCSDModel], serve: Callable, first: bool) -> None:
-        """Run every live particle's step (the first cycle runs LLaMPPL's ``start()`` before it)."""
-        barrier = self.runtime.barrier
-        barrier.open(len(live), serve)
-
-        async def step(p: SMCSDModel) -> None:
-            try:
-                if first:
-                    await p.start()
-                if not p.done_stepping():
-                    await p.step()
-            finally:
-                barrier.leave()
-
-        outcomes = await asyncio.gather(*(step(p) for p in live), return_exceptions=True)
-        errors = [o for o in outcomes if isinstance(o, BaseException)]
-        if errors:
-            raise errors[0]
 
     def _observed(self, pop: Population, blocks: list[ScoredBlock]) -> Population:
         """The schedule after the blocks this cycle drafted (undrafted ones teach nothing)."""
@@ -234,18 +224,45 @@ class SMCSDKernel:
         want = schedule.n_particles()
         return pop if want == len(pop.particles) else resampled(pop, self.config.resampling, g, want)
 
-    def _pack(self, pops: list[Population]) -> None:
+    def _pack(self, pops: list[Population]) -> list[Population]:
         """One fork: live particles' contexts get consecutive rows; finished ones release theirs."""
-        rows = []
+        kept: list[int] = []
+        out = []
         for pop in pops:
-            for p in pop.particles:
-                for ctx in p.contexts():
-                    if p.done_stepping():
-                        ctx.row = -1
-                    else:
-                        rows.append(ctx.row)
-                        ctx.row = len(rows) - 1
-        self.store.fork(rows)
+            rows = []
+            for p, old in zip(pop.particles, pop.rows):
+                if p.done_stepping():
+                    rows.append((-1,) * len(old))
+                else:
+                    rows.append(tuple(range(len(kept), len(kept) + len(old))))
+                    kept += old
+            out.append(replace(pop, rows=tuple(rows)))
+        self.store.fork(kept)
+        return out
+
+
+async def _step_programs(live: list[SMCSDModel], barrier: CycleBarrier, serve: Callable, first: bool) -> None:
+    """Run every live particle's step (the first cycle runs LLaMPPL's ``start()`` before it)."""
+    barrier.open(len(live), serve)
+
+    async def step(p: SMCSDModel) -> None:
+        try:
+            if first:
+                await p.start()
+            if not p.done_stepping():
+                await p.step()
+        finally:
+            barrier.leave()
+
+    outcomes = await asyncio.gather(*(step(p) for p in live), return_exceptions=True)
+    errors = [o for o in outcomes if isinstance(o, BaseException)]
+    if errors:
+        raise errors[0]
+
+
+def _progress(p: SMCSDModel) -> tuple:
+    """What shows a particle did something in a step: its weight, whether it ended, its tokens."""
+    return p.weight, p.finished, sum(len(x.generated) for x in p.contexts())
 
 
 def _prompt_ids(ctx, encode) -> list[int]:

@@ -3,16 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import statistics
 from collections.abc import Callable, Sequence
 
-import torch
-
-from .. import smc
-from ..inference.loop import SMCResult, run_smc_sd
+from ..inference.loop import run_smc_sd
 from ..inference.program import SMCSDModel
 from ..inference.state import StepInfo
-from ..results import SMCInfo
 from .registry import MethodOutput, RunContext, register
 
 
@@ -43,29 +38,9 @@ def run_programs(
     )
     return MethodOutput(
         [r.token_ids for r in results],
-        [smc_info(r) for r in results],
+        [r.info for r in results],
         [r.text for r in results],
         [r.message for r in results],
-    )
-
-
-def smc_info(r: SMCResult) -> SMCInfo:
-    """SMC-SD's report of one request."""
-    several = [e for e, n in zip(r.ess_trace, r.particle_trace) if n >= 2]
-    if several:
-        mean_ess = statistics.fmean(several)
-    else:  # every cycle ran one particle, or none ran: the final weights' ESS
-        mean_ess = smc.ess(torch.tensor([p.log_weight for p in r.particles], dtype=torch.float64))
-    return SMCInfo(
-        r.log_z,
-        r.particles,
-        r.ess_trace,
-        r.particle_trace,
-        mean_ess,
-        r.n_resamples,
-        r.collapsed,
-        r.draft_lengths,
-        r.draft_record,
     )
 
 
