@@ -7,6 +7,7 @@ A cut decided from the drawn token itself (instead of the prefix) must fail the 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -111,14 +112,16 @@ def test_a_cut_that_reads_the_drawn_token_is_not_properly_weighted(monkeypatch):
     """Cutting where the drawn token's p/q is small, then dropping it, biases the output."""
     real = cycle_module.verify_blocks
 
-    def token_cut(logits, tokens, draft_logq, ends, stops, dead, g, **kw):
-        k = tokens.shape[1]
-        ratio = pick(torch.log_softmax(logits[:, :k].float(), -1), tokens) - draft_logq  # [R, k]
-        low = (ratio < -0.3) & (torch.arange(k)[None, :] < ends[:, None])
-        at = torch.where(low.any(1), low.float().argmax(1), ends)
-        cut = at < ends
-        ends, stops, dead = torch.where(cut, at, ends), stops & ~cut, dead & ~cut
-        return real(logits, tokens, draft_logq, ends, stops, dead, g, **(kw | {"cut": None}))
+    def token_cut(logits, batch, g, **kw):
+        k, limit = batch.tokens.shape[1], batch.limit
+        ratio = pick(torch.log_softmax(logits[:, :k].float(), -1), batch.tokens) - batch.draft_logq  # [R, k]
+        low = (ratio < -0.3) & (torch.arange(k)[None, :] < limit[:, None])
+        at = torch.where(low.any(1), low.float().argmax(1), limit)
+        cut = at < limit
+        batch = replace(
+            batch, limit=torch.where(cut, at, limit), stops=batch.stops & ~cut, dead=batch.dead & ~cut
+        )
+        return real(logits, batch, g, **(kw | {"cut": None}))
 
     monkeypatch.setattr(cycle_module, "verify_blocks", token_cut)
     _, groups = run_case("alpha=2, rare EOS", runs=3000)

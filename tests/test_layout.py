@@ -24,7 +24,7 @@ LAYERS = [
     {"models", "potentials", "proposals"},
     {"backends"},
     {"smc", "verification"},
-    {"results", "text"},
+    {"results", "text", "ends"},
     {"config"},
 ]
 RANK = {part: rank for rank, parts in enumerate(LAYERS) for part in parts}

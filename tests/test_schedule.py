@@ -89,7 +89,9 @@ def test_with_the_target_as_draft_the_cut_never_fires_and_target_calls_match_the
         )
         calls[cut] = target.stats.calls
         if cut is not None:
-            assert all(set(r.info.draft_lengths) <= {3} for r in results) and any(r.info.draft_lengths for r in results)
+            assert all(set(r.info.draft_lengths) <= {3} for r in results) and any(
+                r.info.draft_lengths for r in results
+            )
     assert calls[0.05] == calls[None]
 
 

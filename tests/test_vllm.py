@@ -27,7 +27,7 @@ from smcsd_ppl import SMCSD, SMCConfig, SMCSDModel  # noqa: E402
 from smcsd_ppl.backends.contract import BatchedLMContract  # noqa: E402
 from smcsd_ppl.backends.vllm import VLLMBatchedLM, start_engine  # noqa: E402
 from smcsd_ppl.potentials import JsonSchemaConstraint  # noqa: E402
-from smcsd_ppl.verification.smcsd import verify_blocks  # noqa: E402
+from smcsd_ppl.verification.smcsd import BlockBatch, verify_blocks  # noqa: E402
 
 PROMPTS = ("What is the capital of France?", "Name three fruits.", "Write a haiku about rain.")
 
@@ -81,16 +81,20 @@ def _blocks(pair, prompts, tokens, t_target, t_draft, cut):
     q = torch.cat([d_first[:, None], d_rest], 1) / t_draft
     draft_logq = q.log_softmax(-1).gather(-1, tokens[:, :, None])[..., 0]
     r, k = tokens.shape
+    batch = BlockBatch(
+        tokens=tokens,
+        draft_logq=draft_logq,
+        limit=torch.full((r,), k),
+        stops=torch.zeros(r, dtype=torch.bool),
+        dead=torch.zeros(r, dtype=torch.bool),
+        lead_log_w=torch.zeros(r),
+        draft_probs=q.softmax(-1) if cut is not None else None,
+    )
     verdict = verify_blocks(
         logits,
-        tokens,
-        draft_logq,
-        torch.full((r,), k),
-        torch.zeros(r, dtype=torch.bool),
-        torch.zeros(r, dtype=torch.bool),
+        batch,
         torch.Generator().manual_seed(0),
         cut=cut,
-        draft_probs=q.softmax(-1) if cut is not None else None,
     )
     return verdict, draft_logq
 

@@ -86,7 +86,7 @@ class DraftedBlock:
     row: int
     tokens: list[int]  # all drafted tokens: k, or fewer when every row of the call ended sooner
     draft_logq: torch.Tensor  # [k] log q(d_j | .) at T_d (masked q where a constraint restricts)
-    kept: int  # tokens that may count: an EOS (included), the budget, the draft length or a dead end
+    limit: int  # tokens that may count: an EOS (included), the budget, the draft length or a dead end
     stops: bool  # the block itself ends the particle (drafted EOS or budget): no bonus
     budget: int  # tokens the particle could still emit before this block
     draft_probs: torch.Tensor | None = None  # [k, V] q at each drafted position, on request
@@ -96,14 +96,9 @@ class DraftedBlock:
     allowed: list[torch.Tensor] = field(default_factory=list)  # [V] per position: a proposal mask
 
     @property
-    def kept_tokens(self) -> list[int]:
-        """The drafted tokens that count."""
-        return self.tokens[: self.kept]
-
-    @property
-    def log_q(self) -> float:
-        """Log-density of the kept tokens under the proposal."""
-        return float(self.draft_logq[: self.kept].sum())
+    def countable(self) -> list[int]:
+        """The drafted tokens that may count (up to ``limit``)."""
+        return self.tokens[: self.limit]
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,8 @@ Both roles keep SMC-SD properly weighted for the target p^alpha x constraint:
 
 In proposal mode the bonus token is drawn from the target restricted to allowed
 tokens, and its weight is the allowed mass of p^alpha instead of the full
-normalizer; in critic mode it is drawn from the unrestricted target and checked.
+normalizer; in critic mode it is drawn from the unrestricted target, and one outside what
+the constraint allows vetoes the block.
 Where the draft gives every allowed token zero mass (it underflows), the block ends
 there and the target draws that token: the decision reads the prefix only, so the
 weights stay proper and no particle dies where the target still has mass.
@@ -183,21 +184,48 @@ def shared_vocab(masks: dict[int, torch.Tensor], vocab_size: int) -> torch.Tenso
     return torch.nonzero(union)[:, 0] if int(torch.count_nonzero(union)) <= vocab_size // 4 else None
 
 
-def check_bonus(entries: Sequence[tuple]) -> list[bool]:
-    """Critic rows: whether each bonus drawn from the unrestricted target is allowed.
+def critic_masks(blocks: Sequence, vocab_size: int, device: torch.device) -> torch.Tensor | None:
+    """What each critic row's hard constraint allows at each position of its block and after it.
 
-    ``entries[i]`` is ``(row constraint, kept tokens, bonus)``; one batched call per constraint.
+    Returns ``[R, k+1, V]`` bool (True everywhere for other rows and past a row's limit),
+    None when no row has a critic's hard constraint: a bonus drawn outside vetoes the block.
     """
-    ok = [True] * len(entries)
-    groups: dict[int, list[int]] = {}
-    for i, (c, _, _) in enumerate(entries):
-        groups.setdefault(id(c.constraint), []).append(i)
-    for idx in groups.values():
-        c = entries[idx[0]][0].constraint
-        seqs = [entries[i][0].context + tuple(entries[i][1]) + (int(entries[i][2]),) for i in idx]
-        for i, good in zip(idx, c.allows(seqs)):
-            ok[i] = good
-    return ok
+    rows = [
+        i
+        for i, b in enumerate(blocks)
+        if b.constraint is not None and b.constraint.mode == "critic" and not b.constraint.constraint.weighted
+    ]
+    if not rows:
+        return None
+    k = len(blocks[0].tokens)
+    at = [(i, j) for i in rows if not blocks[i].stops for j in range(min(k, blocks[i].limit) + 1)]
+    pairs = [
+        (blocks[i].constraint.constraint, blocks[i].constraint.context + tuple(blocks[i].tokens[:j]))
+        for i, j in at
+    ]
+    out = torch.ones(len(blocks), k + 1, vocab_size, dtype=torch.bool)
+    for (i, j), mask in zip(at, masks_for(pairs)):
+        out[i, j] = mask
+    return to_device(out, device)
+
+
+def next_factors(constraints: Sequence, vocab_size: int, device: torch.device) -> torch.Tensor | None:
+    """Each row's constraint's log-weights for its next token, in either mode (``[R, V]``).
+
+    -inf where a hard constraint forbids, its own log-weights for a weighted one, 0 for rows
+    without one; None when no row has one. A lead token is drawn within them.
+    """
+    rows = [i for i, c in enumerate(constraints) if c is not None]
+    if not rows:
+        return None
+    out = torch.zeros(len(constraints), vocab_size)
+    hard = [i for i in rows if not constraints[i].constraint.weighted]
+    soft = [i for i in rows if constraints[i].constraint.weighted]
+    for i, mask in zip(hard, masks_for([(constraints[i].constraint, constraints[i].context) for i in hard])):
+        out[i] = torch.where(mask, 0.0, -math.inf)
+    for i, w in zip(soft, factors_for([(constraints[i].constraint, constraints[i].context) for i in soft])):
+        out[i] = w
+    return to_device(out, device)
 
 
 def proposal_factors(blocks: Sequence, vocab_size: int, device: torch.device) -> torch.Tensor | None:
@@ -227,7 +255,7 @@ def proposal_factors(blocks: Sequence, vocab_size: int, device: torch.device) ->
         (i, j)
         for i in rows
         if blocks[i].constraint.constraint.weighted
-        for j in range(min(k, blocks[i].kept) + 1)
+        for j in range(min(k, blocks[i].limit) + 1)
     ]
     pairs = [
         (blocks[i].constraint.constraint, blocks[i].constraint.context + tuple(blocks[i].tokens[:j]))
@@ -241,11 +269,11 @@ def proposal_factors(blocks: Sequence, vocab_size: int, device: torch.device) ->
 def _hard_masks(blocks, rows) -> list[list[torch.Tensor]]:
     """Each row's masks from drafting, with the one at the block's end added where it is missing."""
     masks = {i: list(blocks[i].allowed) for i in rows}
-    need = [i for i in rows if len(masks[i]) <= blocks[i].kept and not blocks[i].stops]
+    need = [i for i in rows if len(masks[i]) <= blocks[i].limit and not blocks[i].stops]
     pairs = [
-        (blocks[i].constraint.constraint, blocks[i].constraint.context + tuple(blocks[i].kept_tokens))
+        (blocks[i].constraint.constraint, blocks[i].constraint.context + tuple(blocks[i].limit_tokens))
         for i in need
     ]
     for i, mask in zip(need, masks_for(pairs)):
-        masks[i] = masks[i][: blocks[i].kept] + [mask]
+        masks[i] = masks[i][: blocks[i].limit] + [mask]
     return [masks[i] for i in rows]

@@ -17,7 +17,8 @@ import torch
 
 from ..backends.base import to_device
 from ..config import SMCConfig
-from ..verification import Verdict, power_log_normalizer, restrict_power, sample_tokens, verify_blocks
+from ..ends import row_ends
+from ..verification import BlockBatch, draw_restricted, verify_blocks
 from . import constrained
 from .blocks import BlockRequest, DraftedBlock, ScoredBlock, TokenRequest, block_length
 from .drafting import draft_blocks
@@ -75,82 +76,69 @@ def run_blocks(
     """
     store.queue({r.row: r.unsent for r in requests})
     leads = _leads(store, requests, config, eos, g)
-    out: dict[int, ScoredBlock] = {i: b for i, (_, b) in leads.items() if b is not None}
+    out: dict[int, ScoredBlock] = {i: x.ended for i, x in leads.items() if x.ended is not None}
     go = [i for i in range(len(requests)) if i not in out]
     if go:
-        store.queue({requests[i].row: [leads[i][0][0]] for i in go if i in leads})
+        store.queue({requests[i].row: [leads[i].token] for i in go if i in leads})
         asked = [_after_lead(requests[i], leads.get(i)) for i in go]
-        blocks = _blocks(store, asked, [limits[i] for i in go], config, eos, g)
+        lead_log_w = [leads[i].log_w if i in leads else 0.0 for i in go]
+        blocks = _blocks(store, asked, [limits[i] for i in go], lead_log_w, config, eos, g)
         for i, b in zip(go, blocks):
-            lead, log_z = leads[i][0] if i in leads else (None, 0.0)
-            out[i] = replace(b, lead=lead, log_weight=b.log_weight + log_z)
+            out[i] = replace(b, lead=leads[i].token) if i in leads else b
     return [out[i] for i in range(len(requests))]
 
 
-def _leads(store, requests, c: SMCConfig, eos, g) -> dict[int, tuple[tuple[int, float], ScoredBlock | None]]:
-    """Draw the lead token of every row with nothing queued.
+@dataclass(frozen=True)
+class Lead:
+    """A row's lead token, the log mass it was drawn from, and its block if the lead ends the row."""
 
-    A lead comes from the target power within the context's mask and the block's constraint;
-    its weight is the mass drawn from.
+    token: int
+    log_w: float
+    ended: ScoredBlock | None
 
-    Returns, by request index, ``(lead, log weight)`` and the finished block when the lead
-    alone ends the context (an EOS, the budget, nothing allowed), else None.
+
+def _leads(store, requests, c: SMCConfig, eos, g) -> dict[int, Lead]:
+    """Draw the lead token of every row with nothing queued, by request index.
+
+    A lead comes from the target power within the context's mask and the block's constraint
+    (in either mode, as a proposal is restricted), drawn as a bonus is; its weight is the mass
+    drawn from, which the row's block weighs in.
     """
     todo = [i for i, r in enumerate(requests) if not store.target_pending[r.row]]
     if not todo:
         return {}
-    logits = store.next_logits([requests[i].row for i in todo])  # [m, V], already known: no forward
-    lp = torch.log_softmax(logits.float() / c.target_temperature, -1)
+    logits = store.next_logits([requests[i].row for i in todo]).float() / c.target_temperature  # [m, V]
     masks = [requests[i].mask for i in todo]
-    if any(m is not None for m in masks):
-        within = torch.stack([torch.ones(lp.shape[-1], dtype=torch.bool) if m is None else m for m in masks])
-        lp = lp.masked_fill(~within.to(lp.device), -math.inf)
-        lp = lp - torch.logsumexp(lp, -1, keepdim=True)
-    # A lead is restricted to what the constraint allows in either mode, as a proposal is.
-    blocks = [
-        FirstBlock(None if (x := requests[i].constraint) is None else replace(x, mode="proposal"))
-        for i in todo
-    ]
-    factor = constrained.proposal_factors(blocks, lp.shape[-1], lp.device)
-    power, log_z = restrict_power(
-        c.alpha * lp, power_log_normalizer(lp, 1.0, c.alpha), None if factor is None else factor[:, 0]
-    )
-    lead = sample_tokens(power, 1.0, g)
+    if any(m is not None for m in masks):  # a mask_dist observation: the target within it
+        within = torch.stack(
+            [torch.ones(logits.shape[-1], dtype=torch.bool) if m is None else m for m in masks]
+        )
+        logits = logits.masked_fill(~within.to(logits.device), -math.inf)
+    factor = constrained.next_factors([requests[i].constraint for i in todo], logits.shape[-1], logits.device)
+    lead, log_z = draw_restricted(logits, c.alpha, factor, g)
     tokens, log_z = lead.tolist(), log_z.tolist()  # one host read
     out = {}
     for j, i in enumerate(todo):
         r, t, w = requests[i], tokens[j], log_z[j]
         if w == -math.inf and r.constraint is not None and not r.constraint.context:
             raise ValueError("the constraint allows no first token: no output can satisfy it")
-        ends = w == -math.inf or t in eos or r.budget <= 1
-        done = ScoredBlock(r.row, t, (), 0, None, w, True, dead=w == -math.inf) if ends else None
-        out[i] = ((t, w), done)
+        ended = None
+        if row_ends(None if w == -math.inf else t, 1, r.budget, eos):
+            ended = ScoredBlock(r.row, t, (), 0, None, w, True, dead=w == -math.inf)
+        out[i] = Lead(t, w, ended)
     return out
 
 
-def _after_lead(request: BlockRequest, lead) -> BlockRequest:
+def _after_lead(request: BlockRequest, lead: Lead | None) -> BlockRequest:
     """The request as drafting sees it once its lead is queued (one token less of budget)."""
     if lead is None:
         return request
-    token = lead[0][0]
     c = request.constraint
-    constraint = None if c is None else replace(c, context=(*c.context, token))
+    constraint = None if c is None else replace(c, context=(*c.context, lead.token))
     return replace(request, budget=request.budget - 1, constraint=constraint, unsent=(), mask=None)
 
 
-@dataclass
-class FirstBlock:
-    """The empty block before a lead token: its constraint's mask applies at position 0."""
-
-    constraint: object
-    stops: bool = False
-    kept: int = 0
-    tokens: tuple = ()
-    kept_tokens: tuple = ()
-    allowed: tuple = ()
-
-
-def _blocks(store, requests, limits, c: SMCConfig, eos, g) -> list[ScoredBlock]:
+def _blocks(store, requests, limits, lead_log_w, c: SMCConfig, eos, g) -> list[ScoredBlock]:
     """Draft, score in one fused forward, verify and commit the blocks of rows with a token queued."""
     drafted = draft_blocks(
         store,
@@ -162,22 +150,24 @@ def _blocks(store, requests, limits, c: SMCConfig, eos, g) -> list[ScoredBlock]:
         limits=limits,
         keep_probs=c.cut is not None,
     )
-    block_length(drafted)  # one length for all: they are verified together
+    k = block_length(drafted)  # one length for all: they are verified together
     rows = [b.row for b in drafted]
     logits, hidden = store.score(rows, [b.tokens for b in drafted])
     logits = logits.div_(c.target_temperature)  # [n, k+1, V]
-    verdict = _verify(drafted, logits, c, g)
+    batch = block_batch(drafted, lead_log_w, logits.shape[-1], logits.device, c.cut is not None and k > 0)
+    verdict = verify_blocks(
+        logits, batch, g, alpha=c.alpha, cut=c.cut if k else None, divergence=c.cut_divergence
+    )
     kept, bonus, has_bonus, dead, diverged = torch.stack(
         [verdict.kept, verdict.bonus, verdict.has_bonus, verdict.dead, verdict.diverged]
     ).tolist()  # one host read for every decision
     log_w = verdict.log_w.tolist()
     if any(math.isnan(w) for w in log_w):  # NaN logits show here, already on the host
         store.check_finite()
-    _veto_critic_bonuses(drafted, kept, bonus, has_bonus, log_w)
     out, nexts = [], []
     for i, b in enumerate(drafted):
         nxt = bonus[i] if has_bonus[i] else None
-        ends = nxt is None or nxt in eos or kept[i] + 1 >= b.budget or bool(dead[i])
+        ends = bool(dead[i]) or row_ends(nxt, kept[i] + 1, b.budget, eos)
         block = ScoredBlock(b.row, None, tuple(b.tokens), kept[i], nxt, log_w[i], ends, bool(dead[i]))
         out.append(replace(block, diverged=bool(diverged[i])))
         nexts.append(None if ends else nxt)  # an ending row queues nothing and leaves
@@ -185,37 +175,22 @@ def _blocks(store, requests, limits, c: SMCConfig, eos, g) -> list[ScoredBlock]:
     return out
 
 
-def _verify(
-    drafted: Sequence[DraftedBlock], logits: torch.Tensor, c: SMCConfig, g: torch.Generator
-) -> Verdict:
-    """The blocks as tensors on the logits' device, through ``verify_blocks``."""
-    device, k = logits.device, logits.shape[1] - 1
-    ends, stops, dead = torch.tensor([[b.kept, b.stops, b.dead] for b in drafted], dtype=torch.long).unbind(1)
-    cutting = c.cut is not None and k > 0
-    return verify_blocks(
-        logits,
-        to_device(torch.tensor([b.tokens for b in drafted], dtype=torch.long).view(len(drafted), k), device),
-        to_device(torch.stack([b.draft_logq for b in drafted]).view(len(drafted), k), device),
-        to_device(ends, device),
-        to_device(stops.bool(), device),
-        to_device(dead.bool(), device),
-        g,
-        alpha=c.alpha,
-        cut=c.cut if cutting else None,
-        divergence=c.cut_divergence,
-        draft_probs=torch.stack([b.draft_probs for b in drafted]).to(device) if cutting else None,
-        log_factor=constrained.proposal_factors(drafted, logits.shape[-1], device),
+def block_batch(
+    drafted: Sequence[DraftedBlock], lead_log_w: Sequence[float], vocab: int, device: torch.device, cut: bool
+) -> BlockBatch:
+    """The drafted blocks as verification reads them, on the logits' device."""
+    n, k = len(drafted), len(drafted[0].tokens)
+    limit, stops, dead = torch.tensor([[b.limit, b.stops, b.dead] for b in drafted], dtype=torch.long).unbind(
+        1
     )
-
-
-def _veto_critic_bonuses(drafted, kept, bonus, has_bonus, log_w) -> None:
-    """A critic's bonus drawn from the unrestricted target that breaks the constraint: zero weight."""
-    critic = [
-        i
-        for i, b in enumerate(drafted)
-        if has_bonus[i] and b.constraint is not None and b.constraint.mode == "critic"
-    ]
-    entries = [(drafted[i].constraint, drafted[i].tokens[: kept[i]], bonus[i]) for i in critic]
-    for i, ok in zip(critic, constrained.check_bonus(entries)):
-        if not ok:
-            has_bonus[i], log_w[i] = False, -math.inf
+    return BlockBatch(
+        tokens=to_device(torch.tensor([b.tokens for b in drafted], dtype=torch.long).view(n, k), device),
+        draft_logq=to_device(torch.stack([b.draft_logq for b in drafted]).view(n, k), device),
+        limit=to_device(limit, device),
+        stops=to_device(stops.bool(), device),
+        dead=to_device(dead.bool(), device),
+        lead_log_w=to_device(torch.tensor(lead_log_w, dtype=torch.float32), device),
+        draft_probs=torch.stack([b.draft_probs for b in drafted]).to(device) if cut else None,
+        log_factor=constrained.proposal_factors(drafted, vocab, device),
+        critic_allowed=constrained.critic_masks(drafted, vocab, device),
+    )

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..backends.base import BatchedLM
+from ..ends import first_end
 from ..verification import sample_probs
 from . import constrained
 from .blocks import BlockRequest, DraftedBlock
@@ -119,12 +120,11 @@ def _blocks(run: Drafting, requests, limits, eos) -> list[DraftedBlock]:
 def _ended(row, tokens, logq, budget, constraint, eos, *, limit=0, dead_at=None, probs=None) -> DraftedBlock:
     """Where a block ends: its ``limit``, a constraint's dead end, the first EOS, the budget."""
     end = min(len(tokens), limit, len(tokens) if dead_at is None else dead_at)
-    eos_at = next((j for j, t in enumerate(tokens[:end]) if t in eos), None)
-    kept = min(end if eos_at is None else eos_at + 1, budget)
-    stops = (eos_at is not None and eos_at < kept) or kept >= budget
+    stop = first_end(tokens[:end], 0, budget, eos)
+    counts, stops = (min(end, budget), False) if stop is None else (stop, True)
     # The constraint, not an EOS, the budget or the limit, ended the block: the particle dies.
-    dead = not stops and dead_at is not None and kept == dead_at < min(len(tokens), limit)
-    return DraftedBlock(row, tokens, logq, kept, stops, budget, probs, constraint, dead=dead)
+    dead = not stops and dead_at is not None and counts == dead_at < min(len(tokens), limit)
+    return DraftedBlock(row, tokens, logq, counts, stops, budget, probs, constraint, dead=dead)
 
 
 @dataclass

@@ -21,6 +21,7 @@ import torch
 
 from .. import smc
 from ..config import DraftRecord, SMCConfig
+from ..ends import row_ends
 from .blocks import ScoredBlock
 from .cycle import serve
 from .program import CycleBarrier, Runtime, SMCSDModel, unawaited_calls
@@ -173,8 +174,10 @@ class SMCSDKernel:
             )
         budget = self.config.max_new_tokens
         for p in live:
-            if not p.finished and any(len(x.generated) >= budget for x in p.contexts()):
-                p.finish()  # token-level steps reach the budget here (a block stops there itself)
+            # Token-level steps reach the budget here (a block stops there itself); an EOS
+            # drawn at token level is the program's to act on, as in LLaMPPL.
+            if not p.finished and any(row_ends(-1, len(x.generated), budget, ()) for x in p.contexts()):
+                p.finish()
 
     def _idle(self, state: SMCState, live: list[SMCSDModel], before: list, barrier: CycleBarrier) -> int:
         """Consecutive cycles in which no particle asked, ended or changed; too many is a program bug."""

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..backends.base import BatchedLM, check_finite, to_device
+from ..ends import row_ends
 from ..verification import sample_tokens
 from .registry import MethodOutput, RunContext, register
 
@@ -49,7 +50,7 @@ def autoregressive(
         keep = []
         for i, (req, tok) in enumerate(zip(rows, tokens.tolist())):
             outs[req].append(tok)
-            if tok not in eos and len(outs[req]) < max_new_tokens:
+            if not row_ends(tok, len(outs[req]), max_new_tokens, eos):
                 keep.append(i)
         if on_step is not None:
             on_step(max(len(o) for o in outs))

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ..backends.base import TreeLM
+from ..ends import row_ends
 from ..proposals.retrieval import DraftTree, RetrievalDrafter
 from ..verification import inverse_cdf
 from .registry import MethodOutput, RunContext, register
@@ -76,7 +77,7 @@ class _Requests:
     def going(self, req: int) -> bool:
         """Request ``req`` has neither ended nor spent its budget."""
         out = self.outs[req]
-        return out[-1] not in self.eos and len(out) < self.max_new_tokens
+        return not row_ends(out[-1], len(out), self.max_new_tokens, self.eos)
 
 
 def racer_generate(

@@ -15,6 +15,7 @@ import torch
 
 from ..backends.base import to_device
 from ..config import SMCConfig
+from ..ends import row_ends
 from ..inference.blocks import BlockRequest, DraftedBlock
 from ..inference.drafting import draft_blocks
 from ..inference.rows import RowStore
@@ -100,7 +101,7 @@ class SpeculativeLoop:
         self.store.queue({i: [x] for i, x in enumerate(x0)})
         self.outs = [[x] for x in x0]
         self.drafted, self.accepted, self.vetoes = [0] * n, [0] * n, [0] * n
-        self.rows = [i for i, x in enumerate(x0) if x not in self.eos and self.config.max_new_tokens > 1]
+        self.rows = [i for i, x in enumerate(x0) if not row_ends(x, 1, self.config.max_new_tokens, self.eos)]
         self.store.fork(self.rows)
 
     def draft(self) -> None:
@@ -128,9 +129,9 @@ class SpeculativeLoop:
         n_acc, nxt, vetoed = self.accept(target_probs, draft_probs, tokens, self.g)
         n_acc, nxt, vetoed = torch.stack([n_acc, nxt, vetoed.long()]).tolist()  # one host read
         for r, b, m, v in zip(self.rows, blocks, n_acc, vetoed):
-            self.drafted[r] += b.kept
-            self.accepted[r] += min(m, b.kept)
-            self.vetoes[r] += int(v and m < b.kept)
+            self.drafted[r] += b.limit
+            self.accepted[r] += min(m, b.limit)
+            self.vetoes[r] += int(v and m < b.limit)
         going = self._settle(blocks, n_acc, nxt, hidden)
         self.rows = [self.rows[i] for i in going]
         self.blocks = None
@@ -148,16 +149,16 @@ class SpeculativeLoop:
         kept, nexts, going = [], [], []
         for i, (b, m, t) in enumerate(zip(blocks, n_acc, nxt)):
             out = self.outs[self.rows[i]]
-            if m >= b.kept:  # everything up to the EOS / budget cut was accepted
-                out.extend(b.kept_tokens)
+            if m >= b.limit:  # everything up to the EOS / budget cut was accepted
+                out.extend(b.countable)
                 t = None if b.stops else t
-                kept.append(b.kept)
+                kept.append(b.limit)
             else:  # rejected at m (by SD or by a veto): t replaces d_{m+1}
                 out.extend(b.tokens[:m])
                 kept.append(m)
             if t is not None:
                 out.append(t)
-                if t in self.eos or len(out) >= self.config.max_new_tokens:
+                if row_ends(t, len(out), self.config.max_new_tokens, self.eos):
                     t = None
             nexts.append(t)
             if t is not None:

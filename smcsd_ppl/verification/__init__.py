@@ -1,14 +1,32 @@
 """Pure verification math (torch only): SMC-SD block verification, exact SD and EASD acceptance."""
 
 from .exact import residual_after, speculative_accept
-from .sampling import inverse_cdf, pick, power_log_normalizer, restrict_power, sample_probs, sample_tokens
-from .smcsd import DIVERGENCES, Verdict, block_log_weights, cut_divergence, first_cut, verify_blocks
+from .sampling import (
+    draw_restricted,
+    inverse_cdf,
+    pick,
+    power_log_normalizer,
+    restrict_power,
+    sample_probs,
+    sample_tokens,
+)
+from .smcsd import (
+    DIVERGENCES,
+    BlockBatch,
+    Verdict,
+    block_log_weights,
+    cut_divergence,
+    first_cut,
+    verify_blocks,
+)
 
 __all__ = [
     "DIVERGENCES",
+    "BlockBatch",
     "Verdict",
     "block_log_weights",
     "cut_divergence",
+    "draw_restricted",
     "first_cut",
     "inverse_cdf",
     "pick",

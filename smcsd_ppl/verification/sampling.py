@@ -67,3 +67,18 @@ def restrict_power(
     kept = torch.logsumexp(tilted, -1) - torch.logsumexp(power, -1)  # exactly 0 where the factor is 0
     none = ~torch.isfinite(log_factor).any(-1, keepdim=True)
     return torch.where(none, power, tilted), log_z + kept
+
+
+def draw_restricted(
+    logits: torch.Tensor,  # [R, V] l / T_t where the token is drawn
+    alpha: float,
+    log_factor: torch.Tensor | None,  # [R, V] a constraint's log-weights (-inf: not allowed); None: none
+    g: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row from p_T^alpha times the factor, and the log mass drawn from (``[R]`` each).
+
+    The lead token before a block and the bonus token after it are both drawn here; the
+    mass is the token's weight (-inf where the factor allows nothing).
+    """
+    power, log_z = restrict_power(alpha * logits, power_log_normalizer(logits, 1.0, alpha), log_factor)
+    return sample_tokens(power, 1.0, g), log_z

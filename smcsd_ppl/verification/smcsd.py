@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import pick, power_log_normalizer, restrict_power, sample_tokens
+from .sampling import draw_restricted, pick
 
 
 def block_log_weights(
@@ -85,11 +85,41 @@ def first_cut(divergence: torch.Tensor, threshold: float) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
+class BlockBatch:
+    """R rows' drafted blocks of k tokens, as verification reads them (V: the vocabulary).
+
+    Attributes:
+        tokens: ``[R, k]`` drafted tokens.
+        draft_logq: ``[R, k]`` log q of each (masked q where a constraint restricts).
+        limit: ``[R]`` drafted tokens that may count: an EOS (kept), the budget, the draft
+            length or a dead end.
+        stops: ``[R]`` bool, the block ends the particle at ``limit`` (EOS or budget).
+        dead: ``[R]`` bool, a constraint allowed nothing at position ``limit``.
+        lead_log_w: ``[R]`` log mass the row's lead token was drawn from (0: no lead).
+        draft_probs: ``[R, k, V]`` q at each drafted position, for the cut (None: no cut).
+        log_factor: ``[R, k+1, V]`` a constraint's log-weights the target is tilted by (-inf:
+            not allowed; the lead's, the kept tokens' and the bonus's); None: no row has one.
+        critic_allowed: ``[R, k+1, V]`` bool, what a critic's hard constraint allows at each
+            position: a bonus drawn from the whole target outside it vetoes the block; None: none.
+    """
+
+    tokens: torch.Tensor
+    draft_logq: torch.Tensor
+    limit: torch.Tensor
+    stops: torch.Tensor
+    dead: torch.Tensor
+    lead_log_w: torch.Tensor
+    draft_probs: torch.Tensor | None = None
+    log_factor: torch.Tensor | None = None
+    critic_allowed: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
 class Verdict:
     """What verification decided for each row (every field ``[R]`` unless shaped otherwise).
 
     Attributes:
-        kept: drafted tokens that count.
+        kept: drafted tokens the target kept.
         diverged: the quality cut ended the block.
         stops: the block ends the particle (a drafted EOS or the budget): no bonus.
         dead: a constraint allowed nothing where the block ends: zero weight.
@@ -97,7 +127,8 @@ class Verdict:
         bonus: the token drawn from the target after the kept prefix (where ``has_bonus``).
         has_bonus: a bonus token follows the kept prefix.
         bonus_log_z: log of the mass of p_T^alpha the bonus was drawn from (allowed tokens only).
-        log_w: the SMC-SD log-weight increment (-inf for a dead block or a row with no bonus to draw).
+        log_w: the block's SMC-SD log-weight increment, its lead's included (-inf for a dead
+            block, a row with no bonus to draw, or a critic's vetoed bonus).
     """
 
     kept: torch.Tensor
@@ -113,18 +144,12 @@ class Verdict:
 
 def verify_blocks(
     logits: torch.Tensor,  # [R, k+1, V] l / T_t at the drafted positions and after the last
-    tokens: torch.Tensor,  # [R, k] drafted tokens
-    draft_logq: torch.Tensor,  # [R, k] log q of each (masked q where a constraint restricts)
-    ends: torch.Tensor,  # [R] drafted tokens that may count: EOS (kept), budget, draft length, dead end
-    stops: torch.Tensor,  # [R] bool: the block ends the particle at ``ends`` (EOS or budget)
-    dead: torch.Tensor,  # [R] bool: a constraint allowed nothing at position ``ends``
+    batch: BlockBatch,
     g: torch.Generator,
     *,
     alpha: float = 1.0,
     cut: float | None = None,
     divergence: str = "tv",
-    draft_probs: torch.Tensor | None = None,  # [R, k, V] q, needed by the cut
-    log_factor: torch.Tensor | None = None,  # [R, k+1, V] a proposal constraint's log-weights (-inf: no)
 ) -> Verdict:
     """Cut each block, weigh it, and draw its bonus token from the (restricted) target power.
 
@@ -132,27 +157,31 @@ def verify_blocks(
     so the weights stay proper); a dead block comes alive when the cut falls at or before
     the position that killed it, since the token there is dropped. Kept tokens weigh their
     ``log_factor`` too, and the bonus is drawn from p_T^alpha times the factor (restricted to
-    allowed tokens), weighing the mass it was drawn from.
+    allowed tokens), weighing the mass it was drawn from. A critic's bonus outside what its
+    constraint allows gets zero weight. The lead token's mass adds to the block's weight.
     """
+    tokens, log_factor = batch.tokens, batch.log_factor
     r, k = tokens.shape
-    kept, diverged = ends, torch.zeros_like(stops)
+    kept, diverged, stops, dead = batch.limit, torch.zeros_like(batch.stops), batch.stops, batch.dead
     if cut is not None and k:
         factor = log_factor[:, :k] if log_factor is not None else None
-        at = first_cut(cut_divergence(logits[:, :k], draft_probs, alpha, divergence, factor), cut)
-        diverged = (at < ends) | (dead & (at == ends))
-        kept = torch.where(diverged, at, ends)
+        at = first_cut(cut_divergence(logits[:, :k], batch.draft_probs, alpha, divergence, factor), cut)
+        diverged = (at < kept) | (dead & (at == kept))
+        kept = torch.where(diverged, at, kept)
         stops, dead = stops & ~diverged, dead & ~diverged
     target_logp = pick(torch.log_softmax(logits[:, :k], -1), tokens)
     rows = torch.arange(r, device=logits.device)
-    at_bonus = logits[rows, kept]  # [R, V]
-    power, bonus_log_z = restrict_power(
-        alpha * at_bonus,
-        power_log_normalizer(at_bonus, 1.0, alpha),
-        log_factor[rows, kept] if log_factor is not None else None,
+    bonus, bonus_log_z = draw_restricted(
+        logits[rows, kept], alpha, log_factor[rows, kept] if log_factor is not None else None, g
     )
-    bonus = sample_tokens(power, 1.0, g)
     has_bonus = ~stops & ~dead & torch.isfinite(bonus_log_z)
+    vetoed = torch.zeros_like(has_bonus)
+    if batch.critic_allowed is not None:
+        vetoed = has_bonus & ~batch.critic_allowed[rows, kept, bonus]
     drafted_factor = pick(log_factor[:, :k], tokens) if log_factor is not None else None
-    log_w = block_log_weights(target_logp, draft_logq, kept, bonus_log_z, has_bonus, alpha, drafted_factor)
-    log_w = log_w.masked_fill(dead | (~stops & ~has_bonus), -torch.inf)
+    log_w = block_log_weights(
+        target_logp, batch.draft_logq, kept, bonus_log_z, has_bonus, alpha, drafted_factor
+    )
+    log_w = (log_w + batch.lead_log_w).masked_fill(dead | (~stops & ~has_bonus) | vetoed, -torch.inf)
+    has_bonus = has_bonus & ~vetoed
     return Verdict(kept, diverged, stops, dead, target_logp, bonus, has_bonus, bonus_log_z, log_w)
