@@ -135,6 +135,13 @@ class ScoredBlock:
         return lead + list(self.drafted[: self.kept]) + ([] if self.bonus is None else [self.bonus])
 
 
+CycleRequest = BlockRequest | TokenRequest
+"""What a particle's step asks of its cycle: a block, or a row's next-token distribution."""
+
+CycleAnswer = ScoredBlock | torch.Tensor
+"""What it gets back: its ``ScoredBlock``, or the row's next-token log-probabilities ``[V]``."""
+
+
 def block_length(blocks: Sequence[DraftedBlock]) -> int:
     """The common length of blocks drafted in one ``draft_blocks`` call."""
     lengths = {len(b.tokens) for b in blocks}

@@ -10,7 +10,7 @@ distribution of its row: one target forward for every such row of the flush.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -20,18 +20,34 @@ from ..config import SMCConfig
 from ..ends import row_ends
 from ..verification import BlockBatch, draw_restricted, verify_blocks
 from . import constrained
-from .blocks import BlockRequest, DraftedBlock, ScoredBlock, TokenRequest, block_length
+from .blocks import (
+    BlockRequest,
+    CycleAnswer,
+    CycleRequest,
+    DraftedBlock,
+    ScoredBlock,
+    TokenRequest,
+    block_length,
+)
 from .drafting import draft_blocks
 from .rows import RowStore
 
 
-def serve(store: RowStore, requests: list, *, config: SMCConfig, eos: set[int], limits, g) -> list:
+def serve(
+    store: RowStore,
+    requests: Sequence[CycleRequest],
+    *,
+    config: SMCConfig,
+    eos: Container[int],
+    limits: Mapping[int, int],
+    g: torch.Generator,
+) -> list[CycleAnswer]:
     """Answer one flush's requests, in order.
 
     Each ``TokenRequest`` gets its row's next-token log-probabilities ``[V]`` (on the host),
-    each ``BlockRequest`` its ``ScoredBlock``; ``limits(row)`` is a row's draft length.
+    each ``BlockRequest`` its ``ScoredBlock``; ``limits[row]`` is a row's draft length.
     """
-    out: list = [None] * len(requests)
+    out: list[CycleAnswer | None] = [None] * len(requests)
     tokens = [i for i, r in enumerate(requests) if isinstance(r, TokenRequest)]
     if tokens:
         for i, lp in zip(tokens, run_tokens(store, [requests[i] for i in tokens], config)):
@@ -39,7 +55,7 @@ def serve(store: RowStore, requests: list, *, config: SMCConfig, eos: set[int], 
     blocks = [i for i, r in enumerate(requests) if isinstance(r, BlockRequest)]
     if blocks:
         asked = [requests[i] for i in blocks]
-        lengths = [limits(r.row) for r in asked]
+        lengths = [limits[r.row] for r in asked]
         for i, b in zip(blocks, run_blocks(store, asked, config=config, eos=eos, limits=lengths, g=g)):
             out[i] = b
     return out

@@ -9,7 +9,7 @@ EOS, its budget, its draft length, or where its constraint ends it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -51,7 +51,7 @@ def draft_blocks(
     rows = [r.row for r in requests]
     limits = [block_size] * len(rows) if limits is None else [min(block_size, n) for n in limits]
     if not any(limits):  # nobody drafts: the target alone decodes this cycle
-        return [_ended(r.row, [], torch.zeros(0), r.budget, r.constraint, eos) for r in requests]
+        return [_ended(r, [], torch.zeros(0), eos) for r in requests]
     settings = dict(block_size=block_size, temperature=temperature, eos=eos, g=g, keep_probs=keep_probs)
     run = _start(store, requests, limits, **settings)
     for j in range(block_size):
@@ -102,11 +102,9 @@ def _blocks(run: Drafting, requests, limits, eos) -> list[DraftedBlock]:
     for i, (req, n) in enumerate(zip(requests, limits)):
         r = req.row
         block = _ended(
-            r,
+            req,
             tokens[r].tolist(),
             logq[r],
-            req.budget,
-            req.constraint,
             eos,
             limit=min(n, run.masking.cut_at.get(i, n)),
             dead_at=dead_at.get(i),
@@ -117,14 +115,26 @@ def _blocks(run: Drafting, requests, limits, eos) -> list[DraftedBlock]:
     return blocks
 
 
-def _ended(row, tokens, logq, budget, constraint, eos, *, limit=0, dead_at=None, probs=None) -> DraftedBlock:
-    """Where a block ends: its ``limit``, a constraint's dead end, the first EOS, the budget."""
+def _ended(
+    request: BlockRequest,
+    tokens: list[int],
+    logq: torch.Tensor,  # [k]
+    eos: Container[int],
+    *,
+    limit: int = 0,
+    dead_at: int | None = None,
+    probs: torch.Tensor | None = None,  # [k, V]
+) -> DraftedBlock:
+    """Where a request's block ends: its ``limit``, a constraint's dead end, the first EOS, the budget."""
+    budget = request.budget
     end = min(len(tokens), limit, len(tokens) if dead_at is None else dead_at)
     stop = first_end(tokens[:end], 0, budget, eos)
     counts, stops = (min(end, budget), False) if stop is None else (stop, True)
     # The constraint, not an EOS, the budget or the limit, ended the block: the particle dies.
     dead = not stops and dead_at is not None and counts == dead_at < min(len(tokens), limit)
-    return DraftedBlock(row, tokens, logq, counts, stops, budget, probs, constraint, dead=dead)
+    return DraftedBlock(
+        request.row, tokens, logq, counts, stops, budget, probs, request.constraint, dead=dead
+    )
 
 
 @dataclass

@@ -19,13 +19,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from llamppl import Model
 
 from ..potentials.constraints import Constraint
-from .blocks import BlockRequest, RowConstraint, ScoredBlock, check_constraint
+from .blocks import BlockRequest, CycleAnswer, CycleRequest, RowConstraint, ScoredBlock, check_constraint
 from .context import LMContext
 
 
@@ -39,15 +38,15 @@ class CycleBarrier:
 
     def __init__(self) -> None:
         self.active = 0
-        self.handler: Callable[[list], list] | None = None
-        self.pending: list[tuple[Any, asyncio.Future]] = []
+        self.handler: Callable[[list[CycleRequest]], list[CycleAnswer]] | None = None
+        self.pending: list[tuple[CycleRequest, asyncio.Future]] = []
         self.served = 0  # requests served since the cycle opened
 
-    def open(self, n_active: int, handler: Callable[[list], list]) -> None:
+    def open(self, n_active: int, handler: Callable[[list[CycleRequest]], list[CycleAnswer]]) -> None:
         """Start a cycle with ``n_active`` stepping particles, served by ``handler``."""
         self.active, self.handler, self.pending, self.served = n_active, handler, [], 0
 
-    async def submit(self, item: Any) -> Any:
+    async def submit(self, item: CycleRequest) -> CycleAnswer:
         """Queue a request; resolves when its batch has run."""
         future = asyncio.get_running_loop().create_future()
         self.pending.append((item, future))

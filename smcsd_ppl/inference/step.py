@@ -22,7 +22,7 @@ import torch
 from .. import smc
 from ..config import DraftRecord, SMCConfig
 from ..ends import row_ends
-from .blocks import ScoredBlock
+from .blocks import CycleAnswer, CycleRequest, ScoredBlock
 from .cycle import serve
 from .program import CycleBarrier, Runtime, SMCSDModel, unawaited_calls
 from .rows import RowStore
@@ -130,8 +130,8 @@ class SMCSDKernel:
         }
         blocks: dict[int, list[ScoredBlock]] = {}
 
-        def handler(requests: list) -> list:
-            out = serve(self.store, requests, config=self.config, eos=self.eos, limits=limits.get, g=g_tokens)
+        def handler(requests: list[CycleRequest]) -> list[CycleAnswer]:
+            out = serve(self.store, requests, config=self.config, eos=self.eos, limits=limits, g=g_tokens)
             for b in out:
                 if isinstance(b, ScoredBlock):
                     blocks.setdefault(b.row, []).append(b)
