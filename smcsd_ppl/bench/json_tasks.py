@@ -30,9 +30,9 @@ import jsonschema
 
 from ..config import DraftRecord, SMCConfig
 from ..inference.program import SMCSDModel
-from ..methods import steering
 from ..methods.smcsd import run_programs
 from ..potentials import JsonSchemaConstraint
+from . import steering
 from .engines import FLAT, NESTED
 
 
@@ -158,8 +158,13 @@ def _smcsd(pair, schema: JsonSchemaConstraint, text: str, config: SMCConfig, rec
     return out.texts[0], statistics.fmean(len(p.token_ids) for p in particles) if particles else 0.0
 
 
-def run_method(method: str, pair, task: str, item: Extraction, constraint, config: SMCConfig) -> Run:
-    """Run one method on one text (``constraint``: the task's ``JsonSchemaConstraint`` or genlm one)."""
+def run_method(
+    method: str, pair, task: str, item: Extraction, constraint, config: SMCConfig, lms=None
+) -> Run:
+    """Run one method on one text (``constraint``: the task's ``JsonSchemaConstraint`` or genlm one).
+
+    ``lms``: the ``steering.TokenLMs`` that ``genlm_awrs`` reads the target through (None: its own).
+    """
     schema = TASKS[task][0]
     start = time.perf_counter()
     if method in ("smcsd", "smcsd_paper"):
@@ -178,6 +183,7 @@ def run_method(method: str, pair, task: str, item: Extraction, constraint, confi
             temperature=config.target_temperature,
             seed=config.seed,
             sampler="awrs",
+            lms=lms,
         )
         text, tokens = rec.text, rec.tokens
     else:
@@ -209,10 +215,11 @@ def compare_json(
         for t in tasks
         if "genlm_awrs" in methods
     }
+    lms = steering.TokenLMs()  # genlm-control's view of the target, built once for every run
     first = tasks[0], TASKS[tasks[0]][2][0]
     for method in methods:  # untimed: lazy imports, the token-level backend, first-call kernels
         constraint = theirs[first[0]] if method == "genlm_awrs" else ours[first[0]]
-        run_method(method, pair, *first, constraint, dataclasses.replace(config, max_new_tokens=2))
+        run_method(method, pair, *first, constraint, dataclasses.replace(config, max_new_tokens=2), lms)
     runs = []
     for rep in range(repeats):
         call = dataclasses.replace(config, seed=config.seed + rep)
@@ -220,7 +227,7 @@ def compare_json(
             for item in TASKS[task][2]:
                 for method in methods:
                     constraint = theirs[task] if method == "genlm_awrs" else ours[task]
-                    runs.append(run_method(method, pair, task, item, constraint, call))
+                    runs.append(run_method(method, pair, task, item, constraint, call, lms))
                     if on_run is not None:
                         on_run(runs[-1])
     return runs

@@ -9,7 +9,7 @@ from .loading import load_pair
 from .options import SMC_DEFAULTS, command, smc_args, smc_config
 from .util import check_threads, csv, cut_value, err, progress
 
-# The names of smcsd_ppl.methods.steering.STEERING_METHODS, kept here so that building the parser imports no
+# The names of smcsd_ppl.bench.steering.STEERING_METHODS, kept here so that building the parser imports no
 # torch; a test checks that they match.
 CONSTRAINED_METHODS = (
     "smcsd_proposal",
