@@ -20,18 +20,32 @@ the caller's ``TokenLMs``; its caches are cleared before every run, its auto-bat
 to N (a batch leaves as soon as every particle has asked) and only the prompt's KV is cached,
 as those libraries do. ``seconds`` covers the SMC call, prompt prefill included; building
 vocabularies, coercions and compiled constraints once per pair or constraint is not timed.
-Importing this package registers every runner in ``STEERING_METHODS``.
+``STEERING_METHODS`` names every runner, as the method registry names the generation methods.
 """
 
-from . import smcsd, token_level  # noqa: F401 (they register, in this order)
-from .base import STEERING_METHODS, SteeringRecord, SteeringRunner, TaskConstraint, get, register
+from functools import partial
+
+from .base import SteeringRecord, SteeringRunner, TaskConstraint
 from .smcsd import EveryParticle, smcsd_constrained, smcsd_filtered, smcsd_plain
-from .token_level import GENLM_SAMPLERS, TokenLMs, genlm_smc, llamppl_smc, seeded
+from .token_level import GENLM_SAMPLERS, TokenLMs, TokenRun, genlm_smc, llamppl_smc, seeded
+
+STEERING_METHODS: dict[str, SteeringRunner] = {
+    "smcsd_proposal": partial(smcsd_constrained, mode="proposal"),
+    "smcsd_critic": partial(smcsd_constrained, mode="critic"),
+    "smcsd_filtered": smcsd_filtered,
+    "smcsd_plain": smcsd_plain,
+    "llamppl_smc": llamppl_smc,
+    "llamppl_masked": partial(llamppl_smc, masked=True),
+    "genlm_awrs": partial(genlm_smc, sampler="awrs"),
+    "genlm_direct": partial(genlm_smc, sampler="direct"),
+    "genlm_critic": partial(genlm_smc, sampler="critic"),
+}
+"""Every constrained-generation method by name: ``(ctx, prompt, constraint, **kw) -> SteeringRecord``."""
 
 SMCSD_STEERING = tuple(name for name in STEERING_METHODS if name.startswith("smcsd_"))
 """The SMC-SD ones (they take a block size K and a quality cut)."""
 TOKEN_STEERING = tuple(name for name in STEERING_METHODS if name not in SMCSD_STEERING)
-"""The token-level libraries' (they take a ``TokenLMs``)."""
+"""The token-level libraries' (they take a ``TokenLMs`` as ``lms``)."""
 
 __all__ = [
     "GENLM_SAMPLERS",
@@ -43,10 +57,9 @@ __all__ = [
     "SteeringRunner",
     "TaskConstraint",
     "TokenLMs",
+    "TokenRun",
     "genlm_smc",
-    "get",
     "llamppl_smc",
-    "register",
     "seeded",
     "smcsd_constrained",
     "smcsd_filtered",

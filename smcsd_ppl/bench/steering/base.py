@@ -1,4 +1,4 @@
-"""What every steering runner shares: its record, its constraint, its output pick, its registry."""
+"""What every steering runner shares: its record, its constraint, and how it picks its output."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 
 import numpy as np
 import torch
@@ -148,25 +147,4 @@ def select(rec: SteeringRecord, log_w: torch.Tensor, seed: int) -> None:
 
 
 SteeringRunner = Callable[..., SteeringRecord]
-STEERING_METHODS: dict[str, SteeringRunner] = {}
-"""Every constrained-generation method by name: ``(ctx, prompt, constraint, **kw) -> SteeringRecord``.
-
-Filled by ``register``; importing ``smcsd_ppl.bench.steering`` loads every runner.
-"""
-
-
-def register(name: str, **bound) -> Callable[[SteeringRunner], SteeringRunner]:
-    """Decorator adding a runner to ``STEERING_METHODS`` under ``name``, ``bound`` keywords fixed."""
-
-    def add(run: SteeringRunner) -> SteeringRunner:
-        STEERING_METHODS[name] = partial(run, **bound) if bound else run
-        return run
-
-    return add
-
-
-def get(name: str) -> SteeringRunner:
-    """The steering method called ``name``, or a ``ValueError`` listing the known ones."""
-    if name not in STEERING_METHODS:
-        raise ValueError(f"unknown method {name!r}; choose from {', '.join(STEERING_METHODS)}")
-    return STEERING_METHODS[name]
+"""A steering method: ``(ctx, prompt, constraint, **kw) -> SteeringRecord``."""

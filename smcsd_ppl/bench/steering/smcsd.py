@@ -12,20 +12,16 @@ from ...config import SMCConfig
 from ...inference.program import SMCSDModel
 from ...methods.registry import RunContext
 from ...methods.smcsd import run_programs
-from .base import SteeringRecord, as_constraint, finish, register, select
+from .base import SteeringRecord, as_constraint, finish, select
 
 
-def _smcsd(ctx, program, task, name, *, n_particles, max_new_tokens, temperature, seed, block_size, **cfg):
-    """Run one SMC-SD program under the call's settings; the record keeps SMC-SD's own log Z."""
-    config = SMCConfig(
-        n_particles=n_particles,
-        block_size=block_size,
-        draft_temperature=temperature,
-        target_temperature=temperature,
-        max_new_tokens=max_new_tokens,
-        seed=seed,
-        **cfg,
-    )
+def _smcsd(ctx, program, task, name, *, temperature, **settings):
+    """Run one SMC-SD program under the call's settings; the record keeps SMC-SD's own log Z.
+
+    ``settings`` are ``SMCConfig`` fields (N, K, budget, seed, cut, ignore_eos); ``temperature``
+    is both models' T.
+    """
+    config = SMCConfig(draft_temperature=temperature, target_temperature=temperature, **settings)
     # The program holds its prompt; the engine follows this call's config (ignore_eos included).
     run_ctx = dataclasses.replace(ctx, prompts=[], config=config, on_progress=None)
     ctx.target_lm.stats.reset()
@@ -33,7 +29,7 @@ def _smcsd(ctx, program, task, name, *, n_particles, max_new_tokens, temperature
     (info,) = run_programs(run_ctx, [program]).info
     seconds, particles = time.perf_counter() - start, info.particles
     ids, log_w = [p.token_ids for p in particles], [p.log_weight for p in particles]
-    rec = finish(name, ctx, task, ids, log_w, seconds, seed)
+    rec = finish(name, ctx, task, ids, log_w, seconds, config.seed)
     rec.extra = {
         "n_resamples": info.n_resamples,
         "mean_ess": info.mean_ess,
@@ -43,8 +39,6 @@ def _smcsd(ctx, program, task, name, *, n_particles, max_new_tokens, temperature
     return rec
 
 
-@register("smcsd_critic", mode="critic")
-@register("smcsd_proposal", mode="proposal")
 def smcsd_constrained(
     ctx: RunContext, prompt, constraint, *, mode="proposal", block_size=8, **kw
 ) -> SteeringRecord:
@@ -54,7 +48,6 @@ def smcsd_constrained(
     return _smcsd(ctx, program, task, f"smcsd_{mode}", block_size=block_size, **_defaults(kw))
 
 
-@register("smcsd_filtered")
 def smcsd_filtered(ctx: RunContext, prompt, constraint, *, seed=0, **kw) -> SteeringRecord:
     """SMC-SD without the constraint, then rejection: only valid particles may be returned.
 
@@ -74,7 +67,6 @@ def smcsd_filtered(ctx: RunContext, prompt, constraint, *, seed=0, **kw) -> Stee
     return rec
 
 
-@register("smcsd_plain")
 def smcsd_plain(
     ctx: RunContext, prompt, constraint, *, block_size=8, ignore_eos=False, **kw
 ) -> SteeringRecord:

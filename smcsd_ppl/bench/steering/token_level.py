@@ -12,12 +12,13 @@ import random
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from ...methods.registry import RunContext
-from .base import SteeringRecord, as_constraint, finish, register
+from .base import SteeringRecord, as_constraint, finish
 
 
 class TokenLMs:
@@ -65,42 +66,51 @@ def seeded(seed: int) -> Iterator[None]:
         random.setstate(py_state)
 
 
-@register("llamppl_masked", masked=True)
-@register("llamppl_smc")
-def llamppl_smc(
-    ctx: RunContext,
-    prompt,
-    constraint,
-    *,
-    n_particles,
-    max_new_tokens,
-    temperature=1.0,
-    seed=0,
-    masked=False,
-    lms: TokenLMs | None = None,
-) -> SteeringRecord:
-    """LLaMPPL ``smc_standard`` over a token-by-token target program (see the package doc)."""
+@dataclass(frozen=True)
+class TokenRun:
+    """The settings of one token-level run (the keywords every runner here takes).
+
+    Attributes:
+        n_particles: N.
+        max_new_tokens: the budget, a closing EOS included.
+        temperature: the target's T.
+        seed: seeds the libraries' draws and the output pick.
+        lms: the target as those libraries read it (None: built for this run).
+    """
+
+    n_particles: int
+    max_new_tokens: int
+    temperature: float = 1.0
+    seed: int = 0
+    lms: TokenLMs | None = None
+
+    def fresh(self, ctx: RunContext):
+        """The target's (``AsyncTransformer``, ``CachedCausalLM``), reset for this run."""
+        return (self.lms or TokenLMs()).fresh(ctx, self.n_particles)
+
+
+def llamppl_smc(ctx: RunContext, prompt, constraint, *, masked=False, **kw) -> SteeringRecord:
+    """LLaMPPL ``smc_standard`` over a token-by-token target program; ``kw``: ``TokenRun``'s fields."""
     from llamppl import LMContext, smc_standard
 
-    task = as_constraint(ctx, constraint)
-    prompt_ids = ctx.encode(prompt)
-    program = _token_program(task, set(ctx.eos), max_new_tokens, masked)
-    _, lm = (lms or TokenLMs()).fresh(ctx, n_particles)
+    run, task, prompt_ids = TokenRun(**kw), as_constraint(ctx, constraint), ctx.encode(prompt)
+    program = _token_program(task, set(ctx.eos), run.max_new_tokens, masked)
+    _, lm = run.fresh(ctx)
     prompt_text = lm.tokenizer.decode(prompt_ids)  # LMContext takes text: chat-template ids, decoded
     if lm.tokenizer.encode(prompt_text) != list(prompt_ids):
         raise ValueError("the prompt's token ids do not survive decoding and encoding: LLaMPPL takes text")
 
     async def go():
         lm.cache_kv(prompt_ids)
-        lm_ctx = await LMContext.create(lm, prompt_text, temperature)
-        return await smc_standard(program(lm_ctx), n_particles, 0.5, resampling_method="systematic")
+        lm_ctx = await LMContext.create(lm, prompt_text, run.temperature)
+        return await smc_standard(program(lm_ctx), run.n_particles, 0.5, resampling_method="systematic")
 
-    with seeded(seed):
+    with seeded(run.seed):
         start = time.perf_counter()
         ps = asyncio.run(go())
         seconds = time.perf_counter() - start
     name = "llamppl_masked" if masked else "llamppl_smc"
-    return finish(name, ctx, task, [p.ids for p in ps], [p.weight for p in ps], seconds, seed)
+    return finish(name, ctx, task, [p.ids for p in ps], [p.weight for p in ps], seconds, run.seed)
 
 
 def _token_program(task, eos: set[int], max_new_tokens: int, masked: bool):
@@ -127,47 +137,35 @@ def _token_program(task, eos: set[int], max_new_tokens: int, masked: bool):
 GENLM_SAMPLERS = ("awrs", "direct", "critic")
 
 
-@register("genlm_critic", sampler="critic")
-@register("genlm_direct", sampler="direct")
-@register("genlm_awrs", sampler="awrs")
-def genlm_smc(
-    ctx: RunContext,
-    prompt,
-    constraint,
-    *,
-    n_particles,
-    max_new_tokens,
-    temperature=1.0,
-    seed=0,
-    sampler="awrs",
-    lms: TokenLMs | None = None,
-) -> SteeringRecord:
-    """genlm-control ``SMC``: ``sampler`` is ``awrs``, ``direct`` (llm x constraint) or ``critic``."""
+def genlm_smc(ctx: RunContext, prompt, constraint, *, sampler="awrs", **kw) -> SteeringRecord:
+    """genlm-control ``SMC``, ``sampler`` ``awrs``, ``direct`` (llm x constraint) or ``critic``.
+
+    ``kw``: ``TokenRun``'s fields.
+    """
     from genlm.control import PromptedLLM
 
     if sampler not in GENLM_SAMPLERS:
         raise ValueError(f"sampler must be one of {GENLM_SAMPLERS}, got {sampler!r}")
-    task = as_constraint(ctx, constraint)
-    prompt_ids = ctx.encode(prompt)
-    backend, _ = (lms or TokenLMs()).fresh(ctx, n_particles)
+    run, task, prompt_ids = TokenRun(**kw), as_constraint(ctx, constraint), ctx.encode(prompt)
+    backend, _ = run.fresh(ctx)
     eos_bytes = [backend.byte_vocab[i].byte_string for i in ctx.eos]
-    llm = PromptedLLM(backend, prompt_ids=prompt_ids, eos_byte_strings=eos_bytes, temperature=temperature)
-    smc_run = _genlm_smc(sampler, llm, task.potential.coerce(llm, f=b"".join), seed)
+    llm = PromptedLLM(backend, prompt_ids=prompt_ids, eos_byte_strings=eos_bytes, temperature=run.temperature)
+    smc_run = _genlm_smc(sampler, llm, task.potential.coerce(llm, f=b"".join), run.seed)
 
     async def go():
         backend.cache_kv(prompt_ids)
         try:  # max_tokens counts the closing EOS, as max_new_tokens does for the other runners
-            return await smc_run(n_particles, 0.5, max_new_tokens, resampling_method="systematic")
+            return await smc_run(run.n_particles, 0.5, run.max_new_tokens, resampling_method="systematic")
         finally:
             await smc_run.cleanup()
 
-    with seeded(seed):
+    with seeded(run.seed):
         start = time.perf_counter()
         seqs = asyncio.run(go())
         seconds = time.perf_counter() - start
     ids = [[t.token_id for t in seq if hasattr(t, "token_id")] for seq in seqs.contexts]  # EOS has none
     lengths = [len(seq) for seq in seqs.contexts]
-    rec = finish(f"genlm_{sampler}", ctx, task, ids, list(seqs.log_weights), seconds, seed, lengths)
+    rec = finish(f"genlm_{sampler}", ctx, task, ids, list(seqs.log_weights), seconds, run.seed, lengths)
     rec.log_z, rec.ess = float(seqs.log_ml), float(seqs.ess)  # the library's own estimates
     return rec
 
