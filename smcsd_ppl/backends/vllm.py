@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .base import ForwardStats, Timer, check_prompts
+from .base import BatchedLM, ForwardStats, Timer
 from .vllm_engine import CPU_BLOCK, INSTALL_HINT, cache_reading_params, import_vllm, start_engine
 from .vllm_export import weights_dir
 
@@ -37,7 +37,7 @@ __all__ = [
 ]
 
 
-class VLLMBatchedLM:
+class VLLMBatchedLM(BatchedLM):
     """A ``BatchedLM`` whose forwards run on a vLLM engine (see the module docstring).
 
     Args:
@@ -79,38 +79,17 @@ class VLLMBatchedLM:
         """Rows currently held."""
         return len(self.rows)
 
-    def keep_hidden_states(self) -> None:
-        """From now on keep each forward's hidden states ``[R, T, H]`` in ``hidden``."""
-        self.keeps_hidden = True
-
-    def prefill(
-        self, prompts: Sequence[Sequence[int]], hidden: Sequence[torch.Tensor] | None = None
-    ) -> torch.Tensor:
-        """Start afresh with one row per prompt; next-token logits ``[B, V]``."""
-        if hidden is not None:
-            raise ValueError(f"{self.name}: the vLLM backend takes no hidden states (no feature drafts)")
-        check_prompts(prompts, self.max_length)
+    def _prefill(self, prompts: Sequence[Sequence[int]], hidden) -> torch.Tensor:
+        """``BatchedLM.prefill``'s forward: the prompts become the rows."""
+        _no_hidden(self, hidden)
         self.rows = [[int(t) for t in p] for p in prompts]
         self.nonfinite = False
         states = self._states([0] * len(self.rows))  # each prompt's last position
         return self._logits(states, None)[:, 0]
 
-    def extend(
-        self,
-        tokens: torch.Tensor,
-        valid: torch.Tensor | None = None,
-        hidden: torch.Tensor | None = None,
-        *,
-        vocab: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Append ``tokens [R, T]`` (holes where ``valid`` is False); logits ``[R, T, V or U]``.
-
-        A hole's logits are unspecified, as on the HF backend: no caller reads them.
-        """
-        if hidden is not None:
-            raise ValueError(f"{self.name}: the vLLM backend takes no hidden states (no feature drafts)")
-        if tokens.dim() != 2 or tokens.shape[0] != self.n_rows:
-            raise ValueError(f"{self.name}: tokens must be [{self.n_rows}, T], got {list(tokens.shape)}")
+    def _extend(self, tokens: torch.Tensor, valid, hidden, vocab) -> torch.Tensor:
+        """``BatchedLM.extend``'s forward: the real tokens join the rows, holes are left out."""
+        _no_hidden(self, hidden)
         r, t = tokens.shape
         valid = torch.ones(r, t, dtype=torch.bool) if valid is None else valid.cpu()
         ids = tokens.cpu().tolist()
@@ -193,6 +172,11 @@ class VLLMBatchedLM:
         logits = torch.nn.functional.linear(states, head, bias).float()
         self.nonfinite |= bool(torch.isnan(logits).any())
         return logits
+
+
+def _no_hidden(lm: VLLMBatchedLM, hidden) -> None:
+    if hidden is not None:
+        raise ValueError(f"{lm.name}: the vLLM backend takes no hidden states (no feature drafts)")
 
 
 def _last_states(got: torch.Tensor, n: int) -> torch.Tensor | None:
