@@ -44,27 +44,25 @@ class Extraction:
     answer: dict
 
 
+def _flat(text: str, name: str, age: int, city: str) -> Extraction:
+    """A flat task's text and its answer: the person's name, age and city."""
+    return Extraction(text, {"name": name, "age": age, "city": city})
+
+
+def _nested_answer(name: str, languages: list[str], city: str, country: str) -> dict:
+    """A nested task's answer: the person's name, languages and address."""
+    return {"name": name, "languages": languages, "address": {"city": city, "country": country}}
+
+
 TASKS: dict[str, tuple[dict, str, tuple[Extraction, ...]]] = {
     "flat": (
         FLAT,
         "the person's name, age and city",
         (
-            Extraction(
-                "Maria Lopez is 34 years old and lives in Madrid.",
-                {"name": "Maria Lopez", "age": 34, "city": "Madrid"},
-            ),
-            Extraction(
-                "Tom Baker, aged 52, runs a bakery in Chicago.",
-                {"name": "Tom Baker", "age": 52, "city": "Chicago"},
-            ),
-            Extraction(
-                "At 27, Aiko Tanaka moved to Osaka for work.",
-                {"name": "Aiko Tanaka", "age": 27, "city": "Osaka"},
-            ),
-            Extraction(
-                "The painter Jean Dupont, 61, has a studio in Paris.",
-                {"name": "Jean Dupont", "age": 61, "city": "Paris"},
-            ),
+            _flat("Maria Lopez is 34 years old and lives in Madrid.", "Maria Lopez", 34, "Madrid"),
+            _flat("Tom Baker, aged 52, runs a bakery in Chicago.", "Tom Baker", 52, "Chicago"),
+            _flat("At 27, Aiko Tanaka moved to Osaka for work.", "Aiko Tanaka", 27, "Osaka"),
+            _flat("The painter Jean Dupont, 61, has a studio in Paris.", "Jean Dupont", 61, "Paris"),
         ),
     ),
     "nested": (
@@ -73,35 +71,19 @@ TASKS: dict[str, tuple[dict, str, tuple[Extraction, ...]]] = {
         (
             Extraction(
                 "Ana Silva lives in Lima, Peru, and speaks Spanish and English.",
-                {
-                    "name": "Ana Silva",
-                    "languages": ["Spanish", "English"],
-                    "address": {"city": "Lima", "country": "Peru"},
-                },
+                _nested_answer("Ana Silva", ["Spanish", "English"], "Lima", "Peru"),
             ),
             Extraction(
                 "Omar Haddad speaks Arabic and French; his home is in Beirut, Lebanon.",
-                {
-                    "name": "Omar Haddad",
-                    "languages": ["Arabic", "French"],
-                    "address": {"city": "Beirut", "country": "Lebanon"},
-                },
+                _nested_answer("Omar Haddad", ["Arabic", "French"], "Beirut", "Lebanon"),
             ),
             Extraction(
                 "Li Wei, who speaks Mandarin, lives in Shanghai, China.",
-                {
-                    "name": "Li Wei",
-                    "languages": ["Mandarin"],
-                    "address": {"city": "Shanghai", "country": "China"},
-                },
+                _nested_answer("Li Wei", ["Mandarin"], "Shanghai", "China"),
             ),
             Extraction(
                 "Greta Berg from Oslo, Norway, speaks Norwegian and German.",
-                {
-                    "name": "Greta Berg",
-                    "languages": ["Norwegian", "German"],
-                    "address": {"city": "Oslo", "country": "Norway"},
-                },
+                _nested_answer("Greta Berg", ["Norwegian", "German"], "Oslo", "Norway"),
             ),
         ),
     ),
