@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+from functools import partial
 
 import pytest
 import torch
+from helpers import scratch_logits
 
 from smcsd_ppl.backends.vllm import import_vllm
 
@@ -60,13 +62,11 @@ def test_backend_contract_against_hf_logits(hf32, vllm32, role):
     lm = getattr(vllm32, f"{role}_lm")
     model = getattr(hf32, role).model
 
-    def reference(seq):
-        with torch.inference_mode():
-            return model(torch.tensor([list(seq)])).logits[0, -1].float()
-
     # bf16 tolerance, as the engines' kernels differ (fp32 logits of 10-30 differ by ~3e-3); a
     # wrong row, hole or fork is off by whole units.
-    contract = BatchedLMContract(lambda: _fresh(lm), reference=reference, atol=1e-2, rtol=1e-2)
+    contract = BatchedLMContract(
+        lambda: _fresh(lm), reference=partial(scratch_logits, model), atol=1e-2, rtol=1e-2
+    )
     contract.check_all()
 
 
