@@ -131,8 +131,15 @@ def test_seeded_smcsd_request_is_well_formed(vllm16):
 
 @pytest.mark.parametrize("method", ["ar", "sd"])
 def test_baselines_run_on_vllm(vllm16, method):
-    out = vllm16.generate(PROMPTS[0], method=method, config=SMCConfig(seed=0, max_new_tokens=12))
-    assert out.token_ids and out.text
+    config = SMCConfig(seed=0, max_new_tokens=12, ignore_eos=True)
+    out = vllm16.generate(PROMPTS[0], method=method, config=config)
+    s = out.stats
+    assert len(out.token_ids) == s.new_tokens == 12 and out.text == vllm16.decode(out.token_ids)
+    if method == "ar":  # one target forward per token (the prompt's gives the first), no draft
+        assert s.target_calls == 12 and s.draft_calls == 0 and out.speculative is None
+    else:  # a target call settles at least one token and at most a block and its bonus
+        assert 0.0 <= out.speculative.acceptance <= 1.0 and s.draft_calls > 0
+        assert 12 / (config.block_size + 1) <= s.target_calls <= 12
 
 
 class Extract(SMCSDModel):
