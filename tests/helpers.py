@@ -1,13 +1,21 @@
-"""Shared test support: exact enumeration of tiny mock LMs, the mock pair, and test programs."""
+"""Shared test support: exact enumeration of tiny mock LMs, the mock pair, test programs and
+constraints, reference logits, regex contracts, and the command line run as a user runs it."""
 
 from __future__ import annotations
 
 import itertools
 import math
+import os
+import subprocess
+import sys
+import time
 from collections import Counter
+from pathlib import Path
 
+import regex
 import torch
 from scipy import stats
+from tiny import tokenizer
 
 from smcsd_ppl.backends.mock import MockLM
 from smcsd_ppl.config import DraftRecord, SMCConfig
@@ -15,10 +23,22 @@ from smcsd_ppl.inference.loop import SMCResult, run_smc_sd
 from smcsd_ppl.inference.program import SMCSDModel
 from smcsd_ppl.inference.rows import RowStore
 from smcsd_ppl.methods.sd import AcceptRule, SpeculativeRun, exact_accept, speculative_sampling
-from smcsd_ppl.potentials import Constraint
+from smcsd_ppl.potentials import Constraint, token_bytes
+from smcsd_ppl.potentials.contract import ConstraintContract
 
 EOS = 3
 V = 4
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def scratch_logits(model, seq, n_last: int | None = None) -> torch.Tensor:
+    """Logits ``[V]`` after ``seq`` from one plain forward of ``model``: no backend, cache or mask.
+
+    ``n_last``: the logits ``[n_last, V]`` after each of the last ``n_last`` tokens instead.
+    """
+    with torch.inference_mode():
+        logits = model(torch.tensor([list(seq)])).logits[0].float()
+    return logits[-1] if n_last is None else logits[-n_last:]
 
 
 def exact_target(lm: MockLM, prompt, horizon, *, temperature=1.0, alpha=1.0):
@@ -190,3 +210,56 @@ class Forced(Constraint):
                 out[i] = False
                 out[i, 2 if len(c) % 4 == 1 else 1] = True
         return out
+
+
+def regex_oracle(pattern, tok):
+    """Brute-force matching of the tokens' bytes: (viable prefix, complete match)."""
+    vocab, _ = token_bytes(tok)
+    compiled = regex.compile(pattern.encode())
+
+    def text(seq):
+        parts = [vocab[t] for t in seq]
+        return None if any(p is None for p in parts) else b"".join(parts)
+
+    def viable(seq):
+        data = text(seq)
+        return data is not None and compiled.fullmatch(data, partial=True) is not None
+
+    def complete(seq):
+        data = text(seq)
+        return data is not None and compiled.fullmatch(data) is not None
+
+    return dict(viable=viable, complete=complete)
+
+
+def regex_contract(make, pattern, **kw) -> ConstraintContract:
+    """The contract of ``make(pattern, tokenizer, eos)`` on the tiny tokenizer, against brute force."""
+    tok = tokenizer()
+    eos = [tok.eos_token_id]
+    return ConstraintContract(
+        lambda: make(pattern, tok, eos), len(tok), eos, **regex_oracle(pattern, tok), **kw
+    )
+
+
+def run_cli(*args, stdin: bytes = b"", env: dict | None = None, timeout: float = 120):
+    """Run ``python -m smcsd_ppl ARGS``; returns (exit status, stdout, stderr, seconds)."""
+    base = os.environ | {"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    start = time.perf_counter()
+    run = subprocess.run(
+        [sys.executable, "-m", "smcsd_ppl", *args],
+        input=stdin,
+        capture_output=True,
+        env=base | (env or {}),
+        timeout=timeout,
+        cwd=ROOT,
+    )
+    err = run.stderr.decode("utf-8", "replace")
+    return run.returncode, run.stdout.decode("utf-8", "replace"), err, time.perf_counter() - start
+
+
+def assert_one_line_error(code: int, err: str, needle: str) -> None:
+    """Exit status 2, no traceback, and exactly one ``smcsd: error:`` line, naming ``needle``."""
+    assert code == 2, err
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.startswith("smcsd: error: ")]
+    assert len(lines) == 1 and needle in lines[0], err

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import scratch_logits
 from tiny import MAX_POSITIONS, llama
 
 from smcsd_ppl.backends import hf, kv
@@ -18,12 +19,6 @@ from smcsd_ppl.backends.hf import HFBatchedLM
 
 ATOL, RTOL = 1e-4, 1e-4
 PROMPTS = [[5, 17, 33, 2, 250, 9, 11], [40, 41], [7, 8, 99, 100, 101], [3]]
-
-
-def scratch(tiny_llama, seq, n_last):
-    """Logits after each of the last ``n_last`` tokens of ``seq`` (one row, no cache, no mask)."""
-    with torch.inference_mode():
-        return tiny_llama(torch.tensor([list(seq)])).logits[0, -n_last:].float()
 
 
 def block(rows, k, seed=0):
@@ -35,7 +30,7 @@ def test_prefill_equals_scratch_for_left_padded_prompts(tiny_llama):
     logits = lm.prefill(PROMPTS)
     assert logits.shape == (len(PROMPTS), lm.vocab_size) and logits.dtype == torch.float32
     for i, p in enumerate(PROMPTS):
-        torch.testing.assert_close(logits[i], scratch(tiny_llama, p, 1)[0], atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(logits[i], scratch_logits(tiny_llama, p, 1)[0], atol=ATOL, rtol=RTOL)
     assert lm.stats.calls == 1
 
 
@@ -51,7 +46,7 @@ def test_fork_that_moves_few_rows_copies_in_place(tiny_llama):
     out = lm.extend(more)
     for i, r in enumerate(rows.tolist()):
         seq = PROMPTS[r] + first[r].tolist() + more[i].tolist()
-        torch.testing.assert_close(out[i], scratch(tiny_llama, seq, 2), atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(out[i], scratch_logits(tiny_llama, seq, 2), atol=ATOL, rtol=RTOL)
 
 
 def test_fork_to_fewer_rows_crops_padding_columns(tiny_llama):
@@ -59,7 +54,7 @@ def test_fork_to_fewer_rows_crops_padding_columns(tiny_llama):
     lm.prefill([[1, 2, 3, 4, 5, 6], [7, 8]])
     lm.fork(torch.tensor([1]))  # only the short row survives: its left padding is leading, not trailing
     out = lm.extend(torch.tensor([[9, 10]]))
-    torch.testing.assert_close(out[0], scratch(tiny_llama, [7, 8, 9, 10], 2), atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(out[0], scratch_logits(tiny_llama, [7, 8, 9, 10], 2), atol=ATOL, rtol=RTOL)
 
 
 def test_holes_inside_a_block_are_invisible(tiny_llama):
@@ -80,10 +75,10 @@ def test_holes_inside_a_block_are_invisible(tiny_llama):
     for i, p in enumerate(PROMPTS):
         real = tokens[i][valid[i]].tolist()
         # logits at each real position see only the real tokens before it
-        ref = scratch(tiny_llama, p + real, len(real))
+        ref = scratch_logits(tiny_llama, p + real, len(real))
         torch.testing.assert_close(out[i][valid[i]], ref, atol=ATOL, rtol=RTOL)
         torch.testing.assert_close(
-            nxt[i], scratch(tiny_llama, p + real + more[i].tolist(), 2), atol=ATOL, rtol=RTOL
+            nxt[i], scratch_logits(tiny_llama, p + real + more[i].tolist(), 2), atol=ATOL, rtol=RTOL
         )
     assert lm.lengths.tolist() == [len(p) + int(v.sum()) + 2 for p, v in zip(PROMPTS, valid)]
 
@@ -106,7 +101,7 @@ def test_drop_tail_rewinds_the_write_position_without_copies(tiny_llama):
     assert lm.cache.capacity == capacity and lm.cache.layers[0].keys.data_ptr() == ptr
     out = lm.extend(torch.tensor([[3], [4], [5], [6]]))
     for i, s in enumerate(seqs):
-        torch.testing.assert_close(out[i], scratch(tiny_llama, s + [3 + i], 1), atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(out[i], scratch_logits(tiny_llama, s + [3 + i], 1), atol=ATOL, rtol=RTOL)
 
 
 def test_capacity_doubles_when_a_forward_needs_more(tiny_llama, monkeypatch):
@@ -120,7 +115,7 @@ def test_capacity_doubles_when_a_forward_needs_more(tiny_llama, monkeypatch):
     assert lm.cache.capacity == 2 * first
     for i, p in enumerate(PROMPTS):
         torch.testing.assert_close(
-            out[i], scratch(tiny_llama, p + tokens[i].tolist(), 4), atol=ATOL, rtol=RTOL
+            out[i], scratch_logits(tiny_llama, p + tokens[i].tolist(), 4), atol=ATOL, rtol=RTOL
         )
 
 
@@ -145,7 +140,7 @@ def test_mostly_hole_blocks_leave_no_holes_behind(tiny_llama):
     out = lm.extend(more, holes)
     for i, r in enumerate(rows.tolist()):
         seq = real[r] + more[i][holes[i]].tolist()
-        torch.testing.assert_close(out[i][holes[i]], scratch(tiny_llama, seq, 2), atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(out[i][holes[i]], scratch_logits(tiny_llama, seq, 2), atol=ATOL, rtol=RTOL)
 
 
 def test_drop_more_than_held_raises(tiny_llama):
@@ -175,7 +170,7 @@ def test_fork_to_more_rows_stays_within_the_budget(tiny_llama):
         lm.fork(torch.zeros(rows, dtype=torch.long))
         assert lm.bytes_per_token * rows * lm.cache.capacity <= budget
     out = lm.extend(torch.tensor([[4]] * 4))
-    torch.testing.assert_close(out[3], scratch(tiny_llama, [1, 2, 3, 4], 1), atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(out[3], scratch_logits(tiny_llama, [1, 2, 3, 4], 1), atol=ATOL, rtol=RTOL)
     with pytest.raises(ValueError, match="budget"):
         lm.fork(torch.zeros(8, dtype=torch.long))  # 8 rows x 4 positions > 2 x 8
 
@@ -286,4 +281,4 @@ def test_indices_on_the_device_keep_logits_exact(tiny_llama, monkeypatch):
     assert all(b >= n for b, n in zip(lm.bound, lm.lengths.tolist()))
     out = lm.extend(torch.tensor([[1], [2], [3], [4]]))
     for i, s in enumerate(seqs):
-        torch.testing.assert_close(out[i], scratch(tiny_llama, s + [i + 1], 1), atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(out[i], scratch_logits(tiny_llama, s + [i + 1], 1), atol=ATOL, rtol=RTOL)

@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import torch
+from helpers import scratch_logits
 from tiny import llama
 
 from smcsd_ppl.backends.hf import HFBatchedLM
 from smcsd_ppl.backends.mock import MockLM
-
-
-def scratch(model, seq):
-    with torch.inference_mode():
-        return model(torch.tensor([list(seq)])).logits[0, -1].float()
 
 
 def test_hf_uneven_rejections_keep_logits_and_reuse_the_cache():
@@ -31,7 +27,9 @@ def test_hf_uneven_rejections_keep_logits_and_reuse_the_cache():
     nxt = torch.tensor([[11], [12]])
     out = lm.extend(nxt)[:, -1]
     for row, seq in enumerate(seqs):
-        torch.testing.assert_close(out[row], scratch(model, seq + [int(nxt[row])]), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            out[row], scratch_logits(model, seq + [int(nxt[row])]), atol=1e-4, rtol=1e-4
+        )
 
 
 def test_mock_compaction_keeps_logits():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import assert_one_line_error, run_cli
 from tiny import tokenizer
 
 from smcsd_ppl import SMCConfig
@@ -82,8 +83,6 @@ def test_the_command_line_names_what_the_benchmarks_run():
     ],
 )
 def test_the_constraint_commands_refuse_bad_input_in_one_line_before_loading(args, needle):
-    from test_user_errors import assert_one_line_error, smcsd
-
-    code, out, err, _ = smcsd(*args, timeout=60)
+    code, out, err, _ = run_cli(*args, timeout=60)
     assert_one_line_error(code, err, needle)
     assert "loading" not in err and out == ""

@@ -2,36 +2,29 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import helpers as exact
 import pytest
-import regex
 import torch
-from tiny import tokenizer
+from helpers import regex_contract, scratch_logits
 
 from smcsd_ppl.backends.base import BatchedLM, TreeLM
 from smcsd_ppl.backends.contract import BatchedLMContract, ContractError
 from smcsd_ppl.backends.hf import HFBatchedLM
 from smcsd_ppl.backends.mock import MockLM
 from smcsd_ppl.bench.fidelity import MixedDraft
-from smcsd_ppl.potentials import PotentialConstraint, RegexConstraint, token_bytes
+from smcsd_ppl.potentials import PotentialConstraint, RegexConstraint
 from smcsd_ppl.potentials.contract import ConstraintContract
-
-
-def scratch(tiny_llama):
-    """Logits after a sequence from one plain forward: a reference independent of the backend."""
-
-    def logits(seq):
-        with torch.inference_mode():
-            return tiny_llama(torch.tensor([list(seq)])).logits[0, -1].float()
-
-    return logits
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_hf_backend_keeps_the_contract(tiny_llama, attn):
     tiny_llama.config._attn_implementation = attn
     try:
-        BatchedLMContract(lambda: HFBatchedLM(tiny_llama), reference=scratch(tiny_llama)).check_all()
+        BatchedLMContract(
+            lambda: HFBatchedLM(tiny_llama), reference=partial(scratch_logits, tiny_llama)
+        ).check_all()
     finally:
         tiny_llama.config._attn_implementation = "sdpa"
 
@@ -131,7 +124,9 @@ class HFForgetsToRewind(HFBatchedLM):
 
 
 def test_the_contract_fails_an_hf_backend_that_forgets_to_rewind(tiny_llama):
-    contract = BatchedLMContract(lambda: HFForgetsToRewind(tiny_llama), reference=scratch(tiny_llama))
+    contract = BatchedLMContract(
+        lambda: HFForgetsToRewind(tiny_llama), reference=partial(scratch_logits, tiny_llama)
+    )
     with pytest.raises(ContractError, match="drop_tail"):
         contract.check_all()
 
@@ -139,34 +134,6 @@ def test_the_contract_fails_an_hf_backend_that_forgets_to_rewind(tiny_llama):
 # Constraints: the regex constraint, genlm-control potentials and the test constraints.
 
 PATTERNS = [r"(the|a) [a-z]+( [a-z]+)?\.", r"[0-9]{1,3}(,[0-9]{3})*"]
-
-
-def regex_oracle(pattern, tok):
-    """Brute-force matching of the tokens' bytes: (viable prefix, complete match)."""
-    vocab, _ = token_bytes(tok)
-    compiled = regex.compile(pattern.encode())
-
-    def text(seq):
-        parts = [vocab[t] for t in seq]
-        return None if any(p is None for p in parts) else b"".join(parts)
-
-    def viable(seq):
-        data = text(seq)
-        return data is not None and compiled.fullmatch(data, partial=True) is not None
-
-    def complete(seq):
-        data = text(seq)
-        return data is not None and compiled.fullmatch(data) is not None
-
-    return dict(viable=viable, complete=complete)
-
-
-def regex_contract(make, pattern, **kw):
-    tok = tokenizer()
-    eos = [tok.eos_token_id]
-    return ConstraintContract(
-        lambda: make(pattern, tok, eos), len(tok), eos, **regex_oracle(pattern, tok), **kw
-    )
 
 
 @pytest.mark.parametrize("pattern", PATTERNS)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import resource
 
 import torch
 
@@ -10,7 +11,13 @@ from smcsd_ppl.bench import device_check
 from smcsd_ppl.cli import main
 
 
+def _peak_rss() -> int:
+    """This process's peak RSS in bytes (getrusage gives KiB on Linux, where the tests run)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def test_device_check_prints_one_json_report(capsys):
+    peak_before = _peak_rss()
     code = main(["device-check", "--tiny", "--device", "cpu", "--repeats", "1", "--max-new-tokens", "24"])
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and report["equivalence_ok"]
@@ -19,7 +26,9 @@ def test_device_check_prints_one_json_report(capsys):
     assert report["methods"]["ar"]["tokens_per_target_call"] == 1.0
     assert report["methods"]["smcsd_paper"]["tokens_per_target_call"] > 1.0
     assert report["methods"]["ar"]["host_reads_per_cycle"] == 1.0
-    assert report["forward_ms"]["8x9"] > 0 and report["peak_memory_bytes"] > 0
+    assert set(report["forward_ms"]) == {"1x1", "8x9"} and all(ms > 0 for ms in report["forward_ms"].values())
+    # The CPU peak is this process's peak RSS, in bytes: between the peaks before and after the check.
+    assert peak_before <= report["peak_memory_bytes"] <= _peak_rss()
 
 
 def test_equivalence_catches_a_backend_that_lets_holes_show(monkeypatch):

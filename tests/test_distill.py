@@ -221,7 +221,19 @@ def test_cli_distill_resume_and_eval_draft(tmp_path, capsys):
     assert result["prompts"] == 2  # --limit counts all prompts
     # distill recorded its training prompts in the draft, so measuring on them warns
     assert "warning: 2 of these 2 prompts are in the draft's training data" in captured.err
-    assert 0 <= result["agreement"] <= 1 and 0 <= result["acceptance_T1"] <= 1 and result["cost_ratio"] > 0
+    # The command measures what the library measures on the same prompts, models and greedy tokens.
+    pair = SMCSD.load(str(model_dir), str(out / "draft"), dtype="fp32")
+    examples = greedy_examples(
+        pair.target.model,
+        [pair.encode(p) for p in PROMPTS[:2]],
+        eos_ids=pair.eos_token_ids,
+        max_new_tokens=4,
+    )
+    want = match_metrics(pair.target.model, pair.draft.model, examples)
+    assert result["positions"] == want["positions"] > 0
+    for key in ("agreement", "acceptance_T1", "acceptance_T0.7"):
+        assert result[key] == pytest.approx(want[key], abs=1e-6), key
+    assert result["cost_ratio"] == pytest.approx(result["cost_draft_ms"] / result["cost_target_ms"])
 
 
 def own_weights_of(draft_dir, model_dir) -> torch.Tensor:

@@ -7,7 +7,7 @@ import random
 
 import jsonschema
 import pytest
-from test_contracts import regex_contract
+from helpers import regex_contract
 from tiny import tokenizer
 
 from smcsd_ppl.potentials import Constraint, JsonSchemaConstraint, RegexConstraint

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 import torch
-from helpers import EOS, chi_square_pvalue, exact_target
+from helpers import EOS, chi_square_pvalue, exact_target, scratch_logits
 from tiny import llama, pair, tokenizer
 
 from smcsd_ppl.api import SMCSD
@@ -88,11 +88,6 @@ def test_logit_cue_tree_halves_breadth_with_depth():
         assert p < j and tree.children[p][tree.tokens[j]] == j  # siblings are distinct
 
 
-def scratch(model, seq):
-    with torch.inference_mode():
-        return model(torch.tensor([list(seq)])).logits[0, -1].float()
-
-
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_tree_logits_equal_paths_from_scratch_and_keep_path(attn):
     model = llama(seed=3, layers=2)
@@ -114,13 +109,13 @@ def test_tree_logits_equal_paths_from_scratch_and_keep_path(attn):
                 while k >= 0:
                     path.insert(0, int(tokens[r, k]))
                     k = int(parents[r, k])
-                expect = scratch(model, seqs[r] + path)
+                expect = scratch_logits(model, seqs[r] + path)
                 torch.testing.assert_close(logits[r, j], expect, atol=1e-4, rtol=1e-4)
     lm.keep_path(torch.tensor([[1, 1, 0, 1, 0], [1, 0, 0, 0, 0]]).bool())
     seqs = [seqs[0] + [11, 12, 14], seqs[1] + [31]]
     out = lm.extend(torch.tensor([[3], [4]]))[:, -1]
     for r, nxt in enumerate((3, 4)):
-        torch.testing.assert_close(out[r], scratch(model, seqs[r] + [nxt]), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(out[r], scratch_logits(model, seqs[r] + [nxt]), atol=1e-4, rtol=1e-4)
     assert lm.lengths.tolist() == [len(s) + 1 for s in seqs]
 
 

@@ -9,18 +9,19 @@ import pytest
 import torch
 
 from smcsd_ppl.bench import constrained as compare
-from smcsd_ppl.methods import steering
+from smcsd_ppl.bench import steering
 
 PROMPT = "the quick brown fox"
 PATTERN = r"[a-z ]{1,12}"
 KW = dict(n_particles=4, max_new_tokens=8, temperature=1.0, seed=0)
+LMS = steering.TokenLMs()  # the token-level runners' view of the tiny target, built once here
 
 RUNNERS = {
-    "llamppl_smc": steering.llamppl_smc,
-    "llamppl_masked": partial(steering.llamppl_smc, masked=True),
-    "genlm_awrs": steering.genlm_smc,
-    "genlm_direct": partial(steering.genlm_smc, sampler="direct"),
-    "genlm_critic": partial(steering.genlm_smc, sampler="critic"),
+    "llamppl_smc": partial(steering.llamppl_smc, lms=LMS),
+    "llamppl_masked": partial(steering.llamppl_smc, masked=True, lms=LMS),
+    "genlm_awrs": partial(steering.genlm_smc, lms=LMS),
+    "genlm_direct": partial(steering.genlm_smc, sampler="direct", lms=LMS),
+    "genlm_critic": partial(steering.genlm_smc, sampler="critic", lms=LMS),
     "smcsd_filtered": steering.smcsd_filtered,
     "smcsd_proposal": steering.smcsd_constrained,
     "smcsd_critic": partial(steering.smcsd_constrained, mode="critic"),
@@ -34,6 +35,30 @@ ALWAYS_VALID = {"llamppl_masked", "genlm_awrs", "genlm_direct", "smcsd_proposal"
 def ctx(tiny_smcsd):
     """The tiny pair's run context, as the runners take it."""
     return tiny_smcsd.context()
+
+
+def test_the_registry_names_every_runner_once():
+    assert set(steering.STEERING_METHODS) == set(RUNNERS)
+    assert steering.SMCSD_STEERING + steering.TOKEN_STEERING == tuple(steering.STEERING_METHODS)
+    assert steering.STEERING_METHODS["genlm_direct"].keywords == {"sampler": "direct"}
+
+
+@pytest.mark.parametrize("name", ["llamppl_smc", "genlm_direct"])
+def test_token_level_runs_reproduce_and_leave_the_global_generators_alone(ctx, task, name):
+    import random
+
+    import numpy as np
+
+    torch.manual_seed(123)
+    np.random.seed(123)
+    random.seed(123)
+    before = torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate()
+    first = RUNNERS[name](ctx, PROMPT, task, **KW)
+    assert torch.equal(torch.get_rng_state(), before[0])
+    assert (np.random.get_state()[1] == before[1]).all() and random.getstate() == before[2]
+    again = RUNNERS[name](ctx, PROMPT, task, **KW)
+    assert again.particle_ids == first.particle_ids and again.log_weights == first.log_weights
+    assert len(LMS.built) == 1  # one AsyncTransformer for the pair, kept by its owner
 
 
 @pytest.fixture(scope="module")

@@ -12,35 +12,9 @@ import os
 import statistics
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def smcsd(*args, stdin: bytes = b"", env: dict | None = None, timeout: float = 120):
-    """Run ``python -m smcsd_ppl ARGS``; returns (exit status, stdout, stderr, seconds)."""
-    base = os.environ | {"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-    start = time.perf_counter()
-    run = subprocess.run(
-        [sys.executable, "-m", "smcsd_ppl", *args],
-        input=stdin,
-        capture_output=True,
-        env=base | (env or {}),
-        timeout=timeout,
-        cwd=ROOT,
-    )
-    err = run.stderr.decode("utf-8", "replace")
-    return run.returncode, run.stdout.decode("utf-8", "replace"), err, time.perf_counter() - start
-
-
-def assert_one_line_error(code: int, err: str, needle: str) -> None:
-    assert code == 2, err
-    assert "Traceback" not in err, err
-    lines = [line for line in err.splitlines() if line.startswith("smcsd: error: ")]
-    assert len(lines) == 1 and needle in lines[0], err
+from helpers import ROOT, assert_one_line_error, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -104,20 +78,20 @@ def _argv(args, d):
 
 @pytest.mark.parametrize(("name", "args", "stdin", "needle"), CASES, ids=[c[0] for c in CASES])
 def test_cli_user_error_is_one_line_before_loading(files, name, args, stdin, needle):
-    code, out, err, seconds = smcsd(*_argv(args, files), stdin=stdin, timeout=60)
+    code, out, err, seconds = run_cli(*_argv(args, files), stdin=stdin, timeout=60)
     assert_one_line_error(code, err, needle)
     assert "loading" not in err  # refused before any model loads
     assert out == ""
 
 
 def test_a_directory_that_holds_no_model_is_named_so(files):
-    code, out, err, _ = smcsd("generate", "Hi", "--target", f"{files}/not_a_model", timeout=60)
+    code, out, err, _ = run_cli("generate", "Hi", "--target", f"{files}/not_a_model", timeout=60)
     assert_one_line_error(code, err, "is a directory but holds no model")
     assert "sentencepiece" not in err and "hub" not in err.split("error:")[1].split("give")[0]
 
 
 def test_bench_to_a_pipe_refuses_instead_of_hanging(files):
-    code, out, err, _ = smcsd(
+    code, out, err, _ = run_cli(
         *_argv([*BENCH, "--out", "/dev/stdout"], files), timeout=60
     )  # stdout is a pipe here, as in `... | cat`
     assert_one_line_error(code, err, "not a regular file")
@@ -126,7 +100,9 @@ def test_bench_to_a_pipe_refuses_instead_of_hanging(files):
 def test_unknown_hub_id_fails_fast_when_no_hub_answers():
     # Without HF_HUB_OFFLINE, the hub client would retry for about a minute.
     env = {"HF_HUB_OFFLINE": "", "HF_ENDPOINT": "http://127.0.0.1:9"}  # port 9 (discard) is closed
-    code, _, err, seconds = smcsd("generate", "Hi", "--target", "nobody/no-such-model", env=env, timeout=120)
+    code, _, err, seconds = run_cli(
+        "generate", "Hi", "--target", "nobody/no-such-model", env=env, timeout=120
+    )
     assert_one_line_error(code, err, "the model hub is not reachable")
     assert seconds < 30
 
@@ -134,7 +110,7 @@ def test_unknown_hub_id_fails_fast_when_no_hub_answers():
 def test_help_is_fast_and_imports_no_torch():
     times = []
     for _ in range(5):
-        code, out, err, seconds = smcsd("--help")
+        code, out, err, seconds = run_cli("--help")
         assert code == 0 and "generate" in out
         times.append(seconds)
     assert statistics.median(times) < 1.5, times
@@ -226,6 +202,6 @@ def test_a_bug_keeps_its_traceback(monkeypatch):
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
 def test_the_vllm_backend_without_vllm_names_the_extra():
-    code, out, err, _ = smcsd("generate", "Hi", "--backend", "vllm", timeout=120)
+    code, out, err, _ = run_cli("generate", "Hi", "--backend", "vllm", timeout=120)
     assert_one_line_error(code, err, "smcsd_ppl[vllm-cpu]")
     assert "target:" not in err  # refused before the models loaded

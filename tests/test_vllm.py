@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+from functools import partial
 
 import pytest
 import torch
+from helpers import scratch_logits
 
 from smcsd_ppl.backends.vllm import import_vllm
 
@@ -60,13 +62,11 @@ def test_backend_contract_against_hf_logits(hf32, vllm32, role):
     lm = getattr(vllm32, f"{role}_lm")
     model = getattr(hf32, role).model
 
-    def reference(seq):
-        with torch.inference_mode():
-            return model(torch.tensor([list(seq)])).logits[0, -1].float()
-
     # bf16 tolerance, as the engines' kernels differ (fp32 logits of 10-30 differ by ~3e-3); a
     # wrong row, hole or fork is off by whole units.
-    contract = BatchedLMContract(lambda: _fresh(lm), reference=reference, atol=1e-2, rtol=1e-2)
+    contract = BatchedLMContract(
+        lambda: _fresh(lm), reference=partial(scratch_logits, model), atol=1e-2, rtol=1e-2
+    )
     contract.check_all()
 
 
@@ -135,8 +135,15 @@ def test_seeded_smcsd_request_is_well_formed(vllm16):
 
 @pytest.mark.parametrize("method", ["ar", "sd"])
 def test_baselines_run_on_vllm(vllm16, method):
-    out = vllm16.generate(PROMPTS[0], method=method, config=SMCConfig(seed=0, max_new_tokens=12))
-    assert out.token_ids and out.text
+    config = SMCConfig(seed=0, max_new_tokens=12, ignore_eos=True)
+    out = vllm16.generate(PROMPTS[0], method=method, config=config)
+    s = out.stats
+    assert len(out.token_ids) == s.new_tokens == 12 and out.text == vllm16.decode(out.token_ids)
+    if method == "ar":  # one target forward per token (the prompt's gives the first), no draft
+        assert s.target_calls == 12 and s.draft_calls == 0 and out.speculative is None
+    else:  # a target call settles at least one token and at most a block and its bonus
+        assert 0.0 <= out.speculative.acceptance <= 1.0 and s.draft_calls > 0
+        assert 12 / (config.block_size + 1) <= s.target_calls <= 12
 
 
 class Extract(SMCSDModel):

@@ -58,6 +58,10 @@ class BatchedLM(Protocol):
     whose ``reads_hidden`` is true (a feature draft, ``models.feature_draft``) takes the
     target's hidden states with its tokens; one told to ``keep_hidden_states()`` keeps those
     of its last forward in ``hidden``. ``contract.BatchedLMContract`` checks a backend.
+
+    A backend may subclass this protocol to inherit ``prefill``, ``extend`` (their checks,
+    then its own ``_prefill(prompts, hidden)`` and ``_extend(tokens, valid, hidden, vocab)``)
+    and ``keep_hidden_states``, as the HF and vLLM backends do; the mock only matches it.
     """
 
     name: str  # names the backend in error messages
@@ -82,6 +86,8 @@ class BatchedLM(Protocol):
 
         ``hidden[i] [len(prompts[i]), H]``: the states read with prompt i (``reads_hidden`` only).
         """
+        check_prompts(prompts, self.max_length)
+        return self._prefill(prompts, hidden)
 
     def extend(
         self,
@@ -96,7 +102,13 @@ class BatchedLM(Protocol):
         ``valid [R, T]`` marks holes (False): fed but invisible to later tokens. ``hidden
         [R, T, H]``: the states read with the tokens (``reads_hidden`` only). ``vocab [U]``
         asks for the logits of those tokens only (``[R, T, U]``), as constrained drafting does.
+        A hole's logits are unspecified: no caller reads them.
         """
+        if self.n_rows == 0:
+            raise ValueError(f"{self.name}: extend() before prefill()")
+        if tokens.dim() != 2 or tokens.shape[0] != self.n_rows:
+            raise ValueError(f"{self.name}: tokens must be [{self.n_rows}, T], got {list(tokens.shape)}")
+        return self._extend(tokens, valid, hidden, vocab)
 
     def fork(self, rows: torch.Tensor) -> None:
         """Keep rows ``rows [R']`` in order (duplicates allowed); indices on the host spare a sync."""
@@ -106,6 +118,7 @@ class BatchedLM(Protocol):
 
     def keep_hidden_states(self) -> None:
         """From now on keep each forward's hidden states in ``hidden`` (a feature draft's target)."""
+        self.keeps_hidden = True
 
     def check_finite(self) -> None:
         """Raise if a forward since the last check produced NaN logits."""

@@ -9,7 +9,7 @@ import torch
 from transformers import PreTrainedModel
 
 from . import kv
-from .base import ForwardStats, Timer, check_prompts, pad_left, pad_left_hidden, to_device
+from .base import BatchedLM, ForwardStats, Timer, pad_left, pad_left_hidden, to_device
 from .kv import RowCache, attention_mask, plan
 from .tree import TreeOps, kept_first
 
@@ -17,7 +17,7 @@ DEFAULT_CACHE_BUDGET = 8 * 2**30  # bytes of KV cache one backend may hold
 HEADROOM = 256  # columns allocated past the first forward's need (a typical generation)
 
 
-class HFBatchedLM(TreeOps):
+class HFBatchedLM(BatchedLM, TreeOps):
     """Rows of one HF model's preallocated KV cache; particles live in the batch dimension.
 
     Row lengths live on the device (``lengths``) for masks and position ids; the host
@@ -69,19 +69,8 @@ class HFBatchedLM(TreeOps):
         """Rows currently held."""
         return len(self.bound)
 
-    def keep_hidden_states(self) -> None:
-        """From now on keep each forward's hidden states ``[R, T, H]`` in ``hidden``."""
-        self.keeps_hidden = True
-
-    def prefill(
-        self, prompts: Sequence[Sequence[int]], hidden: Sequence[torch.Tensor] | None = None
-    ) -> torch.Tensor:
-        """Start afresh with one row per prompt (left-padded); next-token logits ``[B, V]``.
-
-        ``hidden[i]`` (``[len(prompts[i]), H]``) are the target's hidden states a feature
-        draft reads with prompt ``i``'s tokens.
-        """
-        check_prompts(prompts, self.max_length)
+    def _prefill(self, prompts: Sequence[Sequence[int]], hidden) -> torch.Tensor:
+        """``BatchedLM.prefill``'s forward: the prompts left-padded, one forward."""
         ids, valid = pad_left(prompts)
         if hidden is not None:
             hidden = pad_left_hidden(hidden, ids.shape[1]).to(self.device)
@@ -92,24 +81,8 @@ class HFBatchedLM(TreeOps):
         self.tree_width = 0
         return self._forward(ids, valid, last_only=True, hidden=hidden)[:, -1]
 
-    def extend(
-        self,
-        tokens: torch.Tensor,
-        valid: torch.Tensor | None = None,
-        hidden: torch.Tensor | None = None,
-        *,
-        vocab: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Append ``tokens [R, T]`` in one forward; logits ``[R, T, V]`` (float32).
-
-        ``hidden [R, T, H]``: the target's hidden states a feature draft reads with the tokens.
-        ``vocab [U]``: return the logits of these tokens only, ``[R, T, U]``; the LM head
-        then reads only their rows (a large share of a small draft's forward).
-        """
-        if self.cache is None:
-            raise ValueError(f"{self.name}: extend() before prefill()")
-        if tokens.dim() != 2 or tokens.shape[0] != self.n_rows:
-            raise ValueError(f"{self.name}: tokens must be [{self.n_rows}, T], got {list(tokens.shape)}")
+    def _extend(self, tokens: torch.Tensor, valid, hidden, vocab) -> torch.Tensor:
+        """``BatchedLM.extend``'s forward; with ``vocab`` the LM head reads those tokens' rows only."""
         if valid is None:
             valid = torch.ones(tokens.shape, dtype=torch.bool)
         if hidden is not None:

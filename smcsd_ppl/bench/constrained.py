@@ -2,7 +2,7 @@
 
 Every method runs on every task in one process, interleaved (repeat -> task -> method,
 same seeds), so machine noise spreads evenly; rows are medians over repeats (validity:
-means). See ``smcsd_ppl.methods.steering`` for the runners and what they time.
+means). See ``smcsd_ppl.bench.steering`` for the runners and what they time.
 
 ``smcsd_plain`` (the same loop without the constraint) is the speed reference of the
 constrained program: when ``smcsd_proposal`` runs too, ``smcsd_plain`` emits exactly as
@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 from ..backends.base import ForwardStats
 from ..config import SMCConfig
-from ..methods import steering
 from ..methods.hf_assisted import count_forwards
 from ..methods.registry import RunContext
-from ..methods.steering import SteeringRecord, TaskConstraint
+from . import steering
 from .quality import target_loglik_per_token
+from .steering import SteeringRecord, TaskConstraint, TokenLMs
 
 
 @dataclass(frozen=True)
@@ -148,15 +148,16 @@ def compare_constrained(
         t.name: TaskConstraint(pair.tokenizer, pair.eos_token_ids, t.constraint, t.meaning) for t in tasks
     }
     ctx = pair.context()  # the runners' view of the pair; each SMC-SD run sets its own config
+    lms = TokenLMs()  # the token-level libraries' view of the target, built once for every run
     kw = dict(n_particles=n_particles, max_new_tokens=max_new_tokens, temperature=temperature)
-    _warm_up(ctx, tasks[0], constraints[tasks[0].name], methods, **kw)
+    _warm_up(ctx, tasks[0], constraints[tasks[0].name], methods, lms, **kw)
     runs: dict[tuple[str, str], list[tuple[SteeringRecord, float]]] = {}
     forwards = ForwardStats()  # on the decoder: the batched backend runs it and its own LM head
     with count_forwards(pair.target.model.get_decoder(), forwards):
         for rep, task in itertools.product(range(repeats), tasks):
             done: dict[str, SteeringRecord] = {}
             for method in methods:
-                extra = {"block_size": block_size, "cut": cut} if method in SMCSD_METHODS else {}
+                extra = {"block_size": block_size, "cut": cut} if method in SMCSD_METHODS else {"lms": lms}
                 if method == "smcsd_plain" and "smcsd_proposal" in done:  # length-matched reference
                     extra |= {
                         "ignore_eos": True,
@@ -176,13 +177,15 @@ def compare_constrained(
     return [_row(task, method, recs) for (task, method), recs in runs.items()]
 
 
-def _warm_up(ctx: RunContext, task: Task, constraint: TaskConstraint, methods: Sequence[str], **kw) -> None:
+def _warm_up(
+    ctx: RunContext, task: Task, constraint: TaskConstraint, methods: Sequence[str], lms: TokenLMs, **kw
+) -> None:
     """Untimed short runs: lazy imports, the shared token-level backend, first-call kernels."""
     kw = {**kw, "max_new_tokens": 2}
     if any(m in SMCSD_METHODS for m in methods):
         steering.smcsd_plain(ctx, task.prompt, constraint, **kw)
-    if any(m.startswith(("genlm", "llamppl")) for m in methods):
-        steering.genlm_smc(ctx, task.prompt, constraint, **kw)
+    if any(m in steering.TOKEN_STEERING for m in methods):
+        steering.genlm_smc(ctx, task.prompt, constraint, lms=lms, **kw)
 
 
 def _median(values: list[float]) -> float:

@@ -30,9 +30,9 @@ import jsonschema
 
 from ..config import DraftRecord, SMCConfig
 from ..inference.program import SMCSDModel
-from ..methods import steering
 from ..methods.smcsd import run_programs
 from ..potentials import JsonSchemaConstraint
+from . import steering
 from .engines import FLAT, NESTED
 
 
@@ -44,27 +44,25 @@ class Extraction:
     answer: dict
 
 
+def _flat(text: str, name: str, age: int, city: str) -> Extraction:
+    """A flat task's text and its answer: the person's name, age and city."""
+    return Extraction(text, {"name": name, "age": age, "city": city})
+
+
+def _nested_answer(name: str, languages: list[str], city: str, country: str) -> dict:
+    """A nested task's answer: the person's name, languages and address."""
+    return {"name": name, "languages": languages, "address": {"city": city, "country": country}}
+
+
 TASKS: dict[str, tuple[dict, str, tuple[Extraction, ...]]] = {
     "flat": (
         FLAT,
         "the person's name, age and city",
         (
-            Extraction(
-                "Maria Lopez is 34 years old and lives in Madrid.",
-                {"name": "Maria Lopez", "age": 34, "city": "Madrid"},
-            ),
-            Extraction(
-                "Tom Baker, aged 52, runs a bakery in Chicago.",
-                {"name": "Tom Baker", "age": 52, "city": "Chicago"},
-            ),
-            Extraction(
-                "At 27, Aiko Tanaka moved to Osaka for work.",
-                {"name": "Aiko Tanaka", "age": 27, "city": "Osaka"},
-            ),
-            Extraction(
-                "The painter Jean Dupont, 61, has a studio in Paris.",
-                {"name": "Jean Dupont", "age": 61, "city": "Paris"},
-            ),
+            _flat("Maria Lopez is 34 years old and lives in Madrid.", "Maria Lopez", 34, "Madrid"),
+            _flat("Tom Baker, aged 52, runs a bakery in Chicago.", "Tom Baker", 52, "Chicago"),
+            _flat("At 27, Aiko Tanaka moved to Osaka for work.", "Aiko Tanaka", 27, "Osaka"),
+            _flat("The painter Jean Dupont, 61, has a studio in Paris.", "Jean Dupont", 61, "Paris"),
         ),
     ),
     "nested": (
@@ -73,35 +71,19 @@ TASKS: dict[str, tuple[dict, str, tuple[Extraction, ...]]] = {
         (
             Extraction(
                 "Ana Silva lives in Lima, Peru, and speaks Spanish and English.",
-                {
-                    "name": "Ana Silva",
-                    "languages": ["Spanish", "English"],
-                    "address": {"city": "Lima", "country": "Peru"},
-                },
+                _nested_answer("Ana Silva", ["Spanish", "English"], "Lima", "Peru"),
             ),
             Extraction(
                 "Omar Haddad speaks Arabic and French; his home is in Beirut, Lebanon.",
-                {
-                    "name": "Omar Haddad",
-                    "languages": ["Arabic", "French"],
-                    "address": {"city": "Beirut", "country": "Lebanon"},
-                },
+                _nested_answer("Omar Haddad", ["Arabic", "French"], "Beirut", "Lebanon"),
             ),
             Extraction(
                 "Li Wei, who speaks Mandarin, lives in Shanghai, China.",
-                {
-                    "name": "Li Wei",
-                    "languages": ["Mandarin"],
-                    "address": {"city": "Shanghai", "country": "China"},
-                },
+                _nested_answer("Li Wei", ["Mandarin"], "Shanghai", "China"),
             ),
             Extraction(
                 "Greta Berg from Oslo, Norway, speaks Norwegian and German.",
-                {
-                    "name": "Greta Berg",
-                    "languages": ["Norwegian", "German"],
-                    "address": {"city": "Oslo", "country": "Norway"},
-                },
+                _nested_answer("Greta Berg", ["Norwegian", "German"], "Oslo", "Norway"),
             ),
         ),
     ),
@@ -158,8 +140,13 @@ def _smcsd(pair, schema: JsonSchemaConstraint, text: str, config: SMCConfig, rec
     return out.texts[0], statistics.fmean(len(p.token_ids) for p in particles) if particles else 0.0
 
 
-def run_method(method: str, pair, task: str, item: Extraction, constraint, config: SMCConfig) -> Run:
-    """Run one method on one text (``constraint``: the task's ``JsonSchemaConstraint`` or genlm one)."""
+def run_method(
+    method: str, pair, task: str, item: Extraction, constraint, config: SMCConfig, lms=None
+) -> Run:
+    """Run one method on one text (``constraint``: the task's ``JsonSchemaConstraint`` or genlm one).
+
+    ``lms``: the ``steering.TokenLMs`` that ``genlm_awrs`` reads the target through (None: its own).
+    """
     schema = TASKS[task][0]
     start = time.perf_counter()
     if method in ("smcsd", "smcsd_paper"):
@@ -178,6 +165,7 @@ def run_method(method: str, pair, task: str, item: Extraction, constraint, confi
             temperature=config.target_temperature,
             seed=config.seed,
             sampler="awrs",
+            lms=lms,
         )
         text, tokens = rec.text, rec.tokens
     else:
@@ -209,10 +197,11 @@ def compare_json(
         for t in tasks
         if "genlm_awrs" in methods
     }
+    lms = steering.TokenLMs()  # genlm-control's view of the target, built once for every run
     first = tasks[0], TASKS[tasks[0]][2][0]
     for method in methods:  # untimed: lazy imports, the token-level backend, first-call kernels
         constraint = theirs[first[0]] if method == "genlm_awrs" else ours[first[0]]
-        run_method(method, pair, *first, constraint, dataclasses.replace(config, max_new_tokens=2))
+        run_method(method, pair, *first, constraint, dataclasses.replace(config, max_new_tokens=2), lms)
     runs = []
     for rep in range(repeats):
         call = dataclasses.replace(config, seed=config.seed + rep)
@@ -220,7 +209,7 @@ def compare_json(
             for item in TASKS[task][2]:
                 for method in methods:
                     constraint = theirs[task] if method == "genlm_awrs" else ours[task]
-                    runs.append(run_method(method, pair, task, item, constraint, call))
+                    runs.append(run_method(method, pair, task, item, constraint, call, lms))
                     if on_run is not None:
                         on_run(runs[-1])
     return runs

@@ -9,7 +9,7 @@ from .loading import load_pair
 from .options import SMC_DEFAULTS, command, smc_args, smc_config
 from .util import check_threads, csv, cut_value, err, progress
 
-# The names of smcsd_ppl.methods.steering.STEERING_METHODS, kept here so that building the parser imports no
+# The names of smcsd_ppl.bench.steering.STEERING_METHODS, kept here so that building the parser imports no
 # torch; a test checks that they match.
 CONSTRAINED_METHODS = (
     "smcsd_proposal",
@@ -35,18 +35,7 @@ def add_parser(sub) -> None:
     cc.add_argument(
         "--methods", default=None, help=f"comma-separated (default: all): {', '.join(CONSTRAINED_METHODS)}"
     )
-    cc.add_argument("-n", "--particles", type=int, default=8, help="N particles, every method")
-    cc.add_argument("-k", "--block-size", type=int, default=8, help="K for SMC-SD")
-    cc.add_argument("--temperature", type=float, default=0.7, help="T of every model")
-    cc.add_argument("--max-new-tokens", type=int, default=32, help="generation budget per run")
-    cc.add_argument("--repeats", type=int, default=1, help="runs per task and method (medians reported)")
-    cc.add_argument("--seed", type=int, default=0, help="seed of every run")
-    cc.add_argument(
-        "--cut",
-        type=cut_value,
-        default=SMC_DEFAULTS.cut,
-        help="SMC-SD's quality cut, as everywhere ('off': the paper's algorithm)",
-    )
+    side_by_side_args(cc, max_new_tokens=32)
     cc.set_defaults(run=_compare_constrained)
     cp = command(
         sub,
@@ -60,6 +49,22 @@ def add_parser(sub) -> None:
     cp.add_argument("--repeats", type=int, default=3, help="runs each way (medians reported)")
     smc_args(cp)
     cp.set_defaults(run=_compare_program)
+
+
+def side_by_side_args(p: argparse.ArgumentParser, *, max_new_tokens: int) -> None:
+    """The settings of a side-by-side comparison: N, K, one T for every model, budget, repeats, seed, cut."""
+    p.add_argument("-n", "--particles", type=int, default=8, help="N particles, every method that has them")
+    p.add_argument("-k", "--block-size", type=int, default=8, help="K for SMC-SD")
+    p.add_argument("--temperature", type=float, default=0.7, help="T of every model")
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help="generation budget per run")
+    p.add_argument("--repeats", type=int, default=1, help="runs of each method on each prompt")
+    p.add_argument("--seed", type=int, default=0, help="seed of the first repeat (the next ones add 1)")
+    p.add_argument(
+        "--cut",
+        type=cut_value,
+        default=SMC_DEFAULTS.cut,
+        help="SMC-SD's quality cut, as everywhere ('off': the paper's algorithm)",
+    )
 
 
 def _compare_constrained(args: argparse.Namespace) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from .compare import side_by_side_args
 from .loading import load_pair, load_target
 from .options import command
 from .util import PROG, check_output_file, check_threads, csv, cut_value, progress
@@ -49,13 +50,7 @@ def add_parsers(sub) -> None:
     js = command(sub, "compare-json", "JSON extraction: SMC-SD vs AR under the mask vs genlm-control SMC")
     js.add_argument("--tasks", default="flat,nested", help="comma-separated: flat, nested")
     js.add_argument("--methods", default=",".join(JSON_METHODS), help="comma-separated methods")
-    js.add_argument("-n", "--particles", type=int, default=8, help="N particles (SMC-SD and genlm-control)")
-    js.add_argument("-k", "--block-size", type=int, default=8, help="K for SMC-SD")
-    js.add_argument("--temperature", type=float, default=0.7, help="T of every model")
-    js.add_argument("--max-new-tokens", type=int, default=96, help="generation budget per run")
-    js.add_argument("--cut", type=cut_value, default=0.3, help="SMC-SD's quality cut ('off': none)")
-    js.add_argument("--repeats", type=int, default=1, help="runs per text and method")
-    js.add_argument("--seed", type=int, default=0, help="seed of the first repeat")
+    side_by_side_args(js, max_new_tokens=96)
     js.set_defaults(run=_compare_json)
 
 

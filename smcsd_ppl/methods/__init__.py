@@ -1,4 +1,4 @@
-"""Every generation method, by name: SMC-SD, its baselines and steering.
+"""Every generation method, by name: SMC-SD and its baselines (steering baselines: ``bench.steering``).
 
 Importing this package registers each runner in ``METHODS``.
 """
