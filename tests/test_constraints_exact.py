@@ -158,7 +158,7 @@ def test_drafted_log_q_is_the_drafts_on_the_true_context(monkeypatch):
     )
     checked = 0
     for b in seen:
-        for j in range(b.kept):
+        for j in range(b.limit):
             context = list(b.constraint.context) + b.tokens[:j]
             mask = forced.next_mask([context])[0]
             q = torch.softmax(draft.next_logits(PROMPT + context) / t_d, -1) * mask

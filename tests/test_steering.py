@@ -168,7 +168,7 @@ def test_compare_rows_and_length_matched_plain(tiny_smcsd):
     # The hook on the decoder counts what the backend counts, and token-level SMC pays one
     # target forward per token where SMC-SD pays one per block.
     for method in ("smcsd_proposal", "smcsd_plain"):
-        assert recs[method].extra["target_forwards"] == recs[method].extra["target_calls"]
+        assert recs[method].target_forwards == recs[method].target_calls
     assert rows[2].target_forwards >= max(recs["genlm_awrs"].lengths) > rows[0].target_forwards
     ratios = compare.speed_ratios(rows)
     assert set(ratios["tiny"]) == {"smcsd_plain", "genlm_awrs"}

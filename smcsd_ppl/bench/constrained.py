@@ -167,7 +167,7 @@ def compare_constrained(
                 rec = METHODS[method](
                     ctx, task.prompt, constraints[task.name], seed=seed + rep, **{**kw, **extra}
                 )
-                rec.extra["target_forwards"] = forwards.calls - before
+                rec.target_forwards = forwards.calls - before
                 done[method] = rec
                 ll = target_loglik_per_token(pair, pair.encode(task.prompt), rec.token_ids)
                 ll = math.nan if ll is None else ll  # an empty output
@@ -206,7 +206,7 @@ def _row(task: str, method: str, recs: list[tuple[SteeringRecord, float]]) -> Co
         _median([ll for _, ll in recs]),
         _median([math.nan if r.log_z is None else r.log_z for r in rs]),
         _median([math.nan if r.ess is None else r.ess for r in rs]),
-        _median([r.extra["target_forwards"] for r in rs]),
+        _median([r.target_forwards for r in rs]),
         len(rs),
         rs[0].text,
     )

@@ -271,7 +271,7 @@ def _hard_masks(blocks, rows) -> list[list[torch.Tensor]]:
     masks = {i: list(blocks[i].allowed) for i in rows}
     need = [i for i in rows if len(masks[i]) <= blocks[i].limit and not blocks[i].stops]
     pairs = [
-        (blocks[i].constraint.constraint, blocks[i].constraint.context + tuple(blocks[i].limit_tokens))
+        (blocks[i].constraint.constraint, blocks[i].constraint.context + tuple(blocks[i].countable))
         for i in need
     ]
     for i, mask in zip(need, masks_for(pairs)):

@@ -6,7 +6,7 @@ import asyncio
 import math
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -33,6 +33,8 @@ class SteeringRecord:
         seconds: wall time of the SMC call.
         log_z: the method's log normalizer estimate (log marginal likelihood).
         ess: effective sample size of the final weights.
+        target_calls: target forwards the method itself counted (SMC-SD runners).
+        target_forwards: target forwards counted around the call (set by the comparison).
     """
 
     method: str
@@ -48,7 +50,8 @@ class SteeringRecord:
     log_z: float | None = None
     ess: float | None = None
     message: str = ""
-    extra: dict = field(default_factory=dict)
+    target_calls: int | None = None
+    target_forwards: int | None = None
 
     @property
     def validity(self) -> float:
