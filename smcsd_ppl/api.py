@@ -198,6 +198,13 @@ class SMCSD:
         on_cycle: Callable[[StepInfo], None] | None = None,
     ) -> list[Generation]:
         """Run user programs (``SMCSDModel`` subclasses), one request each, in one batch."""
+        programs = [programs] if isinstance(programs, SMCSDModel) else list(programs)
+        for p in programs:
+            if not isinstance(p, SMCSDModel):
+                raise ValueError(
+                    f"run takes SMCSDModel programs, got a {type(p).__name__}: wrap a text as "
+                    "SMCSDModel(prompt) (or SMCSDModel(prompt, constraint)), or call generate"
+                )
         self._check_token_prompts([p.prompt for p in programs if not isinstance(p.prompt, str)])
         context = self.context(config)  # the programs hold the prompts
         with self._lock:

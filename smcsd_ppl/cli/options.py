@@ -79,7 +79,7 @@ def smc_args(p: argparse.ArgumentParser) -> None:
         type=cut_value,
         default=d.cut,
         help="quality floor: cut a block where D(p || q) exceeds this (adapts drafting, down to the "
-        "target alone); 'off' runs the paper's algorithm",
+        "target alone); in (0, 1] for tv, nats for renyi2 and kl; 'off' runs the paper's algorithm",
     )
     g.add_argument(
         "--cut-divergence",

@@ -34,10 +34,14 @@ class HelpFormatter(argparse.HelpFormatter):
 
 
 class Parser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` using ``HelpFormatter`` (subcommands included)."""
+    """An ``ArgumentParser`` using ``HelpFormatter`` (subcommands included).
+
+    Options must be spelled out: a prefix (``--particle``) is refused, not taken for an option.
+    """
 
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("formatter_class", HelpFormatter)
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
 
