@@ -6,6 +6,7 @@ import asyncio
 import numbers
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -19,6 +20,7 @@ from .inference.state import StepInfo
 from .models import LoadedModel, eos_ids, load_model
 from .models.drafts import resolve_draft
 from .models.loading import cache_root
+from .models.threads import choose_threads
 from .proposals.retrieval import RetrievalDrafter
 from .results import Generation, RunStats, SMCInfo, SpeculativeInfo
 from .text import check_prompt
@@ -93,12 +95,21 @@ class SMCSD:
         *,
         device: str = "cpu",
         dtype: str = "bfloat16",
+        threads: int | None = None,
         **kwargs,
     ) -> SMCSD:
         """Load models by name: hub id, local path, ``None`` for the embedded default.
 
         ``draft`` may also be ``"layers:N"``, the target's first N layers (a weak draft).
+        ``threads`` sets torch's CPU threads; by default a busy machine's CPU runs as many as
+        its load leaves free (see ``models.threads``), and one warning says so.
         """
+        choice = choose_threads(threads) if threads is not None or str(device).startswith("cpu") else None
+        if choice is not None:
+            warnings.warn(
+                f"{choice.describe()}; pass threads=N to SMCSD.load, or set OMP_NUM_THREADS, to choose",
+                stacklevel=2,
+            )
         if kwargs.get("backend") == "vllm":  # not installed: say so before loading anything
             from .backends.vllm import import_vllm
 

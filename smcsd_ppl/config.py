@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 RESAMPLING_SCHEMES = ("systematic", "multinomial", "stratified", "residual")
@@ -93,6 +94,20 @@ class SMCConfig:
                 )
         if self.selection not in SELECTIONS:
             raise ValueError(f"selection must be one of {SELECTIONS}, got {self.selection!r}")
+
+
+def available_cores() -> int:
+    """The CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def check_threads(threads: int | None, name: str = "threads") -> None:
+    """Refuse a CPU thread count below 1 or above the cores this process may use (None: unset)."""
+    if threads is None:
+        return
+    cores = available_cores()
+    if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= cores:
+        raise ValueError(f"{name} must be between 1 and the {cores} CPU cores available, got {threads!r}")
 
 
 def _check_int(name: str, value: object, low: int) -> None:

@@ -47,7 +47,8 @@ def model_args(p: argparse.ArgumentParser, *, draft: bool = True) -> None:
         "--threads",
         type=int,
         default=None,
-        help="torch CPU threads, at most the cores (default: torch's; 1 on a busy machine)",
+        help="torch CPU threads, at most the cores (default: torch's; on a busy CPU, the cores its "
+        "load leaves free)",
     )
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")

@@ -62,11 +62,9 @@ def err(msg: str) -> None:
 
 def check_threads(threads: int | None) -> None:
     """Refuse a thread count below 1 or above the CPU cores this process may use."""
-    if threads is None:
-        return
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    if not 1 <= threads <= cores:
-        raise ValueError(f"--threads must be between 1 and the {cores} CPU cores available, got {threads}")
+    from ..config import check_threads as check
+
+    check(threads, "--threads")
 
 
 def read_prompt(text: str) -> str:
