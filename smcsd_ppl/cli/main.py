@@ -10,9 +10,18 @@ import sys
 
 from ..config import RESAMPLING_SCHEMES, SMCConfig
 from ..text import check_prompt
-from . import compare, constraints, device, distill, fidelity
+from . import batch, compare, constraints, device, distill, fidelity
 from .loading import load_pair
-from .options import METHOD_SUMMARIES, grid_args, model_args, prompt_args, smc_args, smc_config
+from .options import (
+    METHOD_SUMMARIES,
+    constraint_args,
+    grid_args,
+    model_args,
+    prompt_args,
+    read_constraint,
+    smc_args,
+    smc_config,
+)
 from .util import (
     PROG,
     USER_ERRORS,
@@ -40,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog=PROG, description="SMC speculative decoding: fast sampling with N draft particles.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    batch.add_parser(sub)
     _add_speed(sub)
     _add_bench(sub)
     _add_report(sub)
@@ -64,6 +74,7 @@ def _add_generate(sub) -> None:
     )
     model_args(gen)
     smc_args(gen)
+    constraint_args(gen)
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     gen.set_defaults(run=_generate)
 
@@ -124,31 +135,18 @@ def _add_report(sub) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from ..bench.batch import generate_one
+
     config = smc_config(args)
     check_threads(args.threads)
+    wanted = read_constraint(args)
     prompt = read_prompt(args.prompt)
     pair = load_pair(args)
+    constraint = None if wanted is None else wanted.build(pair.tokenizer, pair.eos_token_ids)
     with progress(config.max_new_tokens, "tokens") as bar:
-        out = pair.generate(prompt, method=args.method, config=config, on_progress=bar)
-    s = out.stats
-    record = {
-        "text": out.text,
-        "method": out.method,
-        "new_tokens": len(out.token_ids),
-        "seconds": round(s.seconds, 3),
-        "tokens_per_second": round(s.tokens_per_second, 2),
-        "tokens_per_target_call": round(s.tokens_per_target_call, 3),
-        "target_calls": s.target_calls,
-        "draft_calls": s.draft_calls,
-        "overhead_fraction": round(s.overhead_fraction, 3),
-        "message": out.message,
-    }
+        out = generate_one(pair, prompt, config, method=args.method, constraint=constraint, on_tokens=bar)
+    s, record = out.stats, out.to_record()
     smc, spec = out.smc, out.speculative
-    if smc is not None:  # an SMC-SD run
-        record |= {"n_resamples": smc.n_resamples, "mean_ess": smc.mean_ess, "log_z": smc.log_z}
-        record |= {"collapsed": smc.collapsed, "draft_lengths": smc.draft_lengths}
-    if spec is not None:
-        record["acceptance"] = round(spec.acceptance, 3)
     if args.json:
         print(json.dumps(record, ensure_ascii=False))
         return 0

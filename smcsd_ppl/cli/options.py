@@ -130,6 +130,70 @@ def smc_config(args: argparse.Namespace) -> SMCConfig:
     )
 
 
+def constraint_args(p: argparse.ArgumentParser) -> None:
+    """The ``constraint`` group: ``--schema``, ``--regex`` or ``--grammar``, one at most."""
+    g = p.add_argument_group("constraint (one at most, compiled by llguidance; SMC-SD only)")
+    x = g.add_mutually_exclusive_group()
+    x.add_argument(
+        "--schema",
+        metavar="FILE|JSON",
+        help="every output is JSON valid under this JSON Schema: a file, or the schema's own text",
+    )
+    x.add_argument(
+        "--regex", metavar="PATTERN", help="every output matches this regex in full (Python syntax)"
+    )
+    x.add_argument(
+        "--grammar",
+        metavar="FILE.lark",
+        help="every output is a sentence of this grammar (llguidance's Lark dialect; rule `start`)",
+    )
+
+
+def read_constraint(args: argparse.Namespace):
+    """The ``ConstraintSpec`` the constraint options name (None: none), files read and JSON parsed."""
+    from pathlib import Path
+
+    from ..potentials.spec import ConstraintSpec
+
+    if args.schema is not None:
+        flag, kind, value = "--schema", "schema", args.schema
+        text = (
+            value
+            if value.lstrip().startswith("{")
+            else _read_text(value, flag, "a JSON Schema file, or the schema's JSON text")
+        )
+    elif args.regex is not None:
+        flag, kind, text = "--regex", "regex", args.regex
+    elif args.grammar is not None:
+        flag, kind, text = (
+            "--grammar",
+            "grammar",
+            _read_text(args.grammar, "--grammar", "a Lark grammar file"),
+        )
+    else:
+        return None
+    if getattr(args, "method", "smcsd") != "smcsd":
+        raise ValueError(f"{flag} runs with --method smcsd only, got --method {args.method}")
+    try:
+        return ConstraintSpec(kind, text)
+    except ValueError as err:
+        where = "" if kind != "schema" or text is value else f" {Path(value)}"
+        raise ValueError(f"{flag}{where}: {err}") from err
+
+
+def _read_text(path: str, flag: str, what: str) -> str:
+    """A UTF-8 file's text, or one line saying why it cannot be read."""
+    from pathlib import Path
+
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"{flag} {path}: no such file (give {what})")
+    try:
+        return p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{flag} {path}: not UTF-8 text (byte {err.start})") from err
+
+
 def prompt_args(p: argparse.ArgumentParser, *, per_category: int | None) -> None:
     """How many of a dataset's prompts to use: ``--limit`` and ``--per-category``."""
     p.add_argument("--limit", type=int, default=None, help="at most this many prompts")
