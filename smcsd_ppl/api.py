@@ -129,7 +129,7 @@ class SMCSD:
             record = DraftRecord()
             if config.cut is not None:
                 ids = [self.encode(prompt)]
-                self._check_fits(ids, config, methods.get("smcsd"))
+                self.check_fits(ids, config, methods.get("smcsd"))
                 out = methods.get("smcsd").run(self.context(config, ids, record=record))
                 record = out.info[0].draft_record
             self.draft_record = record
@@ -238,7 +238,7 @@ class SMCSD:
     ) -> list[Generation]:
         """Run ``method`` on token-id prompts and build each request's ``Generation``."""
         method.check(config)
-        self._check_fits(ids, config, method)
+        self.check_fits(ids, config, method)
         context = self.context(config, ids, on_progress)
         with self._lock:
             start = self.start_clock()
@@ -296,7 +296,7 @@ class SMCSD:
             for text, ids, x, message in zip(texts, out.token_ids, info, messages)
         ]
 
-    def _check_fits(self, ids: list[list[int]], config: SMCConfig, method: methods.Method) -> None:
+    def check_fits(self, ids: list[list[int]], config: SMCConfig, method: methods.Method) -> None:
         """Refuse up front what would fail mid-generation (context length, KV budget)."""
         prompt = max(len(i) for i in ids)
         if not method.uses_draft:  # the last sampled token is never fed

@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .. import methods as registry
 from ..config import SMCConfig
 from ..inference.program import SMCSDModel
+from ..inference.state import StepInfo
 from ..results import Generation
 from .harness import (
     append_record,
@@ -46,8 +48,9 @@ def generate_one(
     method: str = "smcsd",
     constraint=None,
     on_tokens: Callable[[int], None] | None = None,
+    on_settled: Callable[[tuple[int, ...]], None] | None = None,
 ) -> Generation:
-    """One prompt's output; under a constraint, SMC-SD's default program holding it.
+    """One prompt's output; under a constraint, or streamed, SMC-SD's default program runs it.
 
     Args:
         pair: the models.
@@ -56,12 +59,21 @@ def generate_one(
         method: a method name; ``"smcsd"`` under a constraint.
         constraint: a built ``Constraint`` (``ConstraintSpec.build``), or None.
         on_tokens: called with the length of the longest particle so far.
+        on_settled: SMC-SD only (never called by other methods): after each cycle, the tokens
+            every surviving particle shares, which the output will extend.
     """
-    if constraint is None:
+    if constraint is None and (on_settled is None or method != "smcsd"):
         return pair.generate(prompt, method=method, config=config, on_progress=on_tokens)
     if method != "smcsd":
         raise ValueError(f"a constraint runs with the smcsd method only, got {method!r}")
-    hook = None if on_tokens is None else (lambda info: on_tokens(info.tokens))
+    pair.check_fits([pair.encode(prompt)], config, registry.get(method))
+
+    def hook(info: StepInfo) -> None:
+        if on_tokens is not None:
+            on_tokens(info.tokens)
+        if on_settled is not None and info.settled:
+            on_settled(info.settled[0])
+
     [out] = pair.run([SMCSDModel(prompt, constraint)], config, on_cycle=hook)
     return out
 

@@ -87,6 +87,8 @@ class StepInfo:
         tokens: tokens of the longest particle so far.
         ess: ESS per request before any resampling.
         resampled: per request, whether it resampled.
+        settled: per request, the tokens every particle of finite weight shares: every output
+            the request can still return extends them (what a stream may show).
     """
 
     cycle: int
@@ -94,6 +96,17 @@ class StepInfo:
     tokens: int
     ess: tuple[float, ...]
     resampled: tuple[bool, ...]
+    settled: tuple[tuple[int, ...], ...] = ()
+
+
+def settled_tokens(pop: Population) -> tuple[int, ...]:
+    """The longest token prefix shared by every particle of finite weight (none alive: empty)."""
+    alive = [p.token_ids for p, w in zip(pop.particles, pop.log_weights().tolist()) if w > -math.inf]
+    if not alive:
+        return ()
+    first, n = alive[0], min(len(a) for a in alive)
+    n = next((i for i in range(n) if any(a[i] != first[i] for a in alive)), n)
+    return tuple(first[:n])
 
 
 def reshape(pop: Population, ancestors: list[int], log_w: torch.Tensor) -> Population:

@@ -24,7 +24,7 @@ from .cycle import serve
 from .program import CycleBarrier, Runtime, SMCSDModel, unawaited_calls
 from .rows import RowStore
 from .schedule import DraftSchedule, draft_step_cost, schedule_from
-from .state import Population, SMCState, StepInfo, resampled
+from .state import Population, SMCState, StepInfo, resampled, settled_tokens
 
 MAX_IDLE_CYCLES = 64  # cycles in a row in which no particle did anything: a step that never extends
 
@@ -143,7 +143,14 @@ class SMCSDKernel:
         out = SMCState(tuple(new), state.record, state.cycle + 1, idle)
         every = [p for pop in new for p in pop.particles]
         live_after = sum(not p.done_stepping() for p in every)
-        info = StepInfo(out.cycle, live_after, max(len(p.token_ids) for p in every), tuple(ess), tuple(did))
+        info = StepInfo(
+            out.cycle,
+            live_after,
+            max(len(p.token_ids) for p in every),
+            tuple(ess),
+            tuple(did),
+            tuple(settled_tokens(pop) for pop in new),
+        )
         return out, info
 
     def _draft_length(self, pop: Population) -> int:
