@@ -76,7 +76,8 @@ def run(args: argparse.Namespace) -> int:
     err(
         f"{len(records)} prompts in {args.out} ({len(records) - summary.resumed} run now, {summary.resumed} "
         f"resumed from the file): {summary.failed} failed, {summary.with_message} with a message (empty or "
-        f"cut short); {summary.new_tokens} tokens in {summary.seconds:.1f} s of generation ({rate:.1f} tok/s)"
+        f"cut short); all records: {summary.new_tokens} tokens, {summary.seconds:.1f} s of generation, "
+        f"{rate:.1f} tok/s"
     )
     failed = [r for r in records if "error" in r]
     if failed:
