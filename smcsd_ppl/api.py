@@ -6,6 +6,7 @@ import asyncio
 import numbers
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -19,6 +20,7 @@ from .inference.state import StepInfo
 from .models import LoadedModel, eos_ids, load_model
 from .models.drafts import resolve_draft
 from .models.loading import cache_root
+from .models.threads import choose_threads
 from .proposals.retrieval import RetrievalDrafter
 from .results import Generation, RunStats, SMCInfo, SpeculativeInfo
 from .text import check_prompt
@@ -93,12 +95,21 @@ class SMCSD:
         *,
         device: str = "cpu",
         dtype: str = "bfloat16",
+        threads: int | None = None,
         **kwargs,
     ) -> SMCSD:
         """Load models by name: hub id, local path, ``None`` for the embedded default.
 
         ``draft`` may also be ``"layers:N"``, the target's first N layers (a weak draft).
+        ``threads`` sets torch's CPU threads; by default a busy machine's CPU runs as many as
+        its load leaves free (see ``models.threads``), and one warning says so.
         """
+        choice = choose_threads(threads) if threads is not None or str(device).startswith("cpu") else None
+        if choice is not None:
+            warnings.warn(
+                f"{choice.describe()}; pass threads=N to SMCSD.load, or set OMP_NUM_THREADS, to choose",
+                stacklevel=2,
+            )
         if kwargs.get("backend") == "vllm":  # not installed: say so before loading anything
             from .backends.vllm import import_vllm
 
@@ -118,7 +129,7 @@ class SMCSD:
             record = DraftRecord()
             if config.cut is not None:
                 ids = [self.encode(prompt)]
-                self._check_fits(ids, config, methods.get("smcsd"))
+                self.check_fits(ids, config, methods.get("smcsd"))
                 out = methods.get("smcsd").run(self.context(config, ids, record=record))
                 record = out.info[0].draft_record
             self.draft_record = record
@@ -198,6 +209,13 @@ class SMCSD:
         on_cycle: Callable[[StepInfo], None] | None = None,
     ) -> list[Generation]:
         """Run user programs (``SMCSDModel`` subclasses), one request each, in one batch."""
+        programs = [programs] if isinstance(programs, SMCSDModel) else list(programs)
+        for p in programs:
+            if not isinstance(p, SMCSDModel):
+                raise ValueError(
+                    f"run takes SMCSDModel programs, got a {type(p).__name__}: wrap a text as "
+                    "SMCSDModel(prompt) (or SMCSDModel(prompt, constraint)), or call generate"
+                )
         self._check_token_prompts([p.prompt for p in programs if not isinstance(p.prompt, str)])
         context = self.context(config)  # the programs hold the prompts
         with self._lock:
@@ -220,7 +238,7 @@ class SMCSD:
     ) -> list[Generation]:
         """Run ``method`` on token-id prompts and build each request's ``Generation``."""
         method.check(config)
-        self._check_fits(ids, config, method)
+        self.check_fits(ids, config, method)
         context = self.context(config, ids, on_progress)
         with self._lock:
             start = self.start_clock()
@@ -278,7 +296,7 @@ class SMCSD:
             for text, ids, x, message in zip(texts, out.token_ids, info, messages)
         ]
 
-    def _check_fits(self, ids: list[list[int]], config: SMCConfig, method: methods.Method) -> None:
+    def check_fits(self, ids: list[list[int]], config: SMCConfig, method: methods.Method) -> None:
         """Refuse up front what would fail mid-generation (context length, KV budget)."""
         prompt = max(len(i) for i in ids)
         if not method.uses_draft:  # the last sampled token is never fed

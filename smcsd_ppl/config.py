@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 RESAMPLING_SCHEMES = ("systematic", "multinomial", "stratified", "residual")
@@ -42,7 +43,8 @@ class SMCConfig:
             exceeds this, and the bonus token is drawn from the target there (the weights
             stay proper). Drafting then adapts to the kept lengths, down to decoding with
             the target alone where the draft does not pay. ``None``: the paper's algorithm
-            (whole blocks, fixed N and K).
+            (whole blocks, fixed N and K). In (0, 1] for ``"tv"``; any positive number of nats
+            for ``"renyi2"`` and ``"kl"``.
         cut_divergence: the divergence ``cut`` bounds, one of ``DIVERGENCE_NAMES``.
         token_level: draft nothing: every block is one token drawn from the target (with its
             weight), which makes a program token-level SMC with the target as proposal, the
@@ -81,12 +83,31 @@ class SMCConfig:
         _check_positive("alpha", self.alpha)
         if self.resampling not in RESAMPLING_SCHEMES:
             raise ValueError(f"resampling must be one of {RESAMPLING_SCHEMES}, got {self.resampling!r}")
-        if self.cut is not None:
-            _check_positive("cut", self.cut)
         if self.cut_divergence not in DIVERGENCE_NAMES:
             raise ValueError(f"cut_divergence must be one of {DIVERGENCE_NAMES}, got {self.cut_divergence!r}")
+        if self.cut is not None:
+            _check_positive("cut", self.cut)
+            # TV lies in [0, 1], so a floor above 1 never cuts; Renyi-2 and KL are in nats, unbounded.
+            if self.cut_divergence == "tv" and self.cut > 1:
+                raise ValueError(
+                    f"cut must be in (0, 1] for the tv divergence (it never exceeds 1), got {self.cut!r}"
+                )
         if self.selection not in SELECTIONS:
             raise ValueError(f"selection must be one of {SELECTIONS}, got {self.selection!r}")
+
+
+def available_cores() -> int:
+    """The CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def check_threads(threads: int | None, name: str = "threads") -> None:
+    """Refuse a CPU thread count below 1 or above the cores this process may use (None: unset)."""
+    if threads is None:
+        return
+    cores = available_cores()
+    if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= cores:
+        raise ValueError(f"{name} must be between 1 and the {cores} CPU cores available, got {threads!r}")
 
 
 def _check_int(name: str, value: object, low: int) -> None:

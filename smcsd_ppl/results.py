@@ -120,3 +120,25 @@ class Generation:
     message: str = ""
     smc: SMCInfo | None = None
     speculative: SpeculativeInfo | None = None
+
+    def to_record(self) -> dict:
+        """A JSON-ready dict: the text, its cost and the method's report (particles left out)."""
+        record: dict = {"text": self.text, "method": self.method, "new_tokens": len(self.token_ids)}
+        s = self.stats
+        if s is not None:
+            record |= {
+                "seconds": round(s.seconds, 3),
+                "tokens_per_second": round(s.tokens_per_second, 2),
+                "tokens_per_target_call": round(s.tokens_per_target_call, 3),
+                "target_calls": s.target_calls,
+                "draft_calls": s.draft_calls,
+                "overhead_fraction": round(s.overhead_fraction, 3),
+            }
+        record["message"] = self.message
+        smc, spec = self.smc, self.speculative
+        if smc is not None:
+            record |= {"n_resamples": smc.n_resamples, "mean_ess": smc.mean_ess, "log_z": smc.log_z}
+            record |= {"collapsed": smc.collapsed, "draft_lengths": smc.draft_lengths}
+        if spec is not None:
+            record["acceptance"] = round(spec.acceptance, 3)
+        return record

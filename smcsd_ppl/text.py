@@ -25,3 +25,30 @@ def check_prompt(prompt: object) -> str:
     if not prompt.strip():
         raise ValueError("the prompt is empty: give some text to continue")
     return prompt
+
+
+class TextStream:
+    """The text of a growing token prefix, handed out piece by piece.
+
+    Args:
+        decode: token ids -> text.
+
+    Attributes:
+        text: everything handed out so far.
+        tokens: the tokens it was decoded from.
+    """
+
+    def __init__(self, decode) -> None:
+        self.decode, self.text, self.tokens = decode, "", 0
+
+    def update(self, ids) -> str:
+        """The text ``ids`` add to what was handed out ('' if none yet).
+
+        A character split across tokens (decoded as U+FFFD) waits for its next tokens, and a
+        decoding that no longer starts with what was handed out adds nothing.
+        """
+        text = self.decode(list(ids)).rstrip("\ufffd")
+        if len(text) <= len(self.text) or not text.startswith(self.text):
+            return ""
+        new, self.text, self.tokens = text[len(self.text) :], text, len(ids)
+        return new

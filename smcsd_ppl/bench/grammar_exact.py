@@ -207,10 +207,14 @@ def grammar_exactness(
     return rows, refs
 
 
-def plot_exactness(rows: Sequence[ExactnessRow], refs: dict[str, float], path) -> None:
-    """TV from p x phi against N, one line per sampler, the local projection and the noise floor."""
+def plot_exactness(rows: Sequence[ExactnessRow], refs: dict[str, float], path):
+    """TV from p x phi against N, one line per sampler, the local projection and the noise floor.
+
+    Returns the figure (written to ``path``).
+    """
     import matplotlib
     from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
+    from matplotlib.ticker import NullLocator
 
     from .report import STYLE
 
@@ -223,8 +227,14 @@ def plot_exactness(rows: Sequence[ExactnessRow], refs: dict[str, float], path) -
         ax.axhline(refs["local_tv"], color="black", ls="--", label="AR / SD under the mask (exact)")
         ax.axhline(refs["noise"], color="grey", ls=":", label=f"sampling noise ({rows[0].runs} runs)")
         ax.set_xscale("log", base=2)
+        # One labelled tick per power of two: the log locator's own can repeat a label between ticks.
+        lo, hi = min(r.n for r in rows), max(r.n for r in rows)
+        powers = [2**i for i in range((lo - 1).bit_length(), hi.bit_length())] or sorted({r.n for r in rows})
+        ax.set_xticks(powers, [str(n) for n in powers])
+        ax.xaxis.set_minor_locator(NullLocator())
         ax.set_xlabel("particles N")
         ax.set_ylabel("TV from target x constraint")
         ax.set_ylim(0, 1.02)
         ax.legend(loc="lower left", frameon=False)
         fig.savefig(path, dpi=130)
+    return fig

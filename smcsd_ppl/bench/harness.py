@@ -99,11 +99,13 @@ def record_key(record: dict) -> tuple:
     return tuple(record[f] for f in KEY_FIELDS)
 
 
-def read_records(path: str | Path) -> tuple[list[dict], int]:
+def read_records(
+    path: str | Path, key_fields: Sequence[str] = KEY_FIELDS, writer: str = "smcsd bench"
+) -> tuple[list[dict], int]:
     """Records of a JSONL file and the byte length of its complete part, read line by line.
 
     A last line cut short (a run killed mid-write) is ignored; a bad line elsewhere, or a line
-    that is not a benchmark record, is an error.
+    without the ``key_fields`` of the records ``writer`` writes, is an error.
     """
     path = Path(path)
     if not path.exists():
@@ -123,11 +125,11 @@ def read_records(path: str | Path) -> tuple[list[dict], int]:
             except json.JSONDecodeError as err:
                 bad = (n, err.msg)  # the truncated tail, unless a line follows
                 continue
-            missing = [f for f in KEY_FIELDS if f not in record] if isinstance(record, dict) else KEY_FIELDS
+            missing = [f for f in key_fields if f not in record] if isinstance(record, dict) else key_fields
             if missing:
                 raise ValueError(
-                    f"{path}: line {n} is not a record of smcsd bench (no {missing[0]!r} field); "
-                    "give the file that smcsd bench wrote"
+                    f"{path}: line {n} is not a record of {writer} (no {missing[0]!r} field); "
+                    f"give the file that {writer} wrote"
                 )
             records.append(record)
             good = pos
@@ -197,11 +199,11 @@ def run_bench(
         raise ValueError("no prompts to benchmark")
     plan = [(s, p, r) for r in range(repeats) for p in prompts for s in grid.settings()]
     out_path = Path(out_path)
-    existing, good = _existing_records(out_path)
+    existing, good = existing_records(out_path)
     settings = run_settings(pair, grid.base)
-    _check_compatible(existing, settings, prompts)
+    check_compatible(existing, settings, prompts)
     done = {record_key(r): r for r in existing}
-    with _appending(out_path, good) as f:
+    with appending(out_path, good) as f:
         _calibrate(pair, grid, prompts)
         if any(name.startswith("racer") for name in grid.methods):
             # RACER learns across requests, as its reference does (its records then depend on
@@ -220,23 +222,26 @@ def _run_plan(pair, grid, plan, done: dict, settings: dict, f, *, warmup, on_rec
                 _warm(pair, method, prompt, grid.config(n, k, t, 0))
             warmed.add(method)
             done[key] = _measure(pair, grid, key, prompt, settings)
-            _append(f, done[key])
+            append_record(f, done[key])
         results.append(done[key])
         if on_record is not None:
             on_record(done[key], i + 1, len(plan))
     return results
 
 
-def _existing_records(out_path: Path) -> tuple[list[dict], int]:
-    """The records already in ``out_path`` and the bytes of its complete lines (none: ``[], 0``)."""
+def existing_records(out_path: Path, **kwargs) -> tuple[list[dict], int]:
+    """The records already in ``out_path`` and the bytes of its complete lines (none: ``[], 0``).
+
+    ``kwargs`` go to ``read_records`` (the key fields and writer of another kind of record).
+    """
     if out_path.exists() and not out_path.is_file():  # a device or pipe cannot be resumed from
         raise ValueError(f"{out_path}: not a regular file; give the path of a JSONL file")
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    return read_records(out_path)
+    return read_records(out_path, **kwargs)
 
 
 @contextmanager
-def _appending(out_path: Path, good: int):
+def appending(out_path: Path, good: int):
     """``out_path`` opened at its end, after its first ``good`` bytes (complete records)."""
     out_path.touch()
     with out_path.open("r+b") as f:
@@ -249,7 +254,8 @@ def _appending(out_path: Path, good: int):
         yield f
 
 
-def _append(f, record: dict) -> None:
+def append_record(f, record: dict) -> None:
+    """Write one JSON line and make sure it is on disk."""
     f.write((json.dumps(record, ensure_ascii=False) + "\n").encode())
     f.flush()
     os.fsync(f.fileno())  # a record on disk survives a kill right after it
@@ -287,7 +293,7 @@ def _peak_rss_mb() -> float:
     return round(peak / (2**20 if sys.platform == "darwin" else 2**10), 1)
 
 
-def _check_compatible(existing: list[dict], settings: dict, prompts: Sequence[Prompt]) -> None:
+def check_compatible(existing: list[dict], settings: dict, prompts: Sequence[Prompt]) -> None:
     """Refuse to resume from records made with other settings or other prompt texts."""
     for r in existing:
         for name, value in settings.items():

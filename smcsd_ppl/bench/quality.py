@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import string
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -13,7 +12,8 @@ if TYPE_CHECKING:
     from ..api import SMCSD
 
 _NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?")
-_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_WORD = re.compile(r"[^\W_]+")  # letters and digits; anything else separates words
+_ARTICLES = frozenset({"a", "an", "the"})
 
 
 def target_loglik_per_token(
@@ -59,19 +59,18 @@ def gsm8k_correct(output: str, answer: str) -> bool:
 
 
 def normalize(text: str) -> str:
-    """Lower case, no punctuation or articles, single spaces (SQuAD-style)."""
-    text = "".join(c for c in text.lower() if c not in string.punctuation)
-    return " ".join(_ARTICLES.sub(" ", text).split())
+    """Lower-case words, single-spaced: punctuation separates words, articles dropped (SQuAD-style)."""
+    return " ".join(w for w in _WORD.findall(text.lower()) if w not in _ARTICLES)
 
 
 def short_answer_correct(output: str, answer: str) -> bool:
-    """The normalized answer occurs in the normalized output."""
+    """The answer occurs in the output as whole words ("Mars" is not in "Marsupial" nor in "Earth")."""
     want = normalize(answer)
-    return bool(want) and f" {want} " in f" {normalize(output)} "
+    return bool(want) and re.search(rf"\b{re.escape(want)}\b", normalize(output)) is not None
 
 
 def check_answer(output: str, answer: str | None) -> bool | None:
-    """Whether ``output`` answers correctly: numerically for numbers, else by containment.
+    """Whether ``output`` answers correctly: numerically for numbers, else as whole words.
 
     ``None`` where there is no reference answer (the prompt is not checkable).
     """

@@ -3,7 +3,7 @@
 Easy facts a small instruct model mostly knows (capitals, opposites, sequences, colours,
 arithmetic), so that accuracy separates a method that follows the target from one that
 does not. Answers are checked by ``quality.check_answer`` (numbers numerically, words by
-containment after normalisation).
+whole-word match after normalisation, so "Mars" is not found in "Earth" nor "Marsupial").
 """
 
 from __future__ import annotations

@@ -9,15 +9,20 @@ from .util import check_threads, err, status
 
 
 def set_threads(args: argparse.Namespace) -> None:
-    """Apply ``--threads`` (checked first) and silence the hub's download bars."""
+    """Apply ``--threads`` (or the library's choice on a busy CPU) and silence the hub's download bars."""
+    import torch
     from transformers.utils import logging as hf_logging
+
+    from ..models.threads import choose_threads
 
     hf_logging.disable_progress_bar()  # our own bar is enough
     check_threads(args.threads)
-    if args.threads is not None:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    choice = (
+        choose_threads(args.threads) if args.threads is not None or args.device.startswith("cpu") else None
+    )
+    if choice is not None:
+        err(f"note: {choice.describe()}; --threads N to choose")
+    args.threads = torch.get_num_threads()  # what SMCSD.load keeps, without a second look at the load
 
 
 def load_target(args: argparse.Namespace):
@@ -54,6 +59,7 @@ def load_pair(args: argparse.Namespace):
             args.draft,
             device=args.device,
             dtype=args.dtype,
+            threads=args.threads,
             chat=not args.no_chat,
             backend=args.backend,
             vllm_options=options,

@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
 
 from ..config import RESAMPLING_SCHEMES, SMCConfig
 from ..text import check_prompt
-from . import compare, constraints, device, distill, fidelity
+from . import batch, compare, constraints, device, distill, fidelity, generate
 from .loading import load_pair
-from .options import METHOD_SUMMARIES, grid_args, model_args, prompt_args, smc_args, smc_config
+from .options import (
+    METHOD_SUMMARIES,
+    grid_args,
+    model_args,
+    prompt_args,
+    smc_args,
+    smc_config,
+)
 from .util import (
     PROG,
     USER_ERRORS,
@@ -24,7 +30,6 @@ from .util import (
     cut_value,
     err,
     progress,
-    read_prompt,
     user_error,
 )
 
@@ -39,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``smcsd`` (also used to document the CLI)."""
     parser = Parser(prog=PROG, description="SMC speculative decoding: fast sampling with N draft particles.")
     sub = parser.add_subparsers(dest="command", required=True)
-    _add_generate(sub)
+    generate.add_parser(sub)
+    batch.add_parser(sub)
     _add_speed(sub)
     _add_bench(sub)
     _add_report(sub)
@@ -49,23 +55,6 @@ def build_parser() -> argparse.ArgumentParser:
     fidelity.add_parser(sub)
     distill.add_parsers(sub)
     return parser
-
-
-def _add_generate(sub) -> None:
-    gen = sub.add_parser("generate", help="generate a continuation of a prompt")
-    gen.add_argument(
-        "prompt", help="the prompt (wrapped in the chat template of instruct models); - reads standard input"
-    )
-    gen.add_argument(
-        "--method",
-        choices=list(METHOD_SUMMARIES),
-        default="smcsd",
-        help="; ".join(f"{name}: {summary}" for name, summary in METHOD_SUMMARIES.items()),
-    )
-    model_args(gen)
-    smc_args(gen)
-    gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    gen.set_defaults(run=_generate)
 
 
 def _add_speed(sub) -> None:
@@ -121,79 +110,6 @@ def _add_report(sub) -> None:
         "--out-dir", default=None, help="where to write report.md and PNGs (default: RECORDS without .jsonl)"
     )
     report.set_defaults(run=_report)
-
-
-def _generate(args: argparse.Namespace) -> int:
-    config = smc_config(args)
-    check_threads(args.threads)
-    prompt = read_prompt(args.prompt)
-    pair = load_pair(args)
-    with progress(config.max_new_tokens, "tokens") as bar:
-        out = pair.generate(prompt, method=args.method, config=config, on_progress=bar)
-    s = out.stats
-    record = {
-        "text": out.text,
-        "method": out.method,
-        "new_tokens": len(out.token_ids),
-        "seconds": round(s.seconds, 3),
-        "tokens_per_second": round(s.tokens_per_second, 2),
-        "tokens_per_target_call": round(s.tokens_per_target_call, 3),
-        "target_calls": s.target_calls,
-        "draft_calls": s.draft_calls,
-        "overhead_fraction": round(s.overhead_fraction, 3),
-        "message": out.message,
-    }
-    smc, spec = out.smc, out.speculative
-    if smc is not None:  # an SMC-SD run
-        record |= {"n_resamples": smc.n_resamples, "mean_ess": smc.mean_ess, "log_z": smc.log_z}
-        record |= {"collapsed": smc.collapsed, "draft_lengths": smc.draft_lengths}
-    if spec is not None:
-        record["acceptance"] = round(spec.acceptance, 3)
-    if args.json:
-        print(json.dumps(record, ensure_ascii=False))
-        return 0
-    print(out.text if out.text else f"[empty output: {out.message}]")
-    if out.text and out.message:
-        err(f"note: {out.message}")
-    line = (
-        f"[{out.method}] {record['new_tokens']} tokens in {s.seconds:.2f} s = "
-        f"{s.tokens_per_second:.1f} tok/s, {s.tokens_per_target_call:.2f} tokens/target call"
-    )
-    if smc is not None:
-        ess = f"{smc.mean_ess:.2f}/{config.n_particles}"
-        line += f", {smc.n_resamples} resamples, {_ess(smc, ess)}, log Z {smc.log_z:.2f}"
-        line += _drafting(smc.draft_lengths)
-    if spec is not None:
-        line += f", acceptance (accepted/drafted tokens) {spec.acceptance:.2f}"
-    err(line)
-    if smc is not None and smc.collapsed:
-        err(
-            f"warning: the draft is too far from the target at these settings (mean ESS {ess}): the "
-            "output follows the draft more than the target; use --cut 0.3, a smaller --block-size, "
-            "more --particles or a closer --draft"
-        )
-    return 0
-
-
-def _ess(smc, ess: str) -> str:
-    """The mean ESS and what it averages: cycles of N particles, not those decoding alone with one."""
-    alone = sum(n == 1 for n in smc.particle_trace)
-    several = len(smc.particle_trace) - alone
-    if not several:
-        return f"one particle throughout ({alone} cycles)" if alone else "no cycle"
-    tail = f"; {alone} more with one particle" if alone else ""
-    return f"mean ESS {ess} over {several} cycle(s){tail}"
-
-
-def _drafting(lengths: list[int]) -> str:
-    """How the quality cut's schedule drafted, in a few words ('' for the paper's algorithm)."""
-    if not lengths:
-        return ""
-    if not any(lengths):
-        return ", target alone (the draft does not pay here)"
-    if lengths[-1] == 0:
-        return f", target alone after {lengths.index(0)} drafting cycle(s)"
-    return f", draft lengths {min(lengths)}-{max(lengths)}"
 
 
 def _speed(args: argparse.Namespace) -> int:

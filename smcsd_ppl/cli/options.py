@@ -47,7 +47,8 @@ def model_args(p: argparse.ArgumentParser, *, draft: bool = True) -> None:
         "--threads",
         type=int,
         default=None,
-        help="torch CPU threads, at most the cores (default: torch's; 1 on a busy machine)",
+        help="torch CPU threads, at most the cores (default: torch's; on a busy CPU, the cores its "
+        "load leaves free)",
     )
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
@@ -79,7 +80,7 @@ def smc_args(p: argparse.ArgumentParser) -> None:
         type=cut_value,
         default=d.cut,
         help="quality floor: cut a block where D(p || q) exceeds this (adapts drafting, down to the "
-        "target alone); 'off' runs the paper's algorithm",
+        "target alone); in (0, 1] for tv, nats for renyi2 and kl; 'off' runs the paper's algorithm",
     )
     g.add_argument(
         "--cut-divergence",
@@ -127,6 +128,70 @@ def smc_config(args: argparse.Namespace) -> SMCConfig:
         cut_divergence=args.cut_divergence,
         token_level=args.token_level,
     )
+
+
+def constraint_args(p: argparse.ArgumentParser) -> None:
+    """The ``constraint`` group: ``--schema``, ``--regex`` or ``--grammar``, one at most."""
+    g = p.add_argument_group("constraint (one at most, compiled by llguidance; SMC-SD only)")
+    x = g.add_mutually_exclusive_group()
+    x.add_argument(
+        "--schema",
+        metavar="FILE|JSON",
+        help="every output is JSON valid under this JSON Schema: a file, or the schema's own text",
+    )
+    x.add_argument(
+        "--regex", metavar="PATTERN", help="every output matches this regex in full (Python syntax)"
+    )
+    x.add_argument(
+        "--grammar",
+        metavar="FILE.lark",
+        help="every output is a sentence of this grammar (llguidance's Lark dialect; rule `start`)",
+    )
+
+
+def read_constraint(args: argparse.Namespace):
+    """The ``ConstraintSpec`` the constraint options name (None: none), files read and JSON parsed."""
+    from pathlib import Path
+
+    from ..potentials.spec import ConstraintSpec
+
+    if args.schema is not None:
+        flag, kind, value = "--schema", "schema", args.schema
+        text = (
+            value
+            if value.lstrip().startswith("{")
+            else _read_text(value, flag, "a JSON Schema file, or the schema's JSON text")
+        )
+    elif args.regex is not None:
+        flag, kind, text = "--regex", "regex", args.regex
+    elif args.grammar is not None:
+        flag, kind, text = (
+            "--grammar",
+            "grammar",
+            _read_text(args.grammar, "--grammar", "a Lark grammar file"),
+        )
+    else:
+        return None
+    if getattr(args, "method", "smcsd") != "smcsd":
+        raise ValueError(f"{flag} runs with --method smcsd only, got --method {args.method}")
+    try:
+        return ConstraintSpec(kind, text)
+    except ValueError as err:
+        where = "" if kind != "schema" or text is value else f" {Path(value)}"
+        raise ValueError(f"{flag}{where}: {err}") from err
+
+
+def _read_text(path: str, flag: str, what: str) -> str:
+    """A UTF-8 file's text, or one line saying why it cannot be read."""
+    from pathlib import Path
+
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"{flag} {path}: no such file (give {what})")
+    try:
+        return p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{flag} {path}: not UTF-8 text (byte {err.start})") from err
 
 
 def prompt_args(p: argparse.ArgumentParser, *, per_category: int | None) -> None:

@@ -34,10 +34,14 @@ class HelpFormatter(argparse.HelpFormatter):
 
 
 class Parser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` using ``HelpFormatter`` (subcommands included)."""
+    """An ``ArgumentParser`` using ``HelpFormatter`` (subcommands included).
+
+    Options must be spelled out: a prefix (``--particle``) is refused, not taken for an option.
+    """
 
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("formatter_class", HelpFormatter)
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
 
@@ -58,11 +62,9 @@ def err(msg: str) -> None:
 
 def check_threads(threads: int | None) -> None:
     """Refuse a thread count below 1 or above the CPU cores this process may use."""
-    if threads is None:
-        return
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    if not 1 <= threads <= cores:
-        raise ValueError(f"--threads must be between 1 and the {cores} CPU cores available, got {threads}")
+    from ..config import check_threads as check
+
+    check(threads, "--threads")
 
 
 def read_prompt(text: str) -> str:

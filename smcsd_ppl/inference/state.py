@@ -126,6 +126,7 @@ class StepInfo:
         tokens: tokens of the longest particle so far.
         ess: ESS per request before any resampling.
         resampled: per request, whether it resampled.
+        populations: the populations after it (values: read them, do not keep them alive).
     """
 
     cycle: int
@@ -133,6 +134,24 @@ class StepInfo:
     tokens: int
     ess: tuple[float, ...]
     resampled: tuple[bool, ...]
+    populations: tuple[Population, ...] = ()
+
+    def settled(self, request: int) -> tuple[int, ...]:
+        """The tokens every particle of finite weight of ``request`` shares (what a stream may show).
+
+        Every output the request can still return extends them.
+        """
+        return settled_tokens(self.populations[request])
+
+
+def settled_tokens(pop: Population) -> tuple[int, ...]:
+    """The longest token prefix shared by every particle of finite weight (none alive: empty)."""
+    alive = [p.token_ids for p, w in zip(pop.particles, pop.weights) if w > -math.inf]
+    if not alive:
+        return ()
+    low, high = min(alive), max(alive)  # the set's common prefix is theirs (lexicographic order)
+    n = next((i for i, (a, b) in enumerate(zip(low, high)) if a != b), min(len(low), len(high)))
+    return tuple(low[:n])
 
 
 def reshape(pop: Population, ancestors: list[int], log_w: torch.Tensor) -> Population:

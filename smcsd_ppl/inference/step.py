@@ -154,7 +154,8 @@ class SMCSDKernel:
         out = SMCState(tuple(self._pack(new)), cycle, idle)
         every = [p for pop in out.populations for p in pop.particles]
         live_after = sum(not p.done_stepping() for p in every)
-        info = StepInfo(cycle, live_after, max(len(p.token_ids) for p in every), tuple(ess), tuple(did))
+        longest = max(len(p.token_ids) for p in every)
+        info = StepInfo(cycle, live_after, longest, tuple(ess), tuple(did), out.populations)
         return out, info
 
     def _draft_length(self, pop: Population) -> int:

@@ -1,0 +1,99 @@
+"""Streaming what is settled: the tokens every surviving particle shares, which the output extends."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from smcsd_ppl import SMCConfig, SMCSDModel
+from smcsd_ppl.bench import batch
+from smcsd_ppl.bench.batch import generate_one
+from smcsd_ppl.cli import main
+from smcsd_ppl.text import TextStream
+
+CONFIG = SMCConfig(
+    n_particles=4, block_size=3, max_new_tokens=12, draft_temperature=1.0, target_temperature=1.0
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_a_text_stream_hands_out_each_piece_once():
+    pieces = {1: "ab", 2: "c", 3: "\ufffd", 4: "é"}
+    stream = TextStream(lambda ids: "".join(pieces[i] for i in ids).replace("\ufffdé", "é"))
+    assert [stream.update(ids) for ids in ([1], [1, 2], [1, 2, 3], [1, 2, 3, 4], [1])] == [
+        "ab",
+        "c",
+        "",
+        "é",
+        "",
+    ]
+    assert stream.text == "abcé" and stream.tokens == 4
+
+
+@pytest.mark.parametrize("fixture", ["tiny_smcsd", "eos_smcsd"])
+def test_settled_tokens_only_grow_and_every_output_extends_them(fixture, request):
+    pair, longest = request.getfixturevalue(fixture), 0
+    for seed in range(4):
+        seen: list[tuple[int, ...]] = []
+        programs = [SMCSDModel("The quick brown fox")]
+        [out] = pair.run(
+            programs,
+            dataclasses.replace(CONFIG, seed=seed),
+            on_cycle=lambda i, s=seen: s.append(i.settled(0)),
+        )
+        assert seen and all(b[: len(a)] == a for a, b in zip(seen, seen[1:])), seen
+        assert tuple(out.token_ids[: len(seen[-1])]) == seen[-1] or not out.text
+        longest = max(longest, len(seen[-1]))
+    assert longest >= 2  # something settles
+
+
+def test_streaming_returns_what_generate_returns(tiny_smcsd):
+    shown: list[tuple[int, ...]] = []
+    for seed in range(3):
+        cfg = dataclasses.replace(CONFIG, seed=seed)
+        plain = tiny_smcsd.generate("Once upon a time", config=cfg)
+        streamed = generate_one(tiny_smcsd, "Once upon a time", cfg, on_settled=shown.append)
+        assert streamed.token_ids == plain.token_ids and streamed.text == plain.text
+    assert shown
+
+
+@pytest.fixture(scope="module")
+def models(tiny_smcsd, tmp_path_factory) -> list[str]:
+    path = tmp_path_factory.mktemp("target")
+    tiny_smcsd.target.model.save_pretrained(path)
+    tiny_smcsd.target.tokenizer.save_pretrained(path)
+    return ["--target", str(path), "--draft", "layers:1", "--dtype", "fp32", "--threads", "1"]
+
+
+def test_the_cli_streams_the_final_text(models, capsys):
+    argv = ["generate", "-n", "4", "-k", "3", "--max-new-tokens", "12", "--target-temperature", "1", *models]
+    assert main([*argv, "--json", "The quick brown fox"]) == 0
+    text = json.loads(capsys.readouterr().out)["text"]
+    assert main([*argv, "The quick brown fox"]) == 0
+    out = capsys.readouterr().out
+    assert out == text + "\n" if text else out.startswith("[empty output")
+
+
+def test_ctrl_c_keeps_the_settled_text_and_says_where_it_stopped(models, capsys, monkeypatch, tiny_smcsd):
+    ids = tiny_smcsd.tokenizer("The quick brown fox jumps")["input_ids"]
+
+    def interrupted(*args, on_settled=None, **kwargs):
+        on_settled(tuple(ids[:2]))
+        on_settled(tuple(ids))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(batch, "generate_one", interrupted)
+    assert main(["generate", *models, "Hi"]) == 130
+    captured = capsys.readouterr()
+    assert captured.out == tiny_smcsd.decode(ids) + "\n"
+    assert f"interrupted after {len(ids)} settled tokens" in captured.err
