@@ -10,6 +10,7 @@ import torch
 
 from smcsd_ppl.bench import constrained as compare
 from smcsd_ppl.bench import steering
+from smcsd_ppl.config import SMCConfig
 
 PROMPT = "the quick brown fox"
 PATTERN = r"[a-z ]{1,12}"
@@ -146,11 +147,15 @@ def test_compare_rows_and_length_matched_plain(tiny_smcsd):
         tiny_smcsd,
         tasks,
         ["smcsd_proposal", "smcsd_plain", "genlm_awrs"],
-        n_particles=4,
-        block_size=3,
-        max_new_tokens=8,
-        temperature=1.0,
-        cut=None,  # the paper's whole blocks: random weights would cut at every position (default: 0.3)
+        # the paper's whole blocks: random weights would cut at every position (default: 0.3)
+        SMCConfig(
+            n_particles=4,
+            block_size=3,
+            max_new_tokens=8,
+            draft_temperature=1.0,
+            target_temperature=1.0,
+            cut=None,
+        ),
         on_run=lambda task, method, rec: seen.append((method, rec)),
     )
     assert [(r.task, r.method) for r in rows] == [

@@ -124,21 +124,26 @@ class CompareRow:
     example: str
 
 
+COMPARE_CONFIG = SMCConfig(
+    n_particles=8, block_size=8, max_new_tokens=32, draft_temperature=0.7, target_temperature=0.7
+)
+"""The comparison's defaults (the cut as in SMCConfig)."""
+
+
 def compare_constrained(
     pair,
     tasks: Sequence[Task],
     methods: Sequence[str] = tuple(METHODS),
+    config: SMCConfig = COMPARE_CONFIG,
     *,
-    n_particles: int = 8,
-    block_size: int = 8,
-    max_new_tokens: int = 32,
-    temperature: float = 0.7,
-    seed: int = 0,
     repeats: int = 1,
-    cut: float | None = SMCConfig().cut,
     on_run: Callable[[str, str, SteeringRecord], None] | None = None,
 ) -> list[CompareRow]:
-    """Run every method on every task ``repeats`` times, interleaved; one row per (task, method)."""
+    """Run every method on every task ``repeats`` times, interleaved; one row per (task, method).
+
+    ``config`` gives N, K, the budget, the seed, the cut (SMC-SD rows) and one temperature
+    for both models (``target_temperature``).
+    """
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise ValueError(f"unknown methods {unknown}; choose from {tuple(METHODS)}")
@@ -149,7 +154,10 @@ def compare_constrained(
     }
     ctx = pair.context()  # the runners' view of the pair; each SMC-SD run sets its own config
     lms = TokenLMs()  # the token-level libraries' view of the target, built once for every run
-    kw = dict(n_particles=n_particles, max_new_tokens=max_new_tokens, temperature=temperature)
+    n_particles, block_size, cut, seed = config.n_particles, config.block_size, config.cut, config.seed
+    kw = dict(
+        n_particles=n_particles, max_new_tokens=config.max_new_tokens, temperature=config.target_temperature
+    )
     _warm_up(ctx, tasks[0], constraints[tasks[0].name], methods, lms, **kw)
     runs: dict[tuple[str, str], list[tuple[SteeringRecord, float]]] = {}
     forwards = ForwardStats()  # on the decoder: the batched backend runs it and its own LM head

@@ -87,19 +87,7 @@ def _compare_constrained(args: argparse.Namespace) -> int:
             done[0] += 1
             bar(done[0])
 
-        rows = compare_constrained(
-            pair,
-            tasks,
-            methods,
-            n_particles=args.particles,
-            block_size=args.block_size,
-            max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
-            seed=args.seed,
-            repeats=args.repeats,
-            cut=args.cut,
-            on_run=tick,
-        )
+        rows = compare_constrained(pair, tasks, methods, smc_config(args), repeats=args.repeats, on_run=tick)
     _print_table(rows, args)
     for line in _once(caught):
         err(line)

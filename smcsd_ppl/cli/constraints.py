@@ -6,7 +6,7 @@ import argparse
 
 from .compare import side_by_side_args
 from .loading import load_pair, load_target
-from .options import command
+from .options import command, smc_config
 from .util import PROG, check_output_file, check_threads, csv, cut_value, progress
 
 ENGINE_NAMES = ("llguidance", "outlines-core", "xgrammar")  # bench.engines.ENGINES, without importing it
@@ -158,17 +158,8 @@ def _compare_json(args: argparse.Namespace) -> int:
     check_threads(args.threads)
     pair = load_pair(args)
     from ..bench.json_tasks import TASKS, compare_json, summarize
-    from ..config import SMCConfig
 
-    config = SMCConfig(
-        n_particles=args.particles,
-        block_size=args.block_size,
-        draft_temperature=args.temperature,
-        target_temperature=args.temperature,
-        max_new_tokens=args.max_new_tokens,
-        seed=args.seed,
-        cut=args.cut,
-    )
+    config = smc_config(args)
     total = args.repeats * len(methods) * sum(len(TASKS[t][2]) for t in tasks)
     with progress(total, "runs") as bar:
         done = [0]

@@ -8,7 +8,7 @@ import itertools
 import json
 
 from .loading import load_pair
-from .options import command, grid_args, prompt_args
+from .options import command, grid_args, prompt_args, smc_config
 from .util import check_output_file, check_threads, csv, cut_value, err, progress
 
 
@@ -37,7 +37,6 @@ def add_parser(sub) -> None:
 def _fidelity(args: argparse.Namespace) -> int:
     from ..bench import load_prompts
     from ..bench.fidelity import fidelity_map
-    from ..config import SMCConfig
 
     cells = list(
         itertools.product(
@@ -47,10 +46,7 @@ def _fidelity(args: argparse.Namespace) -> int:
             [cut_value(c) for c in csv(args.cuts, str, "--cuts")],
         )
     )
-    both = {"draft_temperature": args.temperature, "target_temperature": args.temperature}  # T_d = T_t
-    base = SMCConfig(
-        **both, max_new_tokens=args.max_new_tokens, seed=args.seed, cut_divergence=args.cut_divergence
-    )
+    base = smc_config(args)  # T_d = T_t = --temperature
     prompts = [
         p for p in load_prompts(args.dataset, limit=args.limit, per_category=args.per_category) if p.answer
     ]

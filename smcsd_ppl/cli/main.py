@@ -158,15 +158,7 @@ def _speed(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from ..bench import Grid, load_prompts, run_bench
 
-    base = SMCConfig(
-        ess_threshold=args.ess_threshold,
-        resampling=args.resampling,
-        alpha=args.alpha,
-        max_new_tokens=args.max_new_tokens,
-        seed=args.seed,
-        ignore_eos=args.ignore_eos,
-        cut=args.cut,
-    )
+    base = smc_config(args)
     grid = Grid(
         csv(args.methods, str, "--methods"),
         csv(args.particles, int, "--particles"),

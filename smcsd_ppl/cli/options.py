@@ -6,6 +6,7 @@ This module imports no torch, so that building the parser (``smcsd --help``) sta
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from ..config import DIVERGENCE_NAMES, RESAMPLING_SCHEMES, SELECTIONS, SMCConfig
 from .util import cut_value
@@ -110,24 +111,19 @@ def smc_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def smc_config(args: argparse.Namespace) -> SMCConfig:
-    """The ``SMCConfig`` of the options ``smc_args`` added."""
-    return SMCConfig(
-        n_particles=args.particles,
-        block_size=args.block_size,
-        ess_threshold=args.ess_threshold,
-        resampling=args.resampling,
-        draft_temperature=args.draft_temperature,
-        target_temperature=args.target_temperature,
-        alpha=args.alpha,
-        selection=args.selection,
-        max_new_tokens=args.max_new_tokens,
-        seed=args.seed,
-        ignore_eos=args.ignore_eos,
-        cut=args.cut,
-        cut_divergence=args.cut_divergence,
-        token_level=args.token_level,
-    )
+def smc_config(args: argparse.Namespace, **fixed) -> SMCConfig:
+    """The ``SMCConfig`` of a command's options, then ``fixed`` fields; every command builds its own here.
+
+    Each option named as a field sets it; ``--particles`` sets ``n_particles`` (unless it is a
+    grid's list) and ``--temperature`` both temperatures. Fields without an option keep their defaults.
+    """
+    fields = {f.name for f in dataclasses.fields(SMCConfig)}
+    values = {name: value for name, value in vars(args).items() if name in fields}
+    if isinstance(getattr(args, "particles", None), int):
+        values["n_particles"] = args.particles
+    if getattr(args, "temperature", None) is not None:
+        values |= {"draft_temperature": args.temperature, "target_temperature": args.temperature}
+    return SMCConfig(**(values | fixed))
 
 
 def constraint_args(p: argparse.ArgumentParser) -> None:
