@@ -19,6 +19,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from llamppl.distributions import Distribution
 from llamppl.llms import Token
@@ -47,14 +48,21 @@ class LMContext:
     def __init__(self, lm=None, prompt=(), temp: float | None = None, show_prompt=False, show_eos=True):
         if temp is not None and not (isinstance(temp, (int, float)) and temp > 0):
             raise ValueError(f"temp must be a number > 0, got {temp!r}")
+        if temp is None and lm is not None:
+            temp = 1.0  # LLaMPPL's default for a context built on a language model
         self.lm, self.prompt, self.temp = lm, prompt, temp
         self.show_prompt, self.show_eos = show_prompt, show_eos
-        self.prompt_ids: list[int] = []
+        self.prompt_ids: list[int] = _early_ids(lm, prompt)
         self.generated: list[int] = []
         self.row = -1
         self.mask: torch.Tensor | None = None  # [V] bool: what the next token may be (None: anything)
         self.unsent: list[int] = []  # appended since the row last heard from this context
         self.runtime = None
+
+    @classmethod
+    async def create(cls, lm, prompt, temp=1.0, show_prompt=False, show_eos=True) -> LMContext:
+        """LLaMPPL's asynchronous constructor: the same context as ``LMContext(...)``."""
+        return cls(lm, prompt, temp, show_prompt, show_eos)
 
     def __deepcopy__(self, memo: dict) -> LMContext:
         copy = LMContext.__new__(LMContext)
@@ -85,7 +93,43 @@ class LMContext:
         """Tokens generated so far."""
         return len(self.generated)
 
+    @property
+    def prompt_token_count(self) -> int:
+        """Tokens in the prompt."""
+        return len(self.prompt_ids)
+
+    @property
+    def prompt_string_length(self) -> int:
+        """Characters of the decoded prompt (``str`` cuts them when ``show_prompt`` is off)."""
+        return len(self._tokenizer().decode(self.prompt_ids))
+
+    @property
+    def model_mask(self) -> set[int]:
+        """Token ids the next token may still be (all, unless a ``mask_dist`` outcome restricts it)."""
+        if self.mask is not None:
+            return set(torch.nonzero(self.mask).flatten().tolist())
+        vocab = getattr(self.lm, "str_vocab", None)
+        if vocab is None:
+            raise ValueError("model_mask needs the context's lm: build it as LMContext(lm, prompt)")
+        return set(range(len(vocab)))
+
+    @property
+    def next_token_logprobs(self) -> np.ndarray:
+        """Log-probabilities of the next token at ``temp``, before a run; refused during one."""
+        if self.runtime is not None or not hasattr(self.lm, "next_token_logprobs_unbatched"):
+            raise ValueError(
+                "a context's next_token_logprobs is not kept here: sample or observe "
+                "context.next_token() (during a run, lp = await context.log_probs())"
+            )
+        lp = self.lm.next_token_logprobs_unbatched(self.tokens) / self.temp
+        return lp - np.logaddexp.reduce(lp)
+
     def __str__(self) -> str:
+        if _has_decode(self.lm):  # LLaMPPL's text: the whole sequence decoded, the prompt cut off
+            text = self.lm.tokenizer.decode(self.tokens)
+            text = text if self.show_prompt else text[self.prompt_string_length :]
+            eos = self.lm.tokenizer.eos_token
+            return text[: -len(eos)] if not self.show_eos and eos and text.endswith(eos) else text
         if self.runtime is None:
             return f"LMContext({self.prompt!r})"
         ids = self.generated
@@ -93,6 +137,11 @@ class LMContext:
             ids = ids[:-1]
         text = self.runtime.decode(ids)
         return self.runtime.decode(self.prompt_ids) + text if self.show_prompt else text
+
+    def _tokenizer(self):
+        if not _has_decode(self.lm):
+            raise ValueError("this needs the context's tokenizer: build it as LMContext(lm, prompt)")
+        return self.lm.tokenizer
 
     # the engine's side
     def append(self, tokens: Sequence[int]) -> None:
@@ -128,6 +177,18 @@ class LMContext:
     def _token(self, token_id: int) -> Token:
         vocab = getattr(self.lm, "str_vocab", None)
         return Token(self.lm, token_id, vocab[token_id] if vocab else str(token_id))
+
+
+def _has_decode(lm) -> bool:
+    return hasattr(getattr(lm, "tokenizer", None), "decode")
+
+
+def _early_ids(lm, prompt) -> list[int]:
+    """The prompt's ids at construction, when the lm can encode it (else the run encodes it)."""
+    if not isinstance(prompt, str):
+        return [int(t) for t in prompt]
+    encode = getattr(lm, "encode", None)
+    return list(encode(prompt)) if encode is not None else []
 
 
 def _renormalized(lp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
