@@ -96,7 +96,8 @@ def selected(children, n: int, g: torch.Generator) -> list:
     w = np.array([p.weight for p in children], dtype=np.float64)
     if not np.isfinite(w).any():
         return list(children[:n])  # every child is dead: nothing to choose by
-    total = float(np.logaddexp.reduce(w))
+    top = np.max(w)
+    total = float(np.log(np.sum(np.exp(w - top))) + top)
     probs = np.exp(w - total)
     sure, drawn, c = keep(probs, n, lambda: _uniform(g))
     share = math.log(n) - math.log(len(children))
