@@ -3,6 +3,7 @@ same mock target as LLaMPPL's language model, so one program can run on each."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from types import SimpleNamespace
 
@@ -24,6 +25,17 @@ class MockTokenizer:
 
     def __init__(self, strings):
         self.strings = strings
+        self.vocab_size = len(strings)
+
+    @property
+    def eos_token(self):
+        return self.strings[EOS]
+
+    def convert_ids_to_tokens(self, i):
+        return self.strings[i]
+
+    def decode(self, ids):
+        return "".join(self.strings[i] for i in ids)
 
     def batch_decode(self, ids, **kwargs):
         return [self.strings[i[0]] for i in ids]
@@ -60,6 +72,7 @@ class TheirMockLM:
             decode=lambda ids: "".join(strings[i] for i in ids),
             eos_token_id=EOS,
             eos_token=strings[EOS],
+            vocab_size=len(strings),
             convert_ids_to_tokens=lambda i: strings[i],
         )
         self.masks = SimpleNamespace(ALL_TOKENS=set(range(len(strings))))
@@ -68,6 +81,7 @@ class TheirMockLM:
         return torch.log_softmax(self.target.next_logits(list(token_ids)).float(), -1).numpy()
 
     async def next_token_logprobs(self, token_ids):
+        await asyncio.sleep(0)  # as a batching LM does: every other particle runs up to its own call
         return self.next_token_logprobs_unbatched(token_ids)
 
     def __deepcopy__(self, memo):
