@@ -105,7 +105,7 @@ def test_a_context_after_a_run_reads_as_llamppls(both, shown):
 def test_what_does_not_exist_here_is_refused_in_one_line(both):
     mine, _ = both
     with pytest.raises(ValueError, match="lm.pair.target_lm") as err:
-        mine.model
+        _ = mine.model
     assert "\n" not in str(err.value)
     with pytest.raises(ValueError, match="from_pretrained"):
         ours.CachedCausalLM(AsyncTransformer.__new__(AsyncTransformer))
@@ -116,7 +116,7 @@ def test_what_does_not_exist_here_is_refused_in_one_line(both):
             self.context = ours.LMContext(mine, PROMPT)
 
         async def step(self):
-            self.context.next_token_logprobs
+            _ = self.context.next_token_logprobs
             self.finish()
 
     with pytest.raises(ValueError, match=r"context.next_token\(\)") as err:
