@@ -229,7 +229,9 @@ async def smc_standard(
     ``json_file`` (inside ``visualization_dir`` when given) receives LLaMPPL's SMC record.
     ``settings`` are ``SMCConfig`` fields (defaults: temperatures 1 as in LLaMPPL, resampling
     ``systematic``, ``max_new_tokens=256``, ``seed=0``, the quality cut on for blocks);
-    ``resampling_method`` is LLaMPPL's name of ``resampling``.
+    ``resampling_method`` is LLaMPPL's name of ``resampling``. ``target_temperature`` tempers
+    blocks and contexts built without a language model; ``LMContext(lm, prompt, temp)`` keeps
+    its own ``temp`` (1 by default, as in LLaMPPL).
     """
     if "resampling_method" in settings:
         settings["resampling"] = settings.pop("resampling_method")

@@ -133,3 +133,22 @@ def test_transformer_is_refused_inside_a_run_with_what_to_use():
     lp = asyncio.run(ours.Transformer(lm, [0, 1]).log_prob(2))
     assert lp == pytest.approx(float(lm.pair.target_lm.next_logits([0, 1]).log_softmax(-1)[2]), abs=1e-6)
     assert EOS in lm.masks.EOS
+
+
+def test_llamppls_resampling_method_keyword_is_read():
+    lm = mock_lm()
+
+    class Two(ours.Model):
+        def __init__(self):
+            super().__init__()
+            self.context = ours.LMContext(lm, [0, 1])
+
+        async def step(self):
+            await self.sample(self.context.next_token())
+            if self.context.token_count == 2:
+                self.finish()
+
+    particles = asyncio.run(ours.smc_standard(Two(), 3, 1.0, resampling_method="multinomial"))
+    assert len(particles) == 3 and all(len(p.context.generated) == 2 for p in particles)
+    with pytest.raises(ValueError, match="resampling"):
+        asyncio.run(ours.smc_standard(Two(), 3, resampling_method="nope"))
