@@ -108,3 +108,13 @@ def test_smc_steer_steps_blocks_and_keeps_n_particles():
 def test_smc_steer_refuses_a_zero_beam():
     with pytest.raises(ValueError, match="n_beam >= 1"):
         asyncio.run(ours.smc_steer(program(ours.Model, ours.LMContext)(mock_lm(), 3), 2, 0))
+
+
+def test_every_round_of_children_shares_one_target_forward():
+    lm = mock_lm()
+    stats = lm.pair.target_lm.stats
+    stats.reset()
+    np.random.seed(0)
+    particles = asyncio.run(ours.smc_steer(program(ours.Model, ours.LMContext)(lm, 5), 3, 2))
+    rounds = max(p.context.token_count for p in particles)
+    assert stats.calls <= 1 + rounds  # the prefill, then at most one forward per round (6 children each)
