@@ -33,14 +33,15 @@ class LMContext:
     Args:
         lm: the language model (an ``smcsd_ppl.llamppl.CachedCausalLM``, or None): the run's pair
             decides the models; this names the vocabulary of returned tokens.
-        prompt: text (tokenized with the run's tokenizer, chat template applied) or token ids.
-        temp: temperature of the token-level steps (None: the run's target temperature; blocks
-            always use it).
+        prompt: text (encoded by ``lm`` as given; without ``lm``, by the run's tokenizer with the
+            chat template) or token ids.
+        temp: temperature of the token-level steps (default 1 with an ``lm``, as in LLaMPPL;
+            without one, the run's target temperature, which blocks always use).
         show_prompt: ``str(context)`` includes the prompt.
         show_eos: ``str(context)`` keeps a final EOS token's text.
 
     Attributes:
-        prompt_ids: the prompt's token ids, once the run has started.
+        prompt_ids: the prompt's token ids (from the start with an ``lm``, else once the run starts).
         generated: the tokens generated so far.
         row: the context's row in the row store (-1 before the run).
     """
