@@ -257,7 +257,8 @@ async def smc_steer(model: Model, n_particles: int, n_beam: int, **settings) -> 
 
     Each round every unfinished particle steps as ``n_beam`` copies; LLaMPPL's without-replacement
     resampling then keeps N of the children (the heaviest surely, the rest by stratified draws).
-    ``settings`` are ``SMCConfig`` fields, as in ``smc_standard``.
+    ``settings`` are ``SMCConfig`` fields, as in ``smc_standard``; the quality cut is off (it
+    would resize the population) and ``seed`` also seeds the stratified draws.
     """
     if n_particles < 1 or n_beam < 1:
         raise ValueError(f"smc_steer needs n_particles >= 1 and n_beam >= 1, got {n_particles}, {n_beam}")
