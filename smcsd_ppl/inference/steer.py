@@ -1,13 +1,14 @@
 """LLaMPPL's ``smc_steer`` on the batched engine: beam-like SMC with without-replacement resampling.
 
-Each round, every unfinished particle of N is stepped as K children (each child starts with
-the parent's weight less log K), finished particles are carried as they are, and N of the
-children are kept by LLaMPPL's "optimal" resampling: with c such that
-sum_i min(c w_i, 1) = N over the normalized weights, every child with c w_i >= 1 is kept
-surely (its weight shared out over N), and the others by one stratified pass, each kept
-child then carrying the average weight of the lighter ones. Nothing is drawn twice. The
-children step through the kernel, so every token-level step of a round shares one target
-forward; the kernel itself never resamples here (its ESS threshold is 0).
+Each round, every unfinished particle of N is stepped as K children and finished particles
+are carried; with M children in all, every weight is first scaled by M / N and an
+unfinished one's also by 1 / K. N children are then kept by LLaMPPL's "optimal"
+resampling: with c from LLaMPPL's search for sum_i min(c p_i, 1) = N over the normalized
+weights p, every child with c p_i >= 1 is kept surely (weight scaled back by N / M), and
+the others by one stratified pass, each kept one weighing (total weight) / c, scaled by
+N / M. Nothing is kept twice; when every child is dead the first N are kept. The children
+step through the kernel, so every token-level step of a round shares one target forward;
+the kernel itself never resamples here (its ESS threshold is 0).
 """
 
 from __future__ import annotations
