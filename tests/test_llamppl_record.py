@@ -90,3 +90,12 @@ def test_visualization_dir_holds_the_record(tmp_path):
     [written] = list(tmp_path.iterdir())
     assert written.name.startswith("Three-") and written.suffix == ".json"
     assert json.loads(written.read_text())[0]["mode"] == "init"
+
+
+def test_json_file_is_read_inside_visualization_dir(tmp_path):
+    lm = mock_lm()
+    go = ours.smc_standard(
+        program(ours.Model, ours.LMContext, lm, False), 2, visualization_dir=tmp_path, json_file="run.json"
+    )
+    asyncio.run(go)
+    assert [p.name for p in tmp_path.iterdir()] == ["run.json"]
