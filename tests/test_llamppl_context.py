@@ -110,15 +110,56 @@ def test_what_does_not_exist_here_is_refused_in_one_line(both):
     with pytest.raises(ValueError, match="from_pretrained"):
         ours.CachedCausalLM(AsyncTransformer.__new__(AsyncTransformer))
 
-    class Peek(ours.Model):
+    class Late(ours.Model):
         def __init__(self):
             super().__init__()
             self.context = ours.LMContext(mine, PROMPT)
 
         async def step(self):
-            _ = self.context.next_token_logprobs
             self.finish()
 
-    with pytest.raises(ValueError, match=r"context.next_token\(\)") as err:
-        asyncio.run(ours.smc_standard(Peek(), 1))
+    [late] = asyncio.run(ours.smc_standard(Late(), 1))
+    with pytest.raises(ValueError, match="inside a step") as err:
+        _ = late.context.next_token_logprobs
     assert "\n" not in str(err.value)
+
+
+def proposal_program(Model, LMContext, TokenCategorical, lm):
+    """LLaMPPL's hard-constraint idiom: a proposal built from ``next_token_logprobs`` in each step."""
+
+    class Proposed(Model):
+        def __init__(self):
+            super().__init__()
+            self.context = LMContext(lm, [0, 1])
+            self.read = []
+
+        async def step(self):
+            logits = self.context.next_token_logprobs.copy()
+            self.read = [*self.read, logits.copy()]
+            logits[[2, 3]] = -np.inf  # only tokens 0 and 1 proposed
+            await self.sample(self.context.next_token(), proposal=TokenCategorical(lm, logits))
+            if self.context.token_count == 4:
+                self.finish()
+
+    return Proposed()
+
+
+def test_next_token_logprobs_inside_steps_is_llamppls():
+    from llamppl_side import TheirMockLM, mock_lm
+
+    lm = mock_lm()
+    for seed in range(3):
+        np.random.seed(seed)
+        mine = asyncio.run(
+            ours.smc_standard(proposal_program(ours.Model, ours.LMContext, ours.TokenCategorical, lm), 3, 0.0)
+        )
+        np.random.seed(seed)
+        program = proposal_program(
+            llamppl.Model, llamppl.LMContext, llamppl.TokenCategorical, TheirMockLM(lm.pair.target_lm)
+        )
+        with np.errstate(divide="ignore"):
+            theirs = asyncio.run(llamppl.smc_standard(program, 3, 0.0))
+        assert [p.context.generated for p in mine] == [[int(t) for t in p.context.tokens[2:]] for p in theirs]
+        assert [p.weight for p in mine] == pytest.approx([p.weight for p in theirs], abs=1e-4)
+        for a, b in zip(mine, theirs):
+            assert np.allclose(np.stack(a.read), np.stack(b.read), atol=1e-5)

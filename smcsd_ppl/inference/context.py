@@ -116,14 +116,23 @@ class LMContext:
 
     @property
     def next_token_logprobs(self) -> np.ndarray:
-        """Log-probabilities of the next token at ``temp``, before a run; refused during one."""
-        if self.runtime is not None or not hasattr(self.lm, "next_token_logprobs_unbatched"):
-            raise ValueError(
-                "a context's next_token_logprobs is not kept here: sample or observe "
-                "context.next_token() (during a run, lp = await context.log_probs())"
-            )
-        lp = self.lm.next_token_logprobs_unbatched(self.tokens) / self.temp
-        return lp - np.logaddexp.reduce(lp)
+        """Log-probabilities of the next token at ``temp``, within the current mask (numpy ``[V]``).
+
+        Inside a step this reads the context's row at once, in a forward of its own (not
+        batched with the other particles): prefer sampling or observing ``next_token()``.
+        """
+        if self.runtime is None:
+            if not hasattr(self.lm, "next_token_logprobs_unbatched"):
+                raise ValueError(
+                    "next_token_logprobs needs the context's lm: build it as LMContext(lm, prompt)"
+                )
+            lp = self.lm.next_token_logprobs_unbatched(self.tokens) / self.temp
+            return lp - np.logaddexp.reduce(lp)
+        serve = self.runtime.barrier.handler
+        if serve is None or self.row < 0:
+            raise ValueError("next_token_logprobs is read inside a step here: use it from step()")
+        lp = serve([TokenRequest(self.row, self.take_unsent(), self.temp)])[0]
+        return (lp if self.mask is None else _renormalized(lp, self.mask)).numpy()
 
     def __str__(self) -> str:
         if _has_decode(self.lm):  # LLaMPPL's text: the whole sequence decoded, the prompt cut off
