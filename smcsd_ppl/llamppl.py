@@ -94,7 +94,6 @@ __all__ = [  # this library's five, then llamppl's own objects
     "softmax",
     "submodel",
 ]
-OURS = __all__[:5]
 
 
 def llamppl_public_names(module=None) -> set[str]:
