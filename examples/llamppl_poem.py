@@ -26,9 +26,9 @@ def syllables(word: str) -> int:
 
 
 class Poem(Model):
-    def __init__(self, lm, prompt, pattern=(5, 7, 5)):
+    def __init__(self, lm, prompt, pattern=(5, 7, 5), temp=1.0):
         super().__init__()
-        self.context = LMContext(lm, prompt)
+        self.context = LMContext(lm, prompt, temp, show_eos=False)
         self.pattern = list(pattern)
         self.newline = lm.str_vocab.index("\n")
         self.eos = lm.tokenizer.eos_token_id
@@ -51,7 +51,7 @@ class Poem(Model):
 def main(lm=None, n_particles=8, pattern=(3, 5, 3)):
     lm = lm or CachedCausalLM.from_pretrained(None)  # the embedded default target
     prompt = "A short poem about the sea, three lines:\n\nWaves"
-    particles = asyncio.run(smc_standard(Poem(lm, prompt, pattern), n_particles, target_temperature=0.8))
+    particles = asyncio.run(smc_standard(Poem(lm, prompt, pattern, temp=0.8), n_particles))
     alive = [p for p in particles if p.weight > float("-inf")]
     best = max(alive or particles, key=lambda p: p.weight)
     print("Waves" + str(best.context))

@@ -30,9 +30,9 @@ def word_masks(lm, longest=LONGEST):
 
 
 class ShortWords(Model):
-    def __init__(self, lm, prompt, max_tokens=24):
+    def __init__(self, lm, prompt, max_tokens=24, temp=1.0):
         super().__init__()
-        self.context = LMContext(lm, prompt)
+        self.context = LMContext(lm, prompt, temp)
         self.masks = word_masks(lm)
         self.eos = lm.tokenizer.eos_token_id
         self.left = max_tokens
@@ -60,9 +60,7 @@ class ShortWords(Model):
 def main(lm=None, n_particles=8, max_tokens=24):
     lm = lm or CachedCausalLM.from_pretrained(None)  # the embedded default target
     prompt = "Here is a calm story for small children, in very short words:\n"
-    particles = asyncio.run(
-        smc_standard(ShortWords(lm, prompt, max_tokens), n_particles, target_temperature=0.7)
-    )
+    particles = asyncio.run(smc_standard(ShortWords(lm, prompt, max_tokens, temp=0.7), n_particles))
     best = max(particles, key=lambda p: p.weight)
     print(str(best.context))
     return particles

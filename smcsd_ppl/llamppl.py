@@ -1,8 +1,8 @@
 """LLaMPPL programs on SMC-SD's engine: change the import, keep the program.
 
-A LLaMPPL program imports ``CachedCausalLM``, ``LMContext``, ``Model`` and ``smc_standard``
-from ``llamppl``; importing them from here instead runs it on this library's batched row
-store, where every particle's token-level step of a cycle shares one target forward and
+``smcsd_ppl.llamppl`` offers every public name of ``llamppl`` (see ``LLAMPPL_NAMES``). A
+program imports them from here instead and runs on this library's batched row store, where
+every particle's token-level step of a cycle shares one target forward and
 ``await self.extend()`` adds SMC-SD blocks (K drafted tokens per target forward)::
 
     from smcsd_ppl.llamppl import CachedCausalLM, LMContext, Model, smc_standard
@@ -20,30 +20,102 @@ store, where every particle's token-level step of a cycle shares one target forw
     lm = CachedCausalLM.from_pretrained(None)  # the embedded default (or a hub id)
     particles = asyncio.run(smc_standard(Program(lm, "Once upon a time"), 8))
 
-What differs from LLaMPPL: prompts are encoded as given (no chat template, as LLaMPPL
-does); a context's temperature defaults to 1 as there; ``max_new_tokens`` bounds every
-context; ``smc_standard``'s visualization and JSON-record arguments are accepted and
-ignored; and ``smc_steer`` (beam search) is not offered: use ``smc_standard``.
+``CachedCausalLM``, ``LMContext``, ``Model``, ``smc_standard`` and ``smc_steer`` are this
+library's; every other name is ``llamppl``'s own object, which runs unchanged on these
+programs. docs/from-llamppl.md lists what differs, name by name.
 """
 
 from __future__ import annotations
 
+import types
 from collections.abc import Sequence
 
-import llamppl.llms
+import llamppl
+import numpy as np
+import torch
+from llamppl import (
+    MLX_AVAILABLE,
+    VLLM_AVAILABLE,
+    AsyncMlxLM,
+    AsyncTransformer,
+    AsyncVirtualLM,
+    Bernoulli,
+    Distribution,
+    Geometric,
+    LogCategorical,
+    Masks,
+    MockAsyncLM,
+    SubModel,
+    Token,
+    TokenCategorical,
+    TokenSequence,
+    Transformer,
+    log_softmax,
+    logsumexp,
+    sample_word,
+    sample_word_2,
+    softmax,
+    submodel,
+)
 
 from .api import SMCSD
 from .config import SMCConfig
 from .inference.context import LMContext
-from .inference.loop import run_to_end
 from .inference.program import SMCSDModel as Model
-from .inference.state import final_particles
+from .inference.record import recorded_run, write_record
+from .inference.steer import steer
 
-__all__ = ["CachedCausalLM", "LMContext", "Model", "smc_standard", "smc_steer"]
+__all__ = [  # this library's five, then llamppl's own objects
+    "CachedCausalLM",
+    "LMContext",
+    "Model",
+    "smc_standard",
+    "smc_steer",
+    "AsyncMlxLM",
+    "AsyncTransformer",
+    "AsyncVirtualLM",
+    "Bernoulli",
+    "Distribution",
+    "Geometric",
+    "LogCategorical",
+    "MLX_AVAILABLE",
+    "Masks",
+    "MockAsyncLM",
+    "SubModel",
+    "Token",
+    "TokenCategorical",
+    "TokenSequence",
+    "Transformer",
+    "VLLM_AVAILABLE",
+    "log_softmax",
+    "logsumexp",
+    "sample_word",
+    "sample_word_2",
+    "softmax",
+    "submodel",
+]
+
+
+def llamppl_public_names(module=None) -> set[str]:
+    """``llamppl``'s public names (it has no ``__all__``).
+
+    What ``dir(llamppl)`` shows, less underscore names, modules, and objects defined by
+    packages other than llamppl and genlm (the ones it merely imports, such as ``defaultdict``).
+    """
+    module = module or llamppl
+    out = set()
+    for name in dir(module):
+        value = getattr(module, name)
+        if name.startswith("_") or isinstance(value, types.ModuleType):
+            continue
+        origin = getattr(value, "__module__", None)
+        if origin is None or origin.split(".")[0] in ("llamppl", "genlm"):
+            out.add(name)
+    return out
 
 
 class CachedCausalLM:
-    """A pair's target as LLaMPPL's language model: vocabulary, masks, tokenizer.
+    """A pair's target as LLaMPPL's language model: vocabulary, masks, tokenizer, log-probabilities.
 
     Args:
         pair: an ``SMCSD`` pair (or any object with its ``rows()``, ``lock``, ``tokenizer``,
@@ -51,29 +123,81 @@ class CachedCausalLM:
     """
 
     def __init__(self, pair) -> None:
+        if not hasattr(pair, "rows"):
+            raise ValueError(
+                f"CachedCausalLM here wraps an SMCSD pair, not a {type(pair).__name__}: "
+                "use CachedCausalLM.from_pretrained(model_id) or CachedCausalLM(SMCSD(...))"
+            )
         self.pair = pair
         self.tokenizer = pair.tokenizer
         self.backend = "hf"
         self.batch_size = None  # LLaMPPL's auto-batch size: here every cycle is one batch
-        ids = [[i] for i in range(pair.target_lm.vocab_size)]
-        self.str_vocab = self.tokenizer.batch_decode(ids, clean_up_tokenization_spaces=False)
-        self.byte_vocab = [s.encode() for s in self.str_vocab]
-        self.masks = llamppl.llms.Masks(self)
+        self.running = False  # a run holds the pair's rows
+        self.str_vocab, self.byte_vocab = _vocabularies(self.tokenizer, pair.target_lm.vocab_size)
+        self.masks = Masks(self)
 
     @classmethod
     def from_pretrained(cls, model_id: str | None = None, draft: str | None = None, **kwargs):
         """Load a target (a hub id, a local path, None for the embedded default) and its draft."""
         return cls(SMCSD.load(model_id, draft, chat=False, **kwargs))
 
+    @property
+    def model(self):
+        """Refused: there is no genlm ``AsyncLM`` here."""
+        raise ValueError(
+            "CachedCausalLM.model does not exist here: the models are lm.pair.target_lm and draft_lm"
+        )
+
+    @property
+    def vocab(self) -> list[str]:
+        """LLaMPPL's old name of ``str_vocab``."""
+        return self.str_vocab
+
     def encode(self, prompt: str) -> list[int]:
         """Token ids of a prompt, as given (no chat template)."""
         return list(self.tokenizer.encode(prompt))
 
+    def next_token_logprobs_unbatched(self, token_ids: Sequence[int]) -> np.ndarray:
+        """Log-probabilities (float32 ``[V]``) of the token after ``token_ids``, outside a run."""
+        if self.running:
+            raise ValueError(
+                "lm.next_token_logprobs cannot run inside a program's step here: "
+                "use context.next_token() or context.mask_dist() (batched with the other particles)"
+            )
+        with self.pair.lock:
+            logits = self.pair.target_lm.prefill([[int(t) for t in token_ids]])[0]
+        return torch.log_softmax(logits.float(), -1).cpu().numpy()
+
+    async def next_token_logprobs(self, token_ids: Sequence[int]) -> np.ndarray:
+        """As ``next_token_logprobs_unbatched`` (one forward, not batched)."""
+        return self.next_token_logprobs_unbatched(token_ids)
+
     def cache_kv(self, prompt_tokens: Sequence[int]) -> None:
-        """Accepted for LLaMPPL's programs: every context's prompt is prefilled once per run anyway."""
+        """Accepted: every context's prompt is prefilled once per run anyway."""
 
     def clear_cache(self) -> None:
-        """Accepted for LLaMPPL's programs: a run keeps no cache after it ends."""
+        """Accepted: a run keeps no cache after it ends."""
+
+    def clear_kv_cache(self) -> None:
+        """Accepted: a run keeps no cache after it ends."""
+
+    def reset_async_queries(self) -> None:
+        """Accepted: no query outlives a run."""
+
+    def __deepcopy__(self, memo: dict) -> CachedCausalLM:
+        return self
+
+
+def _vocabularies(tokenizer, size: int) -> tuple[list[str], list]:
+    """The tokens' text and bytes, decoded as genlm-backend decodes them for LLaMPPL."""
+    try:
+        from genlm.backend.tokenization import decode_vocab
+
+        byte_vocab, str_vocab = decode_vocab(tokenizer)
+    except Exception:  # a tokenizer genlm cannot read (a test's mock): decode token by token
+        str_vocab = tokenizer.batch_decode([[i] for i in range(size)], clean_up_tokenization_spaces=False)
+        byte_vocab = [s.encode() for s in str_vocab]
+    return list(str_vocab), list(byte_vocab)
 
 
 def _lm_of(model: Model) -> CachedCausalLM:
@@ -86,6 +210,11 @@ def _lm_of(model: Model) -> CachedCausalLM:
     )
 
 
+def _config(n_particles: int, ess_threshold: float, settings: dict) -> SMCConfig:
+    defaults = dict(target_temperature=1.0, draft_temperature=1.0, max_new_tokens=256)
+    return SMCConfig(**(defaults | settings | dict(n_particles=n_particles, ess_threshold=ess_threshold)))
+
+
 async def smc_standard(
     model: Model,
     n_particles: int,
@@ -96,20 +225,50 @@ async def smc_standard(
 ) -> list[Model]:
     """LLaMPPL's ``smc_standard`` on the batched engine: the final particles, with their weights.
 
+    ``json_file`` (inside ``visualization_dir`` when given) receives LLaMPPL's SMC record.
     ``settings`` are ``SMCConfig`` fields (defaults: temperatures 1 as in LLaMPPL, resampling
-    ``systematic``, ``max_new_tokens=256``, ``seed=0``, the quality cut on for blocks).
+    ``systematic``, ``max_new_tokens=256``, ``seed=0``, the quality cut on for blocks);
+    ``resampling_method`` is LLaMPPL's name of ``resampling``. ``target_temperature`` tempers
+    blocks and contexts built without a language model; ``LMContext(lm, prompt, temp)`` keeps
+    its own ``temp`` (1 by default, as in LLaMPPL).
     """
+    if "resampling_method" in settings:
+        settings["resampling"] = settings.pop("resampling_method")
     lm = _lm_of(model)
-    pair = lm.pair
-    defaults = dict(target_temperature=1.0, draft_temperature=1.0, max_new_tokens=256)
-    config = SMCConfig(**(defaults | settings | dict(n_particles=n_particles, ess_threshold=ess_threshold)))
+    config = _config(n_particles, ess_threshold, settings)
+    pair, keep = lm.pair, json_file is not None or visualization_dir is not None
     eos = [] if config.ignore_eos else list(pair.eos_token_ids)
     with pair.lock:
-        store = pair.rows()
-        _, state = await run_to_end([model], store, config, eos, pair.draft_record, lm.encode, pair.decode)
-    return final_particles(state.populations[0])
+        lm.running = True
+        try:
+            particles, history = await recorded_run(
+                model, pair.rows(), config, eos, pair.draft_record, lm.encode, pair.decode, keep
+            )
+        finally:
+            lm.running = False
+    if keep:
+        write_record(history, model, visualization_dir, json_file)
+    return particles
 
 
-async def smc_steer(model: Model, n_particles: int, n_beam: int, *args, **kwargs):
-    """Not offered: LLaMPPL's beam-search steering has no batched counterpart here."""
-    raise ValueError("smc_steer is not offered on SMC-SD's engine: use smcsd_ppl.llamppl.smc_standard")
+async def smc_steer(model: Model, n_particles: int, n_beam: int, **settings) -> list[Model]:
+    """LLaMPPL's ``smc_steer`` on the batched engine: N particles, ``n_beam`` children each, N kept.
+
+    Each round every unfinished particle steps as ``n_beam`` copies; LLaMPPL's without-replacement
+    resampling then keeps N of the children (the heaviest surely, the rest by stratified draws).
+    ``settings`` are ``SMCConfig`` fields, as in ``smc_standard``; the quality cut is off (it
+    would resize the population) and ``seed`` also seeds the stratified draws.
+    """
+    if n_particles < 1 or n_beam < 1:
+        raise ValueError(f"smc_steer needs n_particles >= 1 and n_beam >= 1, got {n_particles}, {n_beam}")
+    lm = _lm_of(model)
+    config = _config(n_particles, 0.0, settings)
+    pair = lm.pair
+    eos = [] if config.ignore_eos else list(pair.eos_token_ids)
+    with pair.lock:
+        lm.running = True
+        try:
+            store, record = pair.rows(), pair.draft_record
+            return await steer(model, n_beam, store, config, eos, record, lm.encode, pair.decode)
+        finally:
+            lm.running = False

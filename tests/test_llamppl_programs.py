@@ -5,53 +5,18 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
-import threading
 
 import pytest
 import torch
-from helpers import EOS, marginal_tv, mock_pair
+from helpers import EOS, marginal_tv
+from llamppl_side import STRINGS, MockPair, mock_lm
 
 from examples.llamppl_poem import Poem
 from examples.llamppl_short_words import LONGEST, ShortWords
 from smcsd_ppl.backends.mock import MockLM
-from smcsd_ppl.config import DraftRecord
-from smcsd_ppl.inference.rows import RowStore
 from smcsd_ppl.llamppl import CachedCausalLM, smc_standard
 
 PROMPT, H = [1, 2], 4
-STRINGS = ["ab", " cde", "xyz", "</s>"]  # token 3 is EOS, as in the mock's exact tests
-
-
-class MockTokenizer:
-    """The four mock tokens as text."""
-
-    eos_token_id = EOS
-    all_special_ids = [EOS]
-
-    def __init__(self, strings):
-        self.strings = strings
-
-    def batch_decode(self, ids, **kwargs):
-        return [self.strings[i[0]] for i in ids]
-
-
-class MockPair:
-    """What ``CachedCausalLM`` needs of a pair, over the mock target and draft."""
-
-    def __init__(self, target, draft, strings):
-        self.target_lm, self.draft_lm = target, draft
-        self.tokenizer, self.eos_token_ids = MockTokenizer(strings), [EOS]
-        self.draft_record, self.lock = DraftRecord(), threading.RLock()
-
-    def rows(self):
-        return RowStore(self.target_lm, self.draft_lm)
-
-    def decode(self, ids):
-        return "".join(self.tokenizer.strings[i] for i in ids if i != EOS)
-
-
-def mock_lm(strings=STRINGS):
-    return CachedCausalLM(MockPair(*mock_pair(), strings))
 
 
 def run(program_factory, n_particles, runs, **settings):

@@ -19,6 +19,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from llamppl.distributions import Distribution
 from llamppl.llms import Token
@@ -32,14 +33,15 @@ class LMContext:
     Args:
         lm: the language model (an ``smcsd_ppl.llamppl.CachedCausalLM``, or None): the run's pair
             decides the models; this names the vocabulary of returned tokens.
-        prompt: text (tokenized with the run's tokenizer, chat template applied) or token ids.
-        temp: temperature of the token-level steps (None: the run's target temperature; blocks
-            always use it).
+        prompt: text (encoded by ``lm`` as given; without ``lm``, by the run's tokenizer with the
+            chat template) or token ids.
+        temp: temperature of the token-level steps (default 1 with an ``lm``, as in LLaMPPL;
+            without one, the run's target temperature, which blocks always use).
         show_prompt: ``str(context)`` includes the prompt.
         show_eos: ``str(context)`` keeps a final EOS token's text.
 
     Attributes:
-        prompt_ids: the prompt's token ids, once the run has started.
+        prompt_ids: the prompt's token ids (from the start with an ``lm``, else once the run starts).
         generated: the tokens generated so far.
         row: the context's row in the row store (-1 before the run).
     """
@@ -47,14 +49,21 @@ class LMContext:
     def __init__(self, lm=None, prompt=(), temp: float | None = None, show_prompt=False, show_eos=True):
         if temp is not None and not (isinstance(temp, (int, float)) and temp > 0):
             raise ValueError(f"temp must be a number > 0, got {temp!r}")
+        if temp is None and lm is not None:
+            temp = 1.0  # LLaMPPL's default for a context built on a language model
         self.lm, self.prompt, self.temp = lm, prompt, temp
         self.show_prompt, self.show_eos = show_prompt, show_eos
-        self.prompt_ids: list[int] = []
+        self.prompt_ids: list[int] = _early_ids(lm, prompt)
         self.generated: list[int] = []
         self.row = -1
         self.mask: torch.Tensor | None = None  # [V] bool: what the next token may be (None: anything)
         self.unsent: list[int] = []  # appended since the row last heard from this context
         self.runtime = None
+
+    @classmethod
+    async def create(cls, lm, prompt, temp=1.0, show_prompt=False, show_eos=True) -> LMContext:
+        """LLaMPPL's asynchronous constructor: the same context as ``LMContext(...)``."""
+        return cls(lm, prompt, temp, show_prompt, show_eos)
 
     def __deepcopy__(self, memo: dict) -> LMContext:
         copy = LMContext.__new__(LMContext)
@@ -85,7 +94,52 @@ class LMContext:
         """Tokens generated so far."""
         return len(self.generated)
 
+    @property
+    def prompt_token_count(self) -> int:
+        """Tokens in the prompt."""
+        return len(self.prompt_ids)
+
+    @property
+    def prompt_string_length(self) -> int:
+        """Characters of the decoded prompt (``str`` cuts them when ``show_prompt`` is off)."""
+        return len(self._tokenizer().decode(self.prompt_ids))
+
+    @property
+    def model_mask(self) -> set[int]:
+        """Token ids the next token may still be (all, unless a ``mask_dist`` outcome restricts it)."""
+        if self.mask is not None:
+            return set(torch.nonzero(self.mask).flatten().tolist())
+        vocab = getattr(self.lm, "str_vocab", None)
+        if vocab is None:
+            raise ValueError("model_mask needs the context's lm: build it as LMContext(lm, prompt)")
+        return set(range(len(vocab)))
+
+    @property
+    def next_token_logprobs(self) -> np.ndarray:
+        """Log-probabilities of the next token at ``temp``, within the current mask (numpy ``[V]``).
+
+        Inside a step this reads the context's row at once, in a forward of its own (not
+        batched with the other particles): prefer sampling or observing ``next_token()``.
+        """
+        if self.runtime is None:
+            if not hasattr(self.lm, "next_token_logprobs_unbatched"):
+                raise ValueError(
+                    "next_token_logprobs needs the context's lm: build it as LMContext(lm, prompt)"
+                )
+            lp = self.lm.next_token_logprobs_unbatched(self.tokens) / self.temp
+            return lp - np.logaddexp.reduce(lp)
+        serve = self.runtime.barrier.handler
+        if serve is None or self.row < 0:
+            raise ValueError("next_token_logprobs is read inside a step here: use it from step()")
+        lp = serve([TokenRequest(self.row, self.take_unsent(), self.temp)])[0]
+        return (lp if self.mask is None else _renormalized(lp, self.mask)).numpy()
+
     def __str__(self) -> str:
+        if _has_decode(self.lm):  # LLaMPPL's text: the whole sequence decoded, the prompt cut off
+            text = self.lm.tokenizer.decode(self.tokens)
+            text = text if self.show_prompt else text[self.prompt_string_length :]
+            eos = self.lm.tokenizer.eos_token
+            return text[: -len(eos)] if not self.show_eos and eos and text.endswith(eos) else text
         if self.runtime is None:
             return f"LMContext({self.prompt!r})"
         ids = self.generated
@@ -93,6 +147,11 @@ class LMContext:
             ids = ids[:-1]
         text = self.runtime.decode(ids)
         return self.runtime.decode(self.prompt_ids) + text if self.show_prompt else text
+
+    def _tokenizer(self):
+        if not _has_decode(self.lm):
+            raise ValueError("this needs the context's tokenizer: build it as LMContext(lm, prompt)")
+        return self.lm.tokenizer
 
     # the engine's side
     def append(self, tokens: Sequence[int]) -> None:
@@ -128,6 +187,18 @@ class LMContext:
     def _token(self, token_id: int) -> Token:
         vocab = getattr(self.lm, "str_vocab", None)
         return Token(self.lm, token_id, vocab[token_id] if vocab else str(token_id))
+
+
+def _has_decode(lm) -> bool:
+    return hasattr(getattr(lm, "tokenizer", None), "decode")
+
+
+def _early_ids(lm, prompt) -> list[int]:
+    """The prompt's ids at construction, when the lm can encode it (else the run encodes it)."""
+    if not isinstance(prompt, str):
+        return [int(t) for t in prompt]
+    encode = getattr(lm, "encode", None)
+    return list(encode(prompt)) if encode is not None else []
 
 
 def _renormalized(lp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

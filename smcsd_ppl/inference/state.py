@@ -40,6 +40,7 @@ class Population:
         ess_fractions: ESS / N on the cycles that ran N >= 2 particles.
         n_resamples: resampling rounds.
         schedule: the request's draft schedule (None without the quality cut).
+        ancestors: the slots each particle was drawn from at the latest reshape (empty: none yet).
     """
 
     particles: tuple[SMCSDModel, ...]
@@ -51,6 +52,7 @@ class Population:
     ess_fractions: tuple[float, ...] = ()
     n_resamples: int = 0
     schedule: DraftSchedule | None = None
+    ancestors: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         assert len(self.particles) == len(self.weights) == len(self.rows), "one weight and row set a particle"
@@ -168,6 +170,7 @@ def reshape(pop: Population, ancestors: list[int], log_w: torch.Tensor) -> Popul
         particles=tuple(pop.particles[a] for a in ancestors),
         weights=(average,) * len(ancestors),
         rows=tuple(pop.rows[a] for a in ancestors),
+        ancestors=tuple(ancestors),
     )
 
 
@@ -186,10 +189,15 @@ def final_log_z(pop: Population) -> float:
 
 
 def final_particles(pop: Population) -> list[SMCSDModel]:
-    """A finished request's particles as LLaMPPL hands them back: each a copy holding its weight."""
+    """A finished request's particles as LLaMPPL hands them back: each a copy holding its weight.
+
+    The copies hold no rows (their contexts' ``row`` is -1): a row is a step's to read.
+    """
     out = []
     for p, w in zip(pop.particles, pop.weights):
         p = copy.deepcopy(p)
         p.weight = w
+        for ctx in p.contexts():
+            ctx.row = -1
         out.append(p)
     return out

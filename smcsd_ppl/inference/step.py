@@ -151,7 +151,7 @@ class SMCSDKernel:
             new.append(self._resized(pop, g))
             ess.append(e)
             did.append(r)
-        out = SMCState(tuple(self._pack(new)), cycle, idle)
+        out = SMCState(tuple(self.pack(new)), cycle, idle)
         every = [p for pop in out.populations for p in pop.particles]
         live_after = sum(not p.done_stepping() for p in every)
         longest = max(len(p.token_ids) for p in every)
@@ -228,7 +228,7 @@ class SMCSDKernel:
         want = schedule.n_particles()
         return pop if want == len(pop.particles) else resampled(pop, self.config.resampling, g, want)
 
-    def _pack(self, pops: list[Population]) -> list[Population]:
+    def pack(self, pops: list[Population]) -> list[Population]:
         """One fork: live particles' contexts get consecutive rows; finished ones release theirs."""
         kept: list[int] = []
         out = []
