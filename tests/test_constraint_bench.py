@@ -67,7 +67,7 @@ def test_compare_json_runs_smcsd_and_ar_under_the_mask(tiny_smcsd):
 
 
 def test_the_command_line_names_what_the_benchmarks_run():
-    from smcsd_ppl.cli.constraints import ENGINE_NAMES, JSON_METHODS, JSON_TASKS
+    from smcsd_ppl.names import ENGINE_NAMES, JSON_METHODS, JSON_TASKS
 
     assert ENGINE_NAMES == tuple(engines.ENGINES) and JSON_METHODS == json_tasks.METHODS
     assert JSON_TASKS == tuple(json_tasks.TASKS)

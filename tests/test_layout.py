@@ -25,7 +25,7 @@ LAYERS = [
     {"backends"},
     {"smc", "verification"},
     {"results", "text", "ends"},
-    {"config"},
+    {"config", "names"},
 ]
 RANK = {part: rank for rank, parts in enumerate(LAYERS) for part in parts}
 MAX_FILE_LINES, MAX_FUNCTION_LINES = 400, 60

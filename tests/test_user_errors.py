@@ -156,12 +156,11 @@ def test_every_option_shows_its_default():
 
 def test_the_parser_lists_every_registered_method():
     from smcsd_ppl.bench.constrained import METHODS as CC_METHODS
-    from smcsd_ppl.cli.compare import CONSTRAINED_METHODS
-    from smcsd_ppl.cli.options import METHOD_SUMMARIES
     from smcsd_ppl.methods import METHODS
+    from smcsd_ppl.names import METHOD_SUMMARIES, STEERING_METHODS
 
     assert METHOD_SUMMARIES == {m.name: m.summary for m in METHODS.values()}
-    assert CONSTRAINED_METHODS == tuple(CC_METHODS)
+    assert STEERING_METHODS == tuple(CC_METHODS)
 
 
 @pytest.mark.parametrize(

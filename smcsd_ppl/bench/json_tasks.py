@@ -31,6 +31,7 @@ import jsonschema
 from ..config import DraftRecord, SMCConfig
 from ..inference.program import SMCSDModel
 from ..methods.smcsd import run_programs
+from ..names import JSON_METHODS
 from ..potentials import JsonSchemaConstraint
 from . import steering
 from .engines import FLAT, NESTED
@@ -88,7 +89,7 @@ TASKS: dict[str, tuple[dict, str, tuple[Extraction, ...]]] = {
         ),
     ),
 }
-METHODS = ("smcsd", "smcsd_paper", "ar_masked", "genlm_awrs")
+METHODS = JSON_METHODS
 
 
 def prompt(task: str, text: str) -> str:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from ..names import METHOD_SUMMARIES
 from .loading import load_pair
 from .options import (
-    METHOD_SUMMARIES,
     constraint_args,
     model_args,
     prompt_args,

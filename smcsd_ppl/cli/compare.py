@@ -5,23 +5,10 @@ from __future__ import annotations
 import argparse
 import warnings
 
+from ..names import STEERING_METHODS
 from .loading import load_pair
 from .options import SMC_DEFAULTS, command, smc_args, smc_config
 from .util import check_threads, csv, cut_value, err, progress
-
-# The names of smcsd_ppl.bench.steering.STEERING_METHODS, kept here so that building the parser imports no
-# torch; a test checks that they match.
-CONSTRAINED_METHODS = (
-    "smcsd_proposal",
-    "smcsd_critic",
-    "smcsd_filtered",
-    "smcsd_plain",
-    "llamppl_smc",
-    "llamppl_masked",
-    "genlm_awrs",
-    "genlm_direct",
-    "genlm_critic",
-)
 
 
 def add_parser(sub) -> None:
@@ -33,7 +20,7 @@ def add_parser(sub) -> None:
     )
     cc.add_argument("--tasks", default="date,phone,json,short_words", help="comma-separated built-in tasks")
     cc.add_argument(
-        "--methods", default=None, help=f"comma-separated (default: all): {', '.join(CONSTRAINED_METHODS)}"
+        "--methods", default=None, help=f"comma-separated (default: all): {', '.join(STEERING_METHODS)}"
     )
     side_by_side_args(cc, max_new_tokens=32)
     cc.set_defaults(run=_compare_constrained)

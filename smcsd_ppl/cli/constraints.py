@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import argparse
 
+from ..names import ENGINE_NAMES, JSON_METHODS, JSON_TASKS
 from .compare import side_by_side_args
 from .loading import load_pair, load_target
 from .options import command, smc_config
 from .util import PROG, check_output_file, check_threads, csv, cut_value, progress
-
-ENGINE_NAMES = ("llguidance", "outlines-core", "xgrammar")  # bench.engines.ENGINES, without importing it
-JSON_METHODS = ("smcsd", "smcsd_paper", "ar_masked", "genlm_awrs")  # bench.json_tasks.METHODS, likewise
-JSON_TASKS = ("flat", "nested")  # bench.json_tasks.TASKS, likewise
 
 
 def add_parsers(sub) -> None:

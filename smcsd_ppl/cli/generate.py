@@ -6,8 +6,9 @@ import argparse
 import json
 import sys
 
+from ..names import METHOD_SUMMARIES
 from .loading import load_pair
-from .options import METHOD_SUMMARIES, constraint_args, model_args, read_constraint, smc_args, smc_config
+from .options import constraint_args, model_args, read_constraint, smc_args, smc_config
 from .util import check_threads, err, progress, read_prompt
 
 

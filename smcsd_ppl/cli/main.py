@@ -8,11 +8,11 @@ import os
 import sys
 
 from ..config import RESAMPLING_SCHEMES, SMCConfig
+from ..names import METHOD_SUMMARIES
 from ..text import check_prompt
 from . import batch, compare, constraints, device, distill, fidelity, generate
 from .loading import load_pair
 from .options import (
-    METHOD_SUMMARIES,
     grid_args,
     model_args,
     prompt_args,

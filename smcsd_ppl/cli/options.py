@@ -11,22 +11,6 @@ import dataclasses
 from ..config import DIVERGENCE_NAMES, RESAMPLING_SCHEMES, SELECTIONS, SMCConfig
 from .util import cut_value
 
-# The registry's names and summaries, kept here so that building the parser imports no torch;
-# a test checks that they match smcsd_ppl.methods.METHODS.
-METHOD_SUMMARIES = {
-    "smcsd": "SMC speculative decoding (N particles x K-token blocks)",
-    "smcsd_paper": "the paper's SMC-SD: whole K-token blocks, fixed N and K (no cut)",
-    "sd": "exact speculative sampling (Leviathan et al.)",
-    "ar": "autoregressive sampling from the target",
-    "easd": "speculative sampling with EASD's entropy-aware rejection (not exact)",
-    "hf_assisted": "Hugging Face assisted generation (exact SD, batch 1, draft at T_t)",
-    "hf_prompt_lookup": "Hugging Face prompt lookup decoding (batch 1)",
-    "minedraft": "MineDraft-style SD: verify one half-batch while drafting the other",
-    "racer": "RACER: retrieval + logit-cue draft trees, greedy (target argmax)",
-    "racer_sampling": "RACER draft trees with exact sampling at T_t",
-}
-
-
 SMC_DEFAULTS = SMCConfig()  # one set of defaults for the API and the command line
 
 

@@ -67,7 +67,7 @@ def autoregressive(
         calls += 1
 
 
-@register("ar", uses_draft=False, summary="autoregressive sampling from the target")
+@register("ar", uses_draft=False)
 def _ar(ctx: RunContext) -> MethodOutput:
     cfg = ctx.config
     tokens = autoregressive(

@@ -91,7 +91,6 @@ def easd_sampling(
 @register(
     "easd",
     samples_target=True,
-    summary="speculative sampling with EASD's entropy-aware rejection (not exact)",
 )
 def _easd(ctx: RunContext) -> MethodOutput:
     run = easd_sampling(ctx.rows(), ctx.config, ctx.eos, ctx.prompts, on_step=ctx.on_progress)

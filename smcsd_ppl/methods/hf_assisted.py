@@ -198,14 +198,10 @@ def _run(ctx: RunContext, *, assisted: bool) -> MethodOutput:
     return MethodOutput(tokens)
 
 
-def _register(name: str, *, assisted: bool, summary: str) -> None:
+def _register(name: str, *, assisted: bool) -> None:
     """Register one of the two ``generate()`` modes; only the assisted one feeds the draft."""
-    register(name, uses_draft=assisted, samples_target=True, summary=summary)(
-        partial(_run, assisted=assisted)
-    )
+    register(name, uses_draft=assisted, samples_target=True)(partial(_run, assisted=assisted))
 
 
-_register(
-    "hf_assisted", assisted=True, summary="Hugging Face assisted generation (exact SD, batch 1, draft at T_t)"
-)
-_register("hf_prompt_lookup", assisted=False, summary="Hugging Face prompt lookup decoding (batch 1)")
+_register("hf_assisted", assisted=True)
+_register("hf_prompt_lookup", assisted=False)

@@ -148,7 +148,6 @@ def side_loops(target: HFBatchedLM, draft: HFBatchedLM, eos: Sequence[int], conf
 @register(
     "minedraft",
     samples_target=True,
-    summary="MineDraft-style SD: verify one half-batch while drafting the other",
 )
 def _minedraft(ctx: RunContext) -> MethodOutput:
     sides = side_loops(ctx.target_lm, ctx.draft_lm, ctx.eos, ctx.config)

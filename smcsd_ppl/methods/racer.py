@@ -216,9 +216,7 @@ def _run(ctx: RunContext, temperature: float) -> MethodOutput:
     return MethodOutput(run.token_ids)
 
 
-@register(
-    "racer", uses_draft=False, summary="RACER: retrieval + logit-cue draft trees, greedy (target argmax)"
-)
+@register("racer", uses_draft=False)
 def _racer(ctx: RunContext) -> MethodOutput:
     return _run(ctx, 0.0)
 
@@ -227,7 +225,6 @@ def _racer(ctx: RunContext) -> MethodOutput:
     "racer_sampling",
     uses_draft=False,
     samples_target=True,
-    summary="RACER draft trees with exact sampling at T_t",
 )
 def _racer_sampling(ctx: RunContext) -> MethodOutput:
     return _run(ctx, ctx.config.target_temperature)

@@ -16,6 +16,7 @@ from ..backends.base import BatchedLM
 from ..config import DraftRecord, SMCConfig
 from ..inference.rows import RowStore
 from ..models import LoadedModel
+from ..names import METHOD_SUMMARIES
 from ..proposals.retrieval import RetrievalDrafter
 from ..results import SMCInfo, SpeculativeInfo
 
@@ -117,12 +118,13 @@ def register(
     uses_draft: bool = True,
     particles: bool = False,
     samples_target: bool = False,
-    summary: str = "",
 ):
-    """Decorator adding a runner to ``METHODS`` under ``name``."""
+    """Decorator adding a runner to ``METHODS`` under ``name``, one of ``names.METHOD_SUMMARIES``."""
+    if name not in METHOD_SUMMARIES:
+        raise ValueError(f"method {name!r} is not listed in smcsd_ppl.names.METHOD_SUMMARIES")
 
     def add(run: Runner) -> Runner:
-        METHODS[name] = Method(name, run, uses_draft, particles, summary, samples_target)
+        METHODS[name] = Method(name, run, uses_draft, particles, METHOD_SUMMARIES[name], samples_target)
         return run
 
     return add

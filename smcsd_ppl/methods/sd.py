@@ -196,7 +196,7 @@ def speculative_sampling(
     return loop.result()
 
 
-@register("sd", samples_target=True, summary="exact speculative sampling (Leviathan et al.)")
+@register("sd", samples_target=True)
 def _sd(ctx: RunContext) -> MethodOutput:
     run = speculative_sampling(ctx.rows(), ctx.config, ctx.eos, ctx.prompts, on_step=ctx.on_progress)
     info = SpeculativeInfo(run.acceptance())  # of the whole call, as SD has always reported it

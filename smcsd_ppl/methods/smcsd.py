@@ -44,14 +44,12 @@ def run_programs(
     )
 
 
-@register("smcsd", particles=True, summary="SMC speculative decoding (N particles x K-token blocks)")
+@register("smcsd", particles=True)
 def _smcsd(ctx: RunContext) -> MethodOutput:
     return run_programs(ctx, [SMCSDModel(i) for i in ctx.prompts])
 
 
-@register(
-    "smcsd_paper", particles=True, summary="the paper's SMC-SD: whole K-token blocks, fixed N and K (no cut)"
-)
+@register("smcsd_paper", particles=True)
 def _smcsd_paper(ctx: RunContext) -> MethodOutput:
     ctx = dataclasses.replace(ctx, config=dataclasses.replace(ctx.config, cut=None))
     return run_programs(ctx, [SMCSDModel(i) for i in ctx.prompts])
