@@ -216,7 +216,7 @@ def plot_exactness(rows: Sequence[ExactnessRow], refs: dict[str, float], path):
     from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
     from matplotlib.ticker import NullLocator
 
-    from .report import STYLE
+    from .report import STYLE, finish_plot
 
     with matplotlib.rc_context(STYLE):
         fig = Figure(figsize=(7.5, 4.6), layout="constrained")
@@ -232,9 +232,13 @@ def plot_exactness(rows: Sequence[ExactnessRow], refs: dict[str, float], path):
         powers = [2**i for i in range((lo - 1).bit_length(), hi.bit_length())] or sorted({r.n for r in rows})
         ax.set_xticks(powers, [str(n) for n in powers])
         ax.xaxis.set_minor_locator(NullLocator())
-        ax.set_xlabel("particles N")
-        ax.set_ylabel("TV from target x constraint")
-        ax.set_ylim(0, 1.02)
-        ax.legend(loc="lower left", frameon=False)
-        fig.savefig(path, dpi=130)
+        finish_plot(
+            fig,
+            ax,
+            path,
+            xlabel="particles N",
+            ylabel="TV from target x constraint",
+            ylim=(0, 1.02),
+            legend="lower left",
+        )
     return fig

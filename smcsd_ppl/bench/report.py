@@ -221,6 +221,15 @@ STYLE = {
 }
 
 
+def finish_plot(fig, ax, path, *, xlabel: str, ylabel: str, ylim: tuple[float, float], legend="best") -> None:
+    """Label and bound a plot's axes, add its legend, and save it at the project's resolution."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(*ylim)
+    ax.legend(loc=legend, frameon=False)
+    fig.savefig(path, dpi=130)
+
+
 def draw_plots(rows: Sequence[Row], out_dir: Path) -> list[Path]:
     """Write the PNGs that have data (speed-up vs N and K, quality vs speed-up, ESS); their paths."""
     import matplotlib

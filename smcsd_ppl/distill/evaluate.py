@@ -169,7 +169,7 @@ def plot_curve(log_path: str | os.PathLike, png_path: str | os.PathLike) -> bool
     import matplotlib
     from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
 
-    from ..bench.report import STYLE
+    from ..bench.report import STYLE, finish_plot
 
     records = [json.loads(line) for line in pathlib.Path(log_path).read_text().splitlines() if line.strip()]
     records = [r for r in records if "agreement" in r]
@@ -186,9 +186,12 @@ def plot_curve(log_path: str | os.PathLike, png_path: str | os.PathLike) -> bool
         ax = fig.add_subplot()
         for label, key in series.items():
             ax.plot(tokens, [r[key] for r in records], marker="o", label=label)
-        ax.set_xlabel("training tokens (millions)")
-        ax.set_ylabel("held-out, against the target")
-        ax.set_ylim(0, 1)
-        ax.legend(loc="best", frameon=False)
-        fig.savefig(png_path, dpi=130)
+        finish_plot(
+            fig,
+            ax,
+            png_path,
+            xlabel="training tokens (millions)",
+            ylabel="held-out, against the target",
+            ylim=(0, 1),
+        )
     return True
