@@ -127,9 +127,9 @@ class Generation:
         s = self.stats
         if s is not None:
             record |= {
-                "seconds": round(s.seconds, 3),
-                "tokens_per_second": round(s.tokens_per_second, 2),
-                "tokens_per_target_call": round(s.tokens_per_target_call, 3),
+                "seconds": round(s.seconds, 5),
+                "tokens_per_second": round(s.tokens_per_second, 3),
+                "tokens_per_target_call": round(s.tokens_per_target_call, 4),
                 "target_calls": s.target_calls,
                 "draft_calls": s.draft_calls,
                 "overhead_fraction": round(s.overhead_fraction, 3),

@@ -334,28 +334,24 @@ def _measure(pair: SMCSD, grid: Grid, key: tuple, prompt: Prompt, settings: dict
         gen = pair.generate(prompt.text, method=method, config=config, on_progress=progress)
     except ValueError as err:  # e.g. a prompt over the context: recorded, the grid goes on
         return record | {"error": str(err)}
-    s, smc, spec = gen.stats, gen.smc, gen.speculative
+    s, smc = gen.stats, gen.smc
     trace = smc.ess_trace if smc else None
-    return record | {
-        "new_tokens": s.new_tokens,
-        "seconds": round(s.seconds, 5),
-        "tokens_per_second": round(s.tokens_per_second, 3),
-        "ttft_seconds": round(first[0] - start, 5) if first else None,
-        "tokens_per_target_call": round(s.tokens_per_target_call, 4),
-        "target_calls": s.target_calls,
-        "draft_calls": s.draft_calls,
-        "target_seconds": round(s.target_seconds, 5),
-        "draft_seconds": round(s.draft_seconds, 5),
-        "acceptance": spec.acceptance if spec else None,
-        "mean_ess": smc.mean_ess if smc else None,
-        "n_resamples": smc.n_resamples if smc else None,
-        "log_z": smc.log_z if smc else None,
-        "ess_trace": [round(float(e), 4) for e in trace] if trace else None,
-        "target_loglik_per_token": target_loglik_per_token(pair, pair.encode(prompt.text), gen.token_ids),
-        "correct": check_answer(gen.text, prompt.answer),
-        "peak_rss_mb": _peak_rss_mb(),
-        "cuda_peak_mb": round(torch.cuda.max_memory_allocated(pair.target_lm.device) / 2**20, 1)
-        if cuda
-        else None,
-        "text": gen.text[:TEXT_CHARS],
-    }
+    absent = dict.fromkeys(("acceptance", "mean_ess", "n_resamples", "log_z"))  # every method's columns
+    return (
+        record
+        | absent
+        | gen.to_record()
+        | {  # the generation's own record, then the benchmark's
+            "ttft_seconds": round(first[0] - start, 5) if first else None,
+            "target_seconds": round(s.target_seconds, 5),
+            "draft_seconds": round(s.draft_seconds, 5),
+            "ess_trace": [round(float(e), 4) for e in trace] if trace else None,
+            "target_loglik_per_token": target_loglik_per_token(pair, pair.encode(prompt.text), gen.token_ids),
+            "correct": check_answer(gen.text, prompt.answer),
+            "peak_rss_mb": _peak_rss_mb(),
+            "cuda_peak_mb": round(torch.cuda.max_memory_allocated(pair.target_lm.device) / 2**20, 1)
+            if cuda
+            else None,
+            "text": gen.text[:TEXT_CHARS],
+        }
+    )
