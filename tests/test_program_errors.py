@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from smcsd_ppl import SMCConfig, SMCSDModel
-from smcsd_ppl.cli.main import _ess
+from smcsd_ppl.cli.generate import _ess
 from smcsd_ppl.potentials import RegexConstraint
 
 CFG = SMCConfig(n_particles=4, block_size=3, max_new_tokens=8, seed=0, cut=None)
