@@ -34,6 +34,7 @@ TIMING_FIELDS = (
     "ttft_seconds",
     "target_seconds",
     "draft_seconds",
+    "overhead_fraction",
     "peak_rss_mb",
     "cuda_peak_mb",
 )

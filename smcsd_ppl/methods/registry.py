@@ -118,13 +118,19 @@ def register(
     uses_draft: bool = True,
     particles: bool = False,
     samples_target: bool = False,
+    summary: str | None = None,
 ):
-    """Decorator adding a runner to ``METHODS`` under ``name``, one of ``names.METHOD_SUMMARIES``."""
-    if name not in METHOD_SUMMARIES:
-        raise ValueError(f"method {name!r} is not listed in smcsd_ppl.names.METHOD_SUMMARIES")
+    """Decorator adding a runner to ``METHODS`` under ``name``.
+
+    The built-in methods take their one-line ``summary`` from ``names.METHOD_SUMMARIES`` (where
+    the command line reads it); a method of your own gives its own.
+    """
+    summary = METHOD_SUMMARIES.get(name) if summary is None else summary
+    if summary is None:
+        raise ValueError(f"register({name!r}) needs a summary: a one-line description of the method")
 
     def add(run: Runner) -> Runner:
-        METHODS[name] = Method(name, run, uses_draft, particles, METHOD_SUMMARIES[name], samples_target)
+        METHODS[name] = Method(name, run, uses_draft, particles, summary, samples_target)
         return run
 
     return add
