@@ -7,7 +7,6 @@ import json
 import re
 
 import pytest
-import torch
 
 from smcsd_ppl import SMCConfig
 from smcsd_ppl.bench import Prompt
@@ -25,12 +24,7 @@ PROMPTS = [
 SAME = ("prompt_id", "seed", "text", "new_tokens", "log_z", "message")  # what two runs must agree on
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def outputs(records) -> dict:

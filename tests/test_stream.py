@@ -6,7 +6,6 @@ import dataclasses
 import json
 
 import pytest
-import torch
 
 from smcsd_ppl import SMCConfig, SMCSDModel
 from smcsd_ppl.bench import batch
@@ -19,12 +18,7 @@ CONFIG = SMCConfig(
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_a_text_stream_hands_out_each_piece_once():
