@@ -16,7 +16,7 @@ from .program import SMCSDModel
 from .rows import RowStore
 from .schedule import learned
 from .state import Population, SMCState, StepInfo, final_log_z
-from .step import SMCSDKernel, generators, step_key
+from .step import SMCSDKernel, host_generator, step_key
 
 # A request whose ESS averages under this share of its particles is flagged as collapsed:
 # its output is then close to the best of a few draft samples, not a target sample.
@@ -127,7 +127,7 @@ def _result(pop: Population, kernel: SMCSDKernel, record: DraftRecord) -> SMCRes
     if kernel.config.selection == "argmax":
         chosen = int(torch.argmax(log_w))
     else:  # each request draws its output from its own stream
-        _, g = generators(step_key(pop.seed, -1), torch.device("cpu"))
+        g = host_generator(step_key(pop.seed, -1))
         chosen = int(smc.resample(log_w, "multinomial", g, 1)[0])
     best = info.particles[chosen]
     return SMCResult(best.token_ids, best.text, chosen, info, _cut_short(pop.particles[chosen], kernel))

@@ -43,12 +43,14 @@ def request_seed(seed: int, index: int) -> int:
     return step_key(seed, -2 - index)
 
 
+def host_generator(key: int) -> torch.Generator:
+    """The host generator of a key (resampling, output choice, token-level draws)."""
+    return torch.Generator().manual_seed(key ^ 0x5DEECE66D)
+
+
 def generators(key: int, device: torch.device) -> tuple[torch.Generator, torch.Generator]:
-    """Two independent generators from one key: on the device (tokens), on the host (resampling)."""
-    return (
-        torch.Generator(device=device).manual_seed(key),
-        torch.Generator().manual_seed(key ^ 0x5DEECE66D),
-    )
+    """Two independent generators from one key: on the device (tokens), on the host."""
+    return torch.Generator(device=device).manual_seed(key), host_generator(key)
 
 
 class SMCSDKernel:
@@ -146,7 +148,7 @@ class SMCSDKernel:
             pop = self._observed(
                 pop.stepped(old), [b for rs in pop.rows for r in rs for b in blocks.get(r, [])]
             )
-            _, g = generators(step_key(pop.seed, cycle), torch.device("cpu"))
+            g = host_generator(step_key(pop.seed, cycle))
             pop, e, r = self._maybe_resample(pop, g)
             new.append(self._resized(pop, g))
             ess.append(e)
