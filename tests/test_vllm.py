@@ -7,6 +7,7 @@ enumeration tests); here the vLLM backend must give its logits, and so its weigh
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 from functools import partial
@@ -235,3 +236,17 @@ def test_rows_past_a_cache_block_read_the_cache_and_keep_their_logits(hf32, vllm
     before = lm.positions
     extend(torch.randint(100, 40000, (4, 2), generator=g), torch.ones(4, 2, dtype=torch.bool))
     assert lm.positions - before < sum(len(r) for r in rows) // 2  # the cache served most of each row
+
+
+def test_an_engine_runs_on_after_another_in_the_process_is_dropped(hf32, vllm32):
+    """Engines in one process share vLLM's parallel groups, which a dropped engine's shutdown destroys."""
+    from vllm.distributed import parallel_state
+
+    other = SMCSD.load(backend="vllm")
+    assert other.target_lm.engine is not vllm32.target_lm.engine
+    del other
+    gc.collect()
+    assert not parallel_state.model_parallel_is_initialized()  # the case this test is about
+    lm, row = _fresh(vllm32.draft_lm), [1, 450, 7483, 310]
+    got = lm.prefill([row])
+    assert torch.allclose(got[0], scratch_logits(hf32.draft.model, row), atol=1e-2, rtol=1e-2)

@@ -23,7 +23,14 @@ from collections.abc import Sequence
 import torch
 
 from .base import BatchedLM, ForwardStats, Timer
-from .vllm_engine import CPU_BLOCK, INSTALL_HINT, cache_reading_params, import_vllm, start_engine
+from .vllm_engine import (
+    CPU_BLOCK,
+    INSTALL_HINT,
+    cache_reading_params,
+    import_vllm,
+    restore_parallel_state,
+    start_engine,
+)
 from .vllm_export import weights_dir
 
 __all__ = [
@@ -152,6 +159,7 @@ class VLLMBatchedLM(BatchedLM):
         """The engine's states for ``rows`` (reading its prefix cache with ``params``): the last ones."""
         from vllm.inputs import TokensPrompt
 
+        restore_parallel_state(self.engine)
         outs = self.engine.encode(
             [TokensPrompt(prompt_token_ids=self.rows[i]) for i in rows],
             pooling_params=params,

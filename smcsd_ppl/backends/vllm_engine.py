@@ -102,6 +102,32 @@ def _scannable(module) -> bool:
     return True
 
 
+def restore_parallel_state(engine) -> None:
+    """Bring back vLLM's process-wide parallel groups if another engine's shutdown took them down.
+
+    vLLM keeps one set of parallel groups per process, shared by the in-process engines, and
+    an engine that shuts down (when it is collected) destroys them under the others. They are
+    rebuilt, as the worker first built them, before this engine runs again.
+    """
+    from vllm.distributed import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        return
+    from vllm.config import set_current_vllm_config
+    from vllm.platforms import current_platform
+    from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
+
+    worker = engine.llm_engine.model_executor.driver_worker.worker
+    with set_current_vllm_config(worker.vllm_config):
+        init_worker_distributed_environment(
+            worker.vllm_config,
+            worker.rank,
+            worker.distributed_init_method,
+            worker.local_rank,
+            current_platform.dist_backend,
+        )
+
+
 def cache_reading_params():
     """Pooling parameters that let a request read the prefix cache, or None where refused."""
     from vllm import PoolingParams
