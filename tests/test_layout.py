@@ -15,6 +15,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "smcsd_ppl"
 LAYERS = [
     {"cli"},
+    {"serving"},
     {"distill"},
     {"bench"},
     {"llamppl"},

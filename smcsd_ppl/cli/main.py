@@ -10,7 +10,7 @@ import sys
 from ..config import RESAMPLING_SCHEMES, SMCConfig
 from ..names import METHOD_SUMMARIES
 from ..text import check_prompt
-from . import batch, compare, constraints, device, distill, fidelity, generate
+from . import batch, compare, constraints, device, distill, fidelity, generate, serve
 from .loading import load_pair
 from .options import (
     grid_args,
@@ -54,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     device.add_parser(sub)
     fidelity.add_parser(sub)
     distill.add_parsers(sub)
+    serve.add_parser(sub)
     return parser
 
 

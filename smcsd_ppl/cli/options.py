@@ -52,8 +52,8 @@ def model_args(p: argparse.ArgumentParser, *, draft: bool = True) -> None:
     )
 
 
-def smc_args(p: argparse.ArgumentParser) -> None:
-    """The ``sampling`` group: every ``SMCConfig`` field, with the API's defaults."""
+def smc_args(p: argparse.ArgumentParser, *, seed: bool = True) -> None:
+    """The ``sampling`` group: every ``SMCConfig`` field, with the API's defaults (``--seed`` if ``seed``)."""
     d = SMC_DEFAULTS
     g = p.add_argument_group("sampling")
     g.add_argument("-n", "--particles", type=int, default=d.n_particles, help="N particles")
@@ -86,7 +86,8 @@ def smc_args(p: argparse.ArgumentParser) -> None:
         "--selection", choices=SELECTIONS, default=d.selection, help="how the output particle is chosen"
     )
     g.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="generation budget")
-    g.add_argument("--seed", type=int, default=d.seed, help="seed of the run")
+    if seed:
+        g.add_argument("--seed", type=int, default=d.seed, help="seed of the run")
     g.add_argument("--ignore-eos", action="store_true", help="always emit --max-new-tokens tokens")
     g.add_argument(
         "--token-level",

@@ -1,0 +1,272 @@
+"""The OpenAI-compatible HTTP app over a running ``Scheduler``.
+
+Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, ``/health`` and ``/metrics``.
+
+``build_app`` returns a plain ASGI app (FastAPI), so uvicorn serves it (``smcsd serve``) and other
+ASGI hosts can wrap the same object. The app owns the scheduler from then on: its shutdown closes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
+
+from ..config import SMCConfig
+from .errors import APIError
+from .metrics import metrics_text
+from .protocol import check_schema, parse_chat, parse_completion
+from .responses import Answer, diagnostics, request_usage
+from .scheduler import QueueFull, RequestCancelled, SchedulerClosed
+from .streaming import ChoiceStreams, EventStream
+
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+DISCONNECT_POLL_SECONDS = 0.25  # how often a waiting non-streamed request checks its client is there
+
+
+class Service:
+    """What the routes share: the scheduler, the pair's tokenizer, the served name and settings.
+
+    Args:
+        scheduler: a running ``Scheduler`` over ``pair``.
+        pair: the ``SMCSD`` pair (its tokenizer, chat setting and models' names).
+        model_name: the ``model`` requests must name.
+        defaults: settings of a request that sets none (its fixed fields are the scheduler's).
+        api_key: the bearer token ``/v1`` routes require, or None for none.
+        max_body_bytes: the largest request body accepted.
+    """
+
+    def __init__(self, scheduler, pair, model_name, defaults, api_key, max_body_bytes) -> None:
+        self.scheduler, self.pair, self.model_name, self.defaults = scheduler, pair, model_name, defaults
+        self.api_key, self.max_body_bytes = api_key, max_body_bytes
+        self.closing = False
+        self.started = int(time.time())
+
+    def check_key(self, request: Request) -> None:
+        """401 unless the request carries ``Authorization: Bearer <api_key>`` (when a key is set)."""
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), self.api_key.encode()
+        ):
+            raise APIError(
+                401, "missing or wrong API key (Authorization: Bearer ...)", code="invalid_api_key"
+            )
+
+    async def read_body(self, request: Request) -> dict:
+        """The JSON object of the body; 413 past ``max_body_bytes``, 400 if it is not a JSON object."""
+        limit = self.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise APIError(413, f"the request body is over {limit} bytes", code="request_too_large")
+        data = bytearray()
+        async for part in request.stream():
+            data += part
+            if len(data) > limit:
+                raise APIError(413, f"the request body is over {limit} bytes", code="request_too_large")
+        try:
+            body = json.loads(data)
+        except ValueError:
+            raise APIError(400, "the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model != self.model_name:
+            raise APIError(
+                404,
+                f"model {model!r} is not served here; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+        return body
+
+    def encode(self, prompt) -> list[int]:
+        """Token ids of a prompt: chat messages (the template), token ids (as given) or text (as is)."""
+        tokenizer = self.pair.tokenizer
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            if self.pair.chat and getattr(tokenizer, "chat_template", None):
+                ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+                ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+            else:  # no template: the messages' text, one after another
+                ids = tokenizer("\n".join(m["content"] for m in prompt))["input_ids"]
+            return [int(t) for t in ids]
+        if isinstance(prompt, list):
+            bad = [t for t in prompt if not 0 <= t < len(tokenizer)]
+            if bad:
+                raise APIError(400, f"token id {bad[0]} is outside the vocabulary", param="prompt")
+            return list(prompt)
+        return [int(t) for t in tokenizer(prompt)["input_ids"]]
+
+    def submit(self, requests: list) -> list:
+        """Submit every choice, or none: a refusal cancels those already in and becomes an ``APIError``."""
+        if self.closing:
+            raise APIError(503, "the server is shutting down", code="shutting_down")
+        tickets = []
+        try:
+            for request in requests:
+                tickets.append(self.scheduler.submit(request))
+        except (QueueFull, SchedulerClosed, ValueError) as err:
+            for ticket in tickets:
+                ticket.cancel()
+            raise refusal(err) from None
+        return tickets
+
+
+def refusal(err: BaseException) -> APIError:
+    """The error a request's failure answers with."""
+    if isinstance(err, APIError):
+        return err
+    if isinstance(err, QueueFull):
+        return APIError(429, f"the queue is full, try again later: {err}", code="queue_full")
+    if isinstance(err, (SchedulerClosed, RequestCancelled)):
+        return APIError(503, f"the server is shutting down: {err}", code="shutting_down")
+    if isinstance(err, ValueError):
+        return APIError(400, str(err), code="invalid_request")
+    return APIError(500, f"generation failed: {type(err).__name__}: {err}")
+
+
+def build_app(
+    scheduler,
+    pair,
+    *,
+    model_name: str,
+    defaults: SMCConfig | None = None,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> FastAPI:
+    """The ASGI app serving ``pair`` through ``scheduler``; its shutdown closes the scheduler.
+
+    Args:
+        scheduler: a running ``smcsd_ppl.serving.scheduler.Scheduler`` over ``pair``.
+        pair: the ``SMCSD`` pair.
+        model_name: the id ``/v1/models`` lists and requests must name (or leave out).
+        defaults: the settings of a request that sets none (``SMCConfig()`` when None); the fields
+            a request cannot set (alpha, cut, resampling, ...) must be the scheduler's.
+        api_key: the bearer token the ``/v1`` routes require; None: open.
+        max_body_bytes: the largest request body (413 past it).
+    """
+    service = Service(scheduler, pair, model_name, defaults or SMCConfig(), api_key, max_body_bytes)
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        yield
+        service.closing = True  # requests still arriving get 503
+        await asyncio.to_thread(scheduler.close, cancel=True)
+
+    app = FastAPI(title="smcsd_ppl", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.service = service
+
+    @app.exception_handler(APIError)
+    async def api_error(_request, err: APIError):
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_request, err: HTTPException):  # unknown routes and methods
+        return JSONResponse(APIError(err.status_code, str(err.detail)).body(), status_code=err.status_code)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await complete(service, request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await complete(service, request, "completion")
+
+    add_info_routes(app, service)
+    return app
+
+
+def add_info_routes(app: FastAPI, service: Service) -> None:
+    """``/health``, ``/metrics`` (both open) and ``/v1/models``."""
+
+    @app.get("/health")
+    async def health():
+        if service.closing:
+            raise APIError(503, "the server is shutting down", code="shutting_down")
+        return {"status": "ok", "model": service.model_name}
+
+    @app.get("/metrics")
+    async def metrics():
+        text, content_type = metrics_text(service.scheduler.stats)
+        return Response(text, media_type=content_type)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        service.check_key(request)
+        return {"object": "list", "data": [model_card(service)]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str, request: Request):
+        service.check_key(request)
+        if name != service.model_name:
+            raise APIError(404, f"model {name!r} is not served here", param="model", code="model_not_found")
+        return model_card(service)
+
+
+def model_card(service: Service) -> dict:
+    """The ``/v1/models`` entry of the served pair, its models named in ``smcsd``."""
+    pair = service.pair
+    return {
+        "id": service.model_name,
+        "object": "model",
+        "created": service.started,
+        "owned_by": "smcsd_ppl",
+        "smcsd": {"target": pair.target.name, "draft": pair.draft.name, "backend": pair.backend},
+    }
+
+
+async def complete(service: Service, request: Request, kind: str):
+    """A completion request, chat or text: checked, encoded, submitted, then streamed or awaited."""
+    service.check_key(request)
+    body = await service.read_body(request)
+    call = (parse_chat if kind == "chat" else parse_completion)(body, service.defaults)
+    check_schema(call.constraint)
+    prompt_ids = await asyncio.to_thread(lambda: [service.encode(p) for p in call.prompts])
+    requests = call.requests(prompt_ids)
+    tickets = await asyncio.to_thread(service.submit, requests)
+    prefix = "chatcmpl" if kind == "chat" else "cmpl"
+    answer = Answer(kind, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), service.model_name)
+    if call.stream:
+        streams = ChoiceStreams(answer, tickets, call.n, requests, call.include_usage, diagnostics, refusal)
+        return EventStream(streams.events(), streams.close)
+    gens = await results_unless_gone(request, tickets)
+    choices = [
+        answer.choice(i, g.text, t.finish_reason, diagnostics(g, r))
+        for i, (g, t, r) in enumerate(zip(gens, tickets, requests))
+    ]
+    return answer.response(choices, request_usage(tickets, call.n))
+
+
+async def results_unless_gone(request: Request, tickets: list) -> list:
+    """Every ticket's ``Generation``; if the client leaves first, its tickets are cancelled."""
+    gathered = asyncio.ensure_future(asyncio.gather(*(t.result() for t in tickets)))
+
+    async def gone() -> None:
+        while not await request.is_disconnected():
+            await asyncio.sleep(DISCONNECT_POLL_SECONDS)
+
+    watcher = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({gathered, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not gathered.done():  # the client left: nothing to answer
+        for ticket in tickets:
+            ticket.cancel()
+        gathered.cancel()
+        raise APIError(499, "the client closed the request")
+    try:
+        return gathered.result()
+    except Exception as err:
+        for ticket in tickets:
+            ticket.cancel()
+        raise refusal(err) from None

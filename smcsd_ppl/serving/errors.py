@@ -1,0 +1,41 @@
+"""OpenAI-style error bodies: ``{"error": {"message", "type", "param", "code"}}`` with an HTTP status."""
+
+from __future__ import annotations
+
+# The status of each kind of failure and the ``type`` OpenAI's API gives it.
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """A request the server answers with an error: its status, one-line message, and what it concerns.
+
+    Args:
+        status: the HTTP status.
+        message: one line for the caller.
+        param: the body field at fault, if one is.
+        code: a short machine-readable reason (``"queue_full"``, ``"model_not_found"``, ...).
+    """
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, " ".join(message.split()), param, code
+
+    def body(self) -> dict:
+        """The JSON body of the response."""
+        kind = ERROR_TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+def invalid(message: str, param: str | None = None) -> APIError:
+    """400: a setting the server cannot honour."""
+    return APIError(400, message, param=param, code="invalid_value" if param else None)

@@ -1,0 +1,277 @@
+"""What an OpenAI-style request body asks for, checked: prompts, choices, settings and constraint.
+
+Pure functions of the JSON body and the server's base settings; no model is touched here. The
+body fields beyond OpenAI's (``EXTRA_FIELDS``) carry SMC-SD's own settings and constraints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import secrets
+from dataclasses import dataclass
+
+from ..config import MAX_SEED, MIN_TEMPERATURE, SMCConfig
+from ..potentials.spec import ConstraintSpec
+from .errors import APIError, invalid
+from .scheduler import SERVE_METHODS, ServeRequest
+
+# Body fields beyond OpenAI's, each the SMCConfig field (or request setting) it sets.
+EXTRA_FIELDS = {
+    "n_particles": "n_particles",
+    "block_size": "block_size",
+    "draft_temperature": "draft_temperature",
+    "ignore_eos": "ignore_eos",
+}
+CONSTRAINT_FIELDS = ("regex", "grammar")  # extra fields: the constraint's text
+MAX_CHOICES = 32  # prompts x n of one HTTP request
+MAX_STOPS = 4  # OpenAI's limit on stop strings
+# OpenAI settings this server cannot honour, and the value that means "not used".
+UNSUPPORTED = {
+    "top_p": 1,
+    "frequency_penalty": 0,
+    "presence_penalty": 0,
+    "logprobs": None,
+    "top_logprobs": None,
+    "logit_bias": None,
+    "tools": None,
+    "functions": None,
+    "echo": False,
+    "suffix": None,
+    "best_of": 1,
+}
+# A JSON object of any shape: what response_format json_object asks for.
+ANY_JSON_OBJECT = '{"type": "object"}'
+
+
+@dataclass(frozen=True)
+class Call:
+    """One HTTP request, checked.
+
+    Attributes:
+        prompts: chat: one list of messages; completions: each prompt, a text or token ids.
+        n: choices per prompt.
+        stream: answer with server-sent events.
+        include_usage: ``stream_options.include_usage``: usage in a chunk of its own at the end.
+        config: the settings of choice 0 (its seed ``seed``).
+        method: one of ``SERVE_METHODS``.
+        constraint: the output's constraint, if any.
+        stop: stop strings.
+    """
+
+    prompts: tuple
+    n: int
+    stream: bool
+    include_usage: bool
+    config: SMCConfig
+    method: str
+    constraint: ConstraintSpec | None
+    stop: tuple[str, ...]
+
+    def requests(self, prompt_ids: list[list[int]]) -> list[ServeRequest]:
+        """One request per choice, prompt-major: choice ``k`` is prompt ``k // n``, seeded by ``choice_seed``.
+
+        Args:
+            prompt_ids: each prompt's token ids.
+        """
+        return [
+            ServeRequest(
+                ids,
+                dataclasses.replace(self.config, seed=choice_seed(self.config.seed, p * self.n + j)),
+                self.method,
+                self.constraint,
+                self.stop,
+            )
+            for p, ids in enumerate(prompt_ids)
+            for j in range(self.n)
+        ]
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice ``index``: ``seed`` for choice 0, then 63 bits of SHA-256 of ``"seed/index"``.
+
+    Choice 0 keeps the seed so that a request with ``n=1`` is choice 0 of the same request with any ``n``.
+    """
+    if index == 0:
+        return seed
+    return int.from_bytes(hashlib.sha256(f"{seed}/{index}".encode()).digest()[:8], "big") & MAX_SEED
+
+
+def parse_chat(body: dict, base: SMCConfig) -> Call:
+    """A ``/v1/chat/completions`` body."""
+    return _call(body, base, (_messages(body.get("messages")),))
+
+
+def parse_completion(body: dict, base: SMCConfig) -> Call:
+    """A ``/v1/completions`` body (``prompt``: a text, a list of texts, token ids or lists of them)."""
+    return _call(body, base, _prompts(body.get("prompt")))
+
+
+def _call(body: dict, base: SMCConfig, prompts: tuple) -> Call:
+    for name, unused in UNSUPPORTED.items():
+        value = body.get(name)
+        if value is not None and value != unused and value not in ([], {}):
+            raise invalid(f"{name} is not supported by this server", name)
+    n = _int(body, "n", 1)
+    if n < 1 or n * len(prompts) > MAX_CHOICES:
+        raise invalid(f"n must be at least 1, and prompts x n at most {MAX_CHOICES}", "n")
+    method = body.get("method", "smcsd")
+    if method not in SERVE_METHODS:
+        raise invalid(f"method must be one of {', '.join(SERVE_METHODS)}, got {method!r}", "method")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise invalid("stream_options must be an object", "stream_options")
+    return Call(
+        prompts,
+        n,
+        _bool(body, "stream"),
+        bool(options.get("include_usage")),
+        _config(body, base),
+        method,
+        _constraint(body),
+        _stops(body.get("stop")),
+    )
+
+
+def _config(body: dict, base: SMCConfig) -> SMCConfig:
+    """The base settings with the body's: each checked alone, so an error names its field."""
+    changes = {field: body[name] for name, field in EXTRA_FIELDS.items() if body.get(name) is not None}
+    budget = next((k for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None), None)
+    if budget:
+        changes["max_new_tokens"] = body[budget]
+    if body.get("temperature") is not None:
+        t = body["temperature"]
+        if isinstance(t, (int, float)) and not isinstance(t, bool) and 0 <= t < MIN_TEMPERATURE:
+            t = MIN_TEMPERATURE  # 0 asks for greedy: the lowest temperature the weights resolve
+        changes["target_temperature"] = t
+        changes.setdefault("draft_temperature", t)
+    seed = body.get("seed")
+    changes["seed"] = secrets.randbelow(MAX_SEED + 1) if seed is None else seed
+    names = {v: k for k, v in EXTRA_FIELDS.items()} | {
+        "max_new_tokens": budget,
+        "target_temperature": "temperature",
+        "seed": "seed",
+    }
+    for field, value in changes.items():
+        param = names[field] if field != "draft_temperature" or "draft_temperature" in body else "temperature"
+        try:
+            dataclasses.replace(base, **{field: value})
+        except (ValueError, TypeError) as err:
+            raise invalid(str(err).replace(field, param), param) from None
+    return dataclasses.replace(base, **changes)
+
+
+def _constraint(body: dict) -> ConstraintSpec | None:
+    """The one constraint the body asks for: ``response_format`` (JSON), ``regex`` or ``grammar``."""
+    found = [ConstraintSpec(kind, body[kind]) for kind in CONSTRAINT_FIELDS if _text(body, kind)]
+    schema = _response_schema(body.get("response_format"))
+    if schema is not None:
+        found.append(schema)
+    if len(found) > 1:
+        raise invalid("give at most one of response_format (JSON), regex and grammar", "response_format")
+    return found[0] if found else None
+
+
+def _response_schema(fmt) -> ConstraintSpec | None:
+    """``response_format``: ``text`` (none), ``json_object`` (any object) or ``json_schema`` (its schema)."""
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ConstraintSpec("schema", ANY_JSON_OBJECT)
+    if kind != "json_schema":
+        raise invalid("response_format.type must be text, json_object or json_schema", "response_format")
+    spec = fmt.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if not isinstance(schema, (dict, bool)):
+        raise APIError(
+            422, "response_format.json_schema.schema must be a JSON Schema", param="response_format"
+        )
+    return ConstraintSpec("schema", json.dumps(schema))
+
+
+def check_schema(spec: ConstraintSpec | None) -> None:
+    """Refuse (422) a JSON Schema that breaks its own meta-schema before any model sees it."""
+    if spec is None or spec.kind != "schema":
+        return
+    import jsonschema
+
+    schema = json.loads(spec.text)
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as err:
+        raise APIError(
+            422, f"invalid JSON schema: {err.message}", param="response_format", code="invalid_schema"
+        ) from None
+
+
+def _messages(messages) -> list[dict]:
+    """Chat messages as the tokenizer's template takes them: role and text content."""
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages must be a non-empty list", "messages")
+    out = []
+    for m in messages:
+        if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant"):
+            raise invalid("each message needs a role: system, developer, user or assistant", "messages")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: only text ones
+            if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
+                raise invalid("only text content parts are supported", "messages")
+            content = "".join(str(p.get("text", "")) for p in content)
+        if not isinstance(content, str):
+            raise invalid("a message's content must be text", "messages")
+        out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
+    return out
+
+
+def _prompts(prompt) -> tuple:
+    """Completion prompts: each a non-empty text or a non-empty list of token ids."""
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and _is_ids(prompt)):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise invalid("prompt must be a text, token ids, or a non-empty list of them", "prompt")
+    for p in prompt:
+        if not (isinstance(p, str) and p.strip()) and not (isinstance(p, list) and p and _is_ids(p)):
+            raise invalid("each prompt must be non-empty text or a non-empty list of token ids", "prompt")
+    return tuple(prompt)
+
+
+def _is_ids(values: list) -> bool:
+    return all(isinstance(v, int) and not isinstance(v, bool) for v in values)
+
+
+def _stops(stop) -> tuple[str, ...]:
+    stops = [stop] if isinstance(stop, str) else stop or []
+    well = isinstance(stops, list) and all(isinstance(s, str) and s for s in stops)
+    if not well or len(stops) > MAX_STOPS:
+        raise invalid(f"stop must be a non-empty string or a list of at most {MAX_STOPS}", "stop")
+    return tuple(stops)
+
+
+def _int(body: dict, name: str, default: int) -> int:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise invalid(f"{name} must be an integer, got {value!r}", name)
+    return value
+
+
+def _bool(body: dict, name: str) -> bool:
+    value = body.get(name) or False
+    if not isinstance(value, bool):
+        raise invalid(f"{name} must be true or false", name)
+    return value
+
+
+def _text(body: dict, name: str) -> bool:
+    """Whether the body sets ``name`` to text (a non-string is refused)."""
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, str) or not value.strip():
+        raise invalid(f"{name} must be non-empty text", name)
+    return True

@@ -1,0 +1,113 @@
+"""OpenAI-shaped response bodies and stream chunks, with SMC-SD's diagnostics in a ``smcsd`` field."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..results import Generation
+
+# Each kind of endpoint: the object names of its response and its chunks.
+OBJECTS = {
+    "chat": ("chat.completion", "chat.completion.chunk"),
+    "completion": ("text_completion", "text_completion"),
+}
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What one HTTP request's responses share: its kind (``"chat"``/``"completion"``), id, time and model."""
+
+    kind: str
+    id: str
+    created: int
+    model: str
+
+    def head(self, chunk: bool = False) -> dict:
+        """The fields every body and chunk starts with."""
+        return {
+            "id": self.id,
+            "object": OBJECTS[self.kind][chunk],
+            "created": self.created,
+            "model": self.model,
+        }
+
+    def response(self, choices: list[dict], usage: dict) -> dict:
+        """The whole (non-streamed) response."""
+        return self.head() | {"choices": choices, "usage": usage, "system_fingerprint": None}
+
+    def choice(self, index: int, text: str, finish_reason: str | None, smcsd: dict) -> dict:
+        """One finished choice of a non-streamed response."""
+        body = {"message": {"role": "assistant", "content": text}} if self.kind == "chat" else {"text": text}
+        return {"index": index} | body | {"finish_reason": finish_reason, "logprobs": None, "smcsd": smcsd}
+
+    def chunk(
+        self,
+        index: int,
+        text: str,
+        *,
+        first: bool = False,
+        finish_reason: str | None = None,
+        smcsd: dict | None = None,
+    ) -> dict:
+        """One choice's piece of a stream; the first chat chunk names the role, the last the finish reason."""
+        if self.kind == "chat":
+            delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text or first else {})
+            body = {"delta": delta}
+        else:
+            body = {"text": text}
+        choice = {"index": index} | body | {"finish_reason": finish_reason, "logprobs": None}
+        if smcsd is not None:
+            choice["smcsd"] = smcsd
+        return self.head(chunk=True) | {"choices": [choice]}
+
+    def usage_chunk(self, usage: dict) -> dict:
+        """The chunk ``stream_options.include_usage`` asks for: no choices, the usage."""
+        return self.head(chunk=True) | {"choices": [], "usage": usage}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    """OpenAI's usage field."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def request_usage(tickets, n: int) -> dict:
+    """Usage of a request's finished tickets (prompt-major): each prompt counted once, not once per choice."""
+    prompts = sum(t.prompt_tokens for t in tickets[::n])
+    return usage(prompts, sum(t.completion_tokens for t in tickets))
+
+
+def diagnostics(gen: Generation, request) -> dict:
+    """The ``smcsd`` extension of one choice: the settings that reproduce it and SMC-SD's report.
+
+    Non-finite numbers (log Z of an output whose particles all died) become null, as JSON has none.
+    """
+    c = request.config
+    out: dict = {
+        "method": gen.method,
+        "seed": c.seed,
+        "n_particles": c.n_particles,
+        "block_size": c.block_size,
+    }
+    smc, stats = gen.smc, gen.stats
+    if smc is not None:
+        out |= {
+            "log_z": _finite(smc.log_z),
+            "mean_ess": _finite(smc.mean_ess),
+            "n_resamples": smc.n_resamples,
+            "collapsed": smc.collapsed,
+        }
+    if stats is not None:
+        out |= {
+            "tokens_per_target_call": _finite(stats.tokens_per_target_call),
+            "target_calls": stats.target_calls,
+        }
+    return out | {"message": gen.message}
+
+
+def _finite(x: float) -> float | None:
+    return float(x) if math.isfinite(x) else None

@@ -1,0 +1,309 @@
+"""The HTTP server against a live uvicorn on localhost: every endpoint, streaming, errors, disconnects.
+
+The tiny random pair serves most tests (fast; only structure is judged on it); the embedded pair
+serves the chat template and the official ``openai`` client.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from smcsd_ppl.config import SMCConfig
+from smcsd_ppl.serving.app import build_app
+from smcsd_ppl.serving.scheduler import Scheduler
+from smcsd_ppl.serving.server import BackgroundServer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+DEFAULTS = SMCConfig(
+    n_particles=4, block_size=3, max_new_tokens=6, draft_temperature=1.0, target_temperature=1.0
+)
+MODEL = "tiny"
+
+
+@contextlib.contextmanager
+def served(pair, *, max_queue=16, max_rows=512, **app_options):
+    """A live server of ``pair`` on a free port; yields an httpx client on it."""
+    scheduler = Scheduler(pair, DEFAULTS, max_queue=max_queue, max_rows=max_rows)
+    app = build_app(
+        scheduler, pair, model_name=app_options.pop("model_name", MODEL), defaults=DEFAULTS, **app_options
+    )
+    with BackgroundServer(app) as server, httpx.Client(base_url=server.url, timeout=120) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_smcsd):
+    with served(tiny_smcsd) as client:
+        yield client
+
+
+def gauge(client, name: str) -> float:
+    """One sample of ``/metrics`` (a metric without labels)."""
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def counter(client, name: str, label: str) -> float:
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(f"{name}{{{label}}} "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name}{{{label}}} not in /metrics")
+
+
+def wait_idle(client, seconds: float = 30) -> None:
+    """Until no row is in use and nothing waits (a cancelled request frees its rows at a cycle boundary)."""
+    deadline = time.monotonic() + seconds
+    while gauge(client, "smcsd_rows_in_use") or gauge(client, "smcsd_queue_depth"):
+        assert time.monotonic() < deadline, client.get("/metrics").text
+        time.sleep(0.05)
+
+
+def sse(response) -> list:
+    """The JSON events of a streamed response, and checks that it ends with [DONE]."""
+    lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]", lines[-3:]
+    assert all(line.startswith("data: ") for line in lines)
+    return [json.loads(line[len("data: ") :]) for line in lines[:-1]]
+
+
+def error_of(response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    return error
+
+
+def test_health_models_and_metrics(tiny_server):
+    assert tiny_server.get("/health").json()["status"] == "ok"
+    [card] = tiny_server.get("/v1/models").json()["data"]
+    assert card["id"] == MODEL and card["object"] == "model"
+    assert tiny_server.get(f"/v1/models/{MODEL}").json()["id"] == MODEL
+    text = tiny_server.get("/metrics").text
+    for name in (
+        "smcsd_requests_total",
+        "smcsd_queue_depth",
+        "smcsd_rows_in_use",
+        "smcsd_tokens_total",
+        "smcsd_tokens_per_second",
+        "smcsd_last_cycle_seconds",
+        "smcsd_mean_ess",
+    ):
+        assert f"# TYPE {name.removesuffix('_total')}" in text, name
+
+
+def test_a_completion_carries_text_usage_and_smc_diagnostics(tiny_server):
+    body = tiny_server.post(
+        "/v1/completions", json={"model": MODEL, "prompt": "The quick brown", "seed": 7}
+    ).json()
+    assert body["object"] == "text_completion" and body["model"] == MODEL
+    [choice] = body["choices"]
+    assert choice["finish_reason"] in ("stop", "length") and isinstance(choice["text"], str)
+    smc = choice["smcsd"]
+    assert smc["seed"] == 7 and smc["n_particles"] == 4 and smc["block_size"] == 3
+    assert {"log_z", "mean_ess", "n_resamples", "tokens_per_target_call"} <= set(smc)
+    usage = body["usage"]
+    assert (
+        usage["completion_tokens"] <= 6
+        and usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    )
+
+
+def test_the_same_seed_gives_the_same_text_and_n_derives_seeds_from_it(tiny_server):
+    ask = {"prompt": "Once upon a time", "seed": 11, "max_tokens": 5}
+    one = tiny_server.post("/v1/completions", json=ask).json()
+    again = tiny_server.post("/v1/completions", json=ask).json()
+    three = tiny_server.post("/v1/completions", json=ask | {"n": 3}).json()
+    assert one["choices"][0]["text"] == again["choices"][0]["text"] == three["choices"][0]["text"]
+    seeds = [c["smcsd"]["seed"] for c in three["choices"]]
+    assert [c["index"] for c in three["choices"]] == [0, 1, 2] and seeds[0] == 11 and len(set(seeds)) == 3
+    assert three["usage"]["prompt_tokens"] == one["usage"]["prompt_tokens"]  # the prompt counts once
+
+
+def test_the_concatenated_stream_is_the_non_streamed_text(tiny_server):
+    ask = {"prompt": "The sun rises", "seed": 5, "max_tokens": 12, "n": 2}
+    whole = tiny_server.post("/v1/completions", json=ask).json()
+    with tiny_server.stream("POST", "/v1/completions", json=ask | {"stream": True}) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = sse(response)
+    assert all(e["object"] == "text_completion" for e in events)
+    for choice in whole["choices"]:
+        mine = [c for e in events for c in e["choices"] if c["index"] == choice["index"]]
+        assert "".join(c["text"] for c in mine) == choice["text"]
+        assert mine[-1]["finish_reason"] == choice["finish_reason"]
+        assert mine[-1]["smcsd"]["seed"] == choice["smcsd"]["seed"]
+        assert all(c["finish_reason"] is None for c in mine[:-1])
+    assert events[-1]["usage"] == whole["usage"]  # usage rides on the last chunk
+
+
+def test_include_usage_sends_usage_in_a_chunk_of_its_own(tiny_server):
+    ask = {"prompt": "Rain falls", "seed": 2, "stream": True, "stream_options": {"include_usage": True}}
+    with tiny_server.stream("POST", "/v1/completions", json=ask) as response:
+        events = sse(response)
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] >= 1
+    assert all("usage" not in e for e in events[:-1])
+
+
+def test_a_stop_string_ends_the_output_before_it(tiny_server):
+    ask = {"prompt": "The quick brown fox", "seed": 3, "max_tokens": 12}
+    text = tiny_server.post("/v1/completions", json=ask).json()["choices"][0]["text"]
+    if len(text) < 3:
+        pytest.skip("too short an output to cut")
+    stop = text[2:4]
+    cut = tiny_server.post("/v1/completions", json=ask | {"stop": [stop]}).json()["choices"][0]
+    assert cut["text"] == text[: text.index(stop)] and cut["finish_reason"] == "stop"
+
+
+def test_a_regex_constrains_the_output(tiny_server):
+    ask = {"prompt": "The capital of France is", "seed": 1, "max_tokens": 8, "regex": "(Paris|Rome)\\."}
+    choice = tiny_server.post("/v1/completions", json=ask).json()["choices"][0]
+    assert choice["text"] in ("Paris.", "Rome."), choice
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "param"),
+    [
+        ("temperature", -1, "temperature"),
+        ("n_particles", 0, "n_particles"),
+        ("block_size", "8", "block_size"),
+        ("max_tokens", 0, "max_tokens"),
+        ("top_p", 0.5, "top_p"),
+        ("stop", ["a", "b", "c", "d", "e"], "stop"),
+        ("method", "beam", "method"),
+        ("n", 0, "n"),
+    ],
+)
+def test_invalid_settings_get_400_naming_the_field(tiny_server, field, value, param):
+    error = error_of(tiny_server.post("/v1/completions", json={"prompt": "Hi", field: value}), 400)
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+
+
+def test_a_body_that_is_not_a_json_object_gets_400(tiny_server):
+    error_of(tiny_server.post("/v1/completions", content=b"{not json"), 400)
+    error_of(tiny_server.post("/v1/completions", json=[1, 2]), 400)
+
+
+def test_unknown_models_and_routes_get_404(tiny_server):
+    assert (
+        error_of(tiny_server.post("/v1/completions", json={"model": "gpt-9", "prompt": "Hi"}), 404)["code"]
+        == "model_not_found"
+    )
+    error_of(tiny_server.get("/v1/models/gpt-9"), 404)
+    error_of(tiny_server.post("/v1/nothing", json={}), 404)
+
+
+def test_an_invalid_schema_gets_422_and_others_still_finish(tiny_server):
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}
+    error = error_of(tiny_server.post("/v1/completions", json={"prompt": "Hi", "response_format": bad}), 422)
+    assert error["param"] == "response_format"
+    assert tiny_server.post("/v1/completions", json={"prompt": "Hi", "seed": 1}).status_code == 200
+
+
+def test_a_prompt_past_the_context_gets_400(tiny_server):
+    long_prompt = [5] * 200  # the tiny models hold 128 positions
+    error_of(tiny_server.post("/v1/completions", json={"prompt": long_prompt}), 400)
+    error_of(tiny_server.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 500}), 400)
+    wait_idle(tiny_server)
+
+
+def test_a_client_gone_mid_stream_is_cancelled_and_its_rows_freed(tiny_server):
+    before = counter(tiny_server, "smcsd_requests_total", 'outcome="cancelled"')
+    ask = {"prompt": "Once upon a time", "seed": 4, "max_tokens": 100, "ignore_eos": True, "stream": True}
+    with tiny_server.stream("POST", "/v1/completions", json=ask) as response:
+        lines = response.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+    # the client has closed the connection mid-stream
+    deadline = time.monotonic() + 30
+    while counter(tiny_server, "smcsd_requests_total", 'outcome="cancelled"') == before:
+        assert time.monotonic() < deadline, "the request was not cancelled"
+        time.sleep(0.05)
+    wait_idle(tiny_server)
+    assert tiny_server.post("/v1/completions", json={"prompt": "Hi", "seed": 1}).status_code == 200
+
+
+def test_api_key_body_size_full_queue_and_shutdown(tiny_smcsd):
+    with served(tiny_smcsd, api_key="sesame", max_body_bytes=2000, max_queue=1) as client:
+        assert (
+            error_of(client.post("/v1/completions", json={"prompt": "Hi"}), 401)["code"] == "invalid_api_key"
+        )
+        wrong = {"Authorization": "Bearer open"}
+        error_of(client.get("/v1/models", headers=wrong), 401)
+        key = {"Authorization": "Bearer sesame"}
+        assert client.get("/v1/models", headers=key).status_code == 200
+        assert client.get("/health").status_code == 200  # health and metrics stay open
+        error_of(client.post("/v1/completions", json={"prompt": "x" * 3000}, headers=key), 413)
+        # one slot in the queue: of many at once, some are refused, the rest finish
+        ask = {"prompt": "The sun", "max_tokens": 40, "ignore_eos": True}
+        codes = []
+
+        def call():
+            codes.append(client.post("/v1/completions", json=ask, headers=key).status_code)
+
+        threads = [threading.Thread(target=call) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert 429 in codes and 200 in codes and set(codes) <= {200, 429}, codes
+        assert counter(client, "smcsd_requests_total", 'outcome="rejected"') >= codes.count(429)
+        wait_idle(client)
+        client.app_scheduler = None
+    # after shutdown the scheduler refuses work
+    scheduler = Scheduler(tiny_smcsd, DEFAULTS)
+    app = build_app(scheduler, tiny_smcsd, model_name=MODEL, defaults=DEFAULTS)
+    with BackgroundServer(app) as server, httpx.Client(base_url=server.url, timeout=60) as client:
+        scheduler.close()
+        assert error_of(client.post("/v1/completions", json={"prompt": "Hi"}), 503)["code"] == "shutting_down"
+
+
+@pytest.fixture(scope="module")
+def real_server(default_smcsd):
+    with served(default_smcsd, model_name="smol") as client:
+        yield client
+
+
+@pytest.mark.slow
+def test_the_openai_client_streams_chat_as_it_answers_whole(real_server):
+    client = openai.OpenAI(base_url=str(real_server.base_url).rstrip("/") + "/v1", api_key="unused")
+    ask = dict(model="smol", messages=[{"role": "user", "content": "Name a color."}], seed=3, max_tokens=8)
+    whole = client.chat.completions.create(**ask)
+    assert whole.object == "chat.completion" and whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].model_extra["smcsd"]["seed"] == 3
+    chunks = list(client.chat.completions.create(**ask, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    # the chat template was applied: the same text as a plain completion prompts differently
+    plain = client.completions.create(model="smol", prompt="Name a color.", seed=3, max_tokens=8)
+    assert whole.usage.prompt_tokens > plain.usage.prompt_tokens
+
+
+@pytest.mark.slow
+def test_the_openai_client_gets_json_under_a_schema(real_server):
+    client = openai.OpenAI(base_url=str(real_server.base_url).rstrip("/") + "/v1", api_key="unused")
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"enum": ["yes", "no"]}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
+    out = client.chat.completions.create(
+        model="smol",
+        messages=[{"role": "user", "content": "Is the sky blue? Answer in JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
+        seed=1,
+        max_tokens=24,
+        extra_body={"n_particles": 4},
+    )
+    assert json.loads(out.choices[0].message.content)["answer"] in ("yes", "no")
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "Hi"}])
