@@ -7,6 +7,7 @@ serves the chat template and the official ``openai`` client.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import threading
 import time
@@ -25,15 +26,17 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 DEFAULTS = SMCConfig(
     n_particles=4, block_size=3, max_new_tokens=6, draft_temperature=1.0, target_temperature=1.0
 )
+# Outputs of exactly max_tokens (EOS ignored, for every request alike): long enough to cut off.
+UNENDING = dataclasses.replace(DEFAULTS, ignore_eos=True)
 MODEL = "tiny"
 
 
 @contextlib.contextmanager
-def served(pair, *, max_queue=16, max_rows=512, **app_options):
+def served(pair, *, defaults=DEFAULTS, max_queue=16, max_rows=512, **app_options):
     """A live server of ``pair`` on a free port; yields an httpx client on it."""
-    scheduler = Scheduler(pair, DEFAULTS, max_queue=max_queue, max_rows=max_rows)
+    scheduler = Scheduler(pair, defaults, max_queue=max_queue, max_rows=max_rows)
     app = build_app(
-        scheduler, pair, model_name=app_options.pop("model_name", MODEL), defaults=DEFAULTS, **app_options
+        scheduler, pair, model_name=app_options.pop("model_name", MODEL), defaults=defaults, **app_options
     )
     with BackgroundServer(app) as server, httpx.Client(base_url=server.url, timeout=120) as client:
         yield client
@@ -215,23 +218,24 @@ def test_a_prompt_past_the_context_gets_400(tiny_server):
     wait_idle(tiny_server)
 
 
-def test_a_client_gone_mid_stream_is_cancelled_and_its_rows_freed(tiny_server):
-    before = counter(tiny_server, "smcsd_requests_total", 'outcome="cancelled"')
-    ask = {"prompt": "Once upon a time", "seed": 4, "max_tokens": 100, "ignore_eos": True, "stream": True}
-    with tiny_server.stream("POST", "/v1/completions", json=ask) as response:
-        lines = response.iter_lines()
-        next(line for line in lines if line.startswith("data: "))
-    # the client has closed the connection mid-stream
-    deadline = time.monotonic() + 30
-    while counter(tiny_server, "smcsd_requests_total", 'outcome="cancelled"') == before:
-        assert time.monotonic() < deadline, "the request was not cancelled"
-        time.sleep(0.05)
-    wait_idle(tiny_server)
-    assert tiny_server.post("/v1/completions", json={"prompt": "Hi", "seed": 1}).status_code == 200
+def test_a_client_gone_mid_stream_is_cancelled_and_its_rows_freed(tiny_smcsd):
+    with served(tiny_smcsd, defaults=UNENDING) as client:
+        ask = {"prompt": "Once upon a time", "seed": 4, "max_tokens": 100, "stream": True}
+        with client.stream("POST", "/v1/completions", json=ask) as response:
+            lines = response.iter_lines()
+            next(line for line in lines if '"text": "' in line and '"text": ""' not in line)
+        # the client has closed the connection mid-stream
+        deadline = time.monotonic() + 30
+        while counter(client, "smcsd_requests_total", 'outcome="cancelled"') < 1:
+            assert time.monotonic() < deadline, "the request was not cancelled"
+            time.sleep(0.05)
+        wait_idle(client)
+        assert counter(client, "smcsd_requests_total", 'outcome="completed"') == 0
+        assert client.post("/v1/completions", json={"prompt": "Hi", "seed": 1}).status_code == 200
 
 
 def test_api_key_body_size_full_queue_and_shutdown(tiny_smcsd):
-    with served(tiny_smcsd, api_key="sesame", max_body_bytes=2000, max_queue=1) as client:
+    with served(tiny_smcsd, defaults=UNENDING, api_key="sesame", max_body_bytes=2000, max_queue=1) as client:
         assert (
             error_of(client.post("/v1/completions", json={"prompt": "Hi"}), 401)["code"] == "invalid_api_key"
         )
@@ -242,7 +246,7 @@ def test_api_key_body_size_full_queue_and_shutdown(tiny_smcsd):
         assert client.get("/health").status_code == 200  # health and metrics stay open
         error_of(client.post("/v1/completions", json={"prompt": "x" * 3000}, headers=key), 413)
         # one slot in the queue: of many at once, some are refused, the rest finish
-        ask = {"prompt": "The sun", "max_tokens": 40, "ignore_eos": True}
+        ask = {"prompt": "The sun", "max_tokens": 40}
         codes = []
 
         def call():

@@ -10,7 +10,7 @@ import sys
 from ..config import RESAMPLING_SCHEMES, SMCConfig
 from ..names import METHOD_SUMMARIES
 from ..text import check_prompt
-from . import batch, compare, constraints, device, distill, fidelity, generate, serve
+from . import batch, compare, constraints, device, distill, fidelity, generate, load, serve
 from .loading import load_pair
 from .options import (
     grid_args,
@@ -55,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     fidelity.add_parser(sub)
     distill.add_parsers(sub)
     serve.add_parser(sub)
+    load.add_parser(sub)
     return parser
 
 
