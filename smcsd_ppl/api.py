@@ -223,6 +223,11 @@ class SMCSD:
             out = methods.run_programs(context, list(programs), on_cycle)
             return self._generations("smcsd", out, start)
 
+    def check_request(self, ids: list[int], config: SMCConfig) -> None:
+        """Refuse, in one line, a token-id prompt that is empty, off the vocabulary or past the context."""
+        self._check_token_prompts([ids])
+        self.check_fits([ids], config, methods.get("smcsd"))
+
     def _check_token_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
         """Refuse a token-id prompt that is empty or holds ids outside the target's vocabulary."""
         vocab = self.target.model.get_input_embeddings().num_embeddings

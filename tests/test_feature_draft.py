@@ -16,7 +16,7 @@ from smcsd_ppl.backends.hf import HFBatchedLM
 from smcsd_ppl.config import DraftRecord
 from smcsd_ppl.config import SMCConfig as Config
 from smcsd_ppl.inference.blocks import BlockRequest
-from smcsd_ppl.inference.drafting import draft_blocks
+from smcsd_ppl.inference.drafting import draft_blocks, generator_draws
 from smcsd_ppl.inference.loop import run_smc_sd
 from smcsd_ppl.inference.program import SMCSDModel
 from smcsd_ppl.inference.rows import RowStore
@@ -94,7 +94,8 @@ def test_drafted_q_is_the_drafts_q_given_the_targets_states(block_size):
     g, g_draft = torch.Generator().manual_seed(0), torch.Generator().manual_seed(3)
     for cycle in range(4):
         requests = [BlockRequest(r, 60) for r in range(store.n_rows)]
-        blocks = draft_blocks(store, requests, block_size=block_size, temperature=t_d, eos=set(), g=g_draft)
+        draws = generator_draws(g_draft, store.n_rows, store.device)
+        blocks = draft_blocks(store, requests, block_size=block_size, temperature=t_d, eos=set(), draws=draws)
         for b in blocks:
             expect = scratch_logq(target, draft, seqs[b.row], b.tokens, t_d)
             torch.testing.assert_close(b.draft_logq, expect, atol=2e-4, rtol=1e-4)

@@ -19,7 +19,7 @@ from smcsd_ppl.inference.program import SMCSDModel
 from smcsd_ppl.inference.rows import RowStore
 from smcsd_ppl.inference.schedule import DraftSchedule
 from smcsd_ppl.inference.state import reshape
-from smcsd_ppl.inference.step import SMCSDKernel, step_key
+from smcsd_ppl.inference.step import SMCSDKernel
 
 W = [0.6, 0.3, 0.1]  # uneven: neither the first particle nor the heaviest is a fair draw
 OFFSET = 5.0  # unnormalized log-weights
@@ -47,8 +47,8 @@ def waiting_state(schedule, seed=0):
     return kernel, replace(state, populations=(pop,), cycle=1)
 
 
-def stepped(kernel, state, key=1):
-    return asyncio.run(kernel.step(state, key))[0]
+def stepped(kernel, state):
+    return asyncio.run(kernel.step(state))[0]
 
 
 def test_a_plain_request_going_alone_shrinks_to_one_particle_drawn_by_weight():
@@ -119,7 +119,7 @@ def test_a_step_never_writes_the_state_it_was_given(cut):
     state = kernel.init([SMCSDModel([1, 2]), Twisting([2]), SMCSDModel([0])], DraftRecord(), None)
     for cycle in range(1, 5):
         before = fingerprint(state)
-        new, _ = asyncio.run(kernel.step(state, step_key(0, cycle)))
+        new, _ = asyncio.run(kernel.step(state))
         assert fingerprint(state) == before, f"step {cycle} wrote the state it was given"
         state = new
         if state.done:

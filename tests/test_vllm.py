@@ -94,7 +94,7 @@ def _blocks(pair, prompts, tokens, t_target, t_draft, cut):
     verdict = verify_blocks(
         logits,
         batch,
-        torch.Generator().manual_seed(0),
+        torch.rand(len(logits), generator=torch.Generator().manual_seed(0)),
         cut=cut,
     )
     return verdict, draft_logq

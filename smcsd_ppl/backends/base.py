@@ -89,6 +89,17 @@ class BatchedLM(Protocol):
         check_prompts(prompts, self.max_length)
         return self._prefill(prompts, hidden)
 
+    def append(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Add one row per prompt after the rows held (requests joining a running batch).
+
+        The rows held keep their state; the new ones are prefilled on their own. Returns each
+        prompt's next-token logits ``[B, V]``.
+        """
+        check_prompts(prompts, self.max_length)
+        if self.n_rows == 0:
+            return self._prefill(prompts, None)
+        return self._append(prompts)
+
     def extend(
         self,
         tokens: torch.Tensor,

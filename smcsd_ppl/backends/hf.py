@@ -81,6 +81,18 @@ class HFBatchedLM(BatchedLM, TreeOps):
         self.tree_width = 0
         return self._forward(ids, valid, last_only=True, hidden=hidden)[:, -1]
 
+    def _append(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """``BatchedLM.append``: the prompts prefilled alone, their cache rows put after the held ones."""
+        if self.reads_hidden:
+            raise ValueError(f"{self.name}: a feature draft cannot take rows joining a running batch")
+        held = self.cache, self.lengths, self.bound, self.nonfinite
+        logits = self._prefill(prompts, None)
+        self.cache = held[0].concat(self.cache)
+        self.lengths = torch.cat([held[1], self.lengths])
+        self.bound = held[2] + self.bound
+        self.nonfinite = self.nonfinite | held[3]
+        return logits
+
     def _extend(self, tokens: torch.Tensor, valid, hidden, vocab) -> torch.Tensor:
         """``BatchedLM.extend``'s forward; with ``vocab`` the LM head reads those tokens' rows only."""
         if valid is None:

@@ -101,6 +101,16 @@ class RowCache(Cache):
             self.map(lambda t: torch.cat([t, t.new_zeros(*t.shape[:2], extra, t.shape[3])], 2))
             self.capacity = capacity
 
+    def concat(self, other: RowCache) -> RowCache:
+        """This cache's rows, then ``other``'s, at the larger capacity (``other`` holds as many layers)."""
+        capacity = max(self.capacity, other.capacity)
+        self.grow(capacity)
+        other.grow(capacity)
+        for mine, theirs in zip(self.layers, other.layers):
+            mine.keys = torch.cat([mine.keys, theirs.keys])
+            mine.values = torch.cat([mine.values, theirs.values])
+        return self
+
     def fork(self, rows: torch.Tensor, host_rows: list[int] | None, used: int, capacity: int) -> None:
         """Keep rows ``rows [R']`` in order; only the first ``used`` columns are copied.
 

@@ -82,6 +82,18 @@ class MockLM(TreeOps):
         self.rows = RowMask(torch.zeros(len(prompts), 0, dtype=torch.bool))
         return self._forward(ids, valid)[:, -1]
 
+    def append(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Add one row per prompt after the rows held; their next-token logits ``[B, V]``."""
+        if self.n_rows == 0:
+            return self.prefill(prompts)
+        held, mask = self.history, self.rows
+        logits = self.prefill(prompts)
+        width = max(held.shape[1], self.history.shape[1])
+        pad = lambda t, fill: torch.nn.functional.pad(t, (0, width - t.shape[1]), value=fill)  # noqa: E731
+        self.history = torch.cat([pad(held, 0), pad(self.history, 0)])
+        self.rows = RowMask(torch.cat([pad(mask.valid, False), pad(self.rows.valid, False)]))
+        return logits
+
     def extend(
         self,
         tokens: torch.Tensor,

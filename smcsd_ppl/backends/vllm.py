@@ -94,6 +94,14 @@ class VLLMBatchedLM(BatchedLM):
         states = self._states([0] * len(self.rows))  # each prompt's last position
         return self._logits(states, None)[:, 0]
 
+    def _append(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """``BatchedLM.append``: the prompts join the rows; the engine reads them alone."""
+        first = len(self.rows)
+        self.rows += [[int(t) for t in p] for p in prompts]
+        with Timer(self.stats, self.device, sum(len(p) for p in prompts)):
+            last = torch.stack([got[-1] for got in self._encode(range(first, len(self.rows)), None)])
+        return self._logits(last[:, None], None)[:, 0]
+
     def _extend(self, tokens: torch.Tensor, valid, hidden, vocab) -> torch.Tensor:
         """``BatchedLM.extend``'s forward: the real tokens join the rows, holes are left out."""
         _no_hidden(self, hidden)

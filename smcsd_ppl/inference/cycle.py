@@ -10,7 +10,7 @@ distribution of its row: one target forward for every such row of the flush.
 from __future__ import annotations
 
 import math
-from collections.abc import Container, Mapping, Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -31,6 +31,7 @@ from .blocks import (
 )
 from .drafting import draft_blocks
 from .rows import RowStore
+from .streams import RowStreams
 
 
 def serve(
@@ -39,34 +40,34 @@ def serve(
     *,
     config: SMCConfig,
     eos: Container[int],
-    limits: Mapping[int, int],
-    g: torch.Generator,
+    streams: RowStreams,
 ) -> list[CycleAnswer]:
     """Answer one flush's requests, in order.
 
     Each ``TokenRequest`` gets its row's next-token log-probabilities ``[V]`` (on the host),
-    each ``BlockRequest`` its ``ScoredBlock``; ``limits[row]`` is a row's draft length.
+    each ``BlockRequest`` its ``ScoredBlock``. ``streams`` holds each row's plan (its draft
+    length and temperatures) and its random numbers.
     """
     out: list[CycleAnswer | None] = [None] * len(requests)
     tokens = [i for i, r in enumerate(requests) if isinstance(r, TokenRequest)]
     if tokens:
-        for i, lp in zip(tokens, run_tokens(store, [requests[i] for i in tokens], config)):
+        for i, lp in zip(tokens, run_tokens(store, [requests[i] for i in tokens], streams)):
             out[i] = lp
     blocks = [i for i, r in enumerate(requests) if isinstance(r, BlockRequest)]
     if blocks:
         asked = [requests[i] for i in blocks]
-        lengths = [limits[r.row] for r in asked]
-        for i, b in zip(blocks, run_blocks(store, asked, config=config, eos=eos, limits=lengths, g=g)):
+        for i, b in zip(blocks, run_blocks(store, asked, config=config, eos=eos, streams=streams)):
             out[i] = b
     return out
 
 
 @torch.inference_mode()
-def run_tokens(store: RowStore, requests: Sequence[TokenRequest], config: SMCConfig) -> list[torch.Tensor]:
+def run_tokens(store: RowStore, requests: Sequence[TokenRequest], streams: RowStreams) -> list[torch.Tensor]:
     """The next-token log-probabilities of each asking row at its temperature, on the host (one read)."""
     store.queue({r.row: r.unsent for r in requests})
     logits = store.next_logits([r.row for r in requests]).float()  # [n, V]
-    temps = torch.tensor([r.temperature or config.target_temperature for r in requests], device=logits.device)
+    temps = [r.temperature or streams.plans[r.row].target_temperature for r in requests]
+    temps = torch.tensor(temps, device=logits.device)
     lp = torch.log_softmax(logits / temps[:, None], -1).cpu()
     if bool(torch.isnan(lp).any()):  # on the host already: NaN logits are named here
         store.check_finite()
@@ -80,10 +81,9 @@ def run_blocks(
     *,
     config: SMCConfig,
     eos: set[int],
-    limits: Sequence[int],
-    g: torch.Generator,
+    streams: RowStreams,
 ) -> list[ScoredBlock]:
-    """SMC-SD blocks for ``requests`` (one per row), ``limits[i]`` drafted tokens at most each.
+    """SMC-SD blocks for ``requests`` (one per row), each drafting as far as its row's plan says.
 
     A row with nothing queued (a context's first block, or one right after a ``mask_dist``
     observation) first draws its lead token from the target, as a bonus is drawn. Returns each
@@ -91,14 +91,15 @@ def run_blocks(
     leaves at the next fork, if the context ended).
     """
     store.queue({r.row: r.unsent for r in requests})
-    leads = _leads(store, requests, config, eos, g)
+    flush = Flush.of(store, requests, config.block_size, streams)
+    leads = _leads(store, requests, config, eos, flush)
     out: dict[int, ScoredBlock] = {i: x.ended for i, x in leads.items() if x.ended is not None}
     go = [i for i in range(len(requests)) if i not in out]
     if go:
         store.queue({requests[i].row: [leads[i].token] for i in go if i in leads})
         asked = [_after_lead(requests[i], leads.get(i)) for i in go]
         lead_log_w = [leads[i].log_w if i in leads else 0.0 for i in go]
-        blocks = _blocks(store, asked, [limits[i] for i in go], lead_log_w, config, eos, g)
+        blocks = _blocks(store, asked, [flush.limits[i] for i in go], lead_log_w, config, eos, flush)
         for i, b in zip(go, blocks):
             out[i] = replace(b, lead=leads[i].token) if i in leads else b
     return [out[i] for i in range(len(requests))]
@@ -113,7 +114,28 @@ class Lead:
     ended: ScoredBlock | None
 
 
-def _leads(store, requests, c: SMCConfig, eos, g) -> dict[int, Lead]:
+@dataclass(frozen=True)
+class Flush:
+    """A block flush's per-row numbers: uniforms ``[R, K+2]`` and temperatures ``[R]`` by backend row."""
+
+    uniforms: torch.Tensor
+    target_t: torch.Tensor
+    draft_t: torch.Tensor
+    limits: list[int]  # by request
+
+    @classmethod
+    def of(cls, store: RowStore, requests: Sequence[BlockRequest], k: int, streams: RowStreams) -> Flush:
+        """The numbers of a flush of ``requests`` drafting up to ``k`` tokens."""
+        rows = [r.row for r in requests]
+        temps = torch.ones(2, store.n_rows, dtype=torch.float32)
+        for r in rows:
+            plan = streams.plans[r]
+            temps[0, r], temps[1, r] = plan.target_temperature, plan.draft_temperature
+        u = streams.table(store.n_rows, rows, k + 2)
+        return cls(u, temps[0], temps[1], [streams.plans[r].limit for r in rows])
+
+
+def _leads(store, requests, c: SMCConfig, eos, flush: Flush) -> dict[int, Lead]:
     """Draw the lead token of every row with nothing queued, by request index.
 
     A lead comes from the target power within the context's mask and the block's constraint
@@ -123,7 +145,8 @@ def _leads(store, requests, c: SMCConfig, eos, g) -> dict[int, Lead]:
     todo = [i for i, r in enumerate(requests) if not store.target_pending[r.row]]
     if not todo:
         return {}
-    logits = store.next_logits([requests[i].row for i in todo]).float() / c.target_temperature  # [m, V]
+    rows = [requests[i].row for i in todo]
+    logits = store.next_logits(rows).float() / flush.target_t[rows, None].to(store.device)  # [m, V]
     masks = [requests[i].mask for i in todo]
     if any(m is not None for m in masks):  # a mask_dist observation: the target within it
         within = torch.stack(
@@ -131,7 +154,7 @@ def _leads(store, requests, c: SMCConfig, eos, g) -> dict[int, Lead]:
         )
         logits = logits.masked_fill(~within.to(logits.device), -math.inf)
     factor = constrained.next_factors([requests[i].constraint for i in todo], logits.shape[-1], logits.device)
-    lead, log_z = draw_restricted(logits, c.alpha, factor, g)
+    lead, log_z = draw_restricted(logits, c.alpha, factor, flush.uniforms[rows, 0])
     tokens, log_z = lead.tolist(), log_z.tolist()  # one host read
     out = {}
     for j, i in enumerate(todo):
@@ -154,25 +177,26 @@ def _after_lead(request: BlockRequest, lead: Lead | None) -> BlockRequest:
     return replace(request, budget=request.budget - 1, constraint=constraint, unsent=(), mask=None)
 
 
-def _blocks(store, requests, limits, lead_log_w, c: SMCConfig, eos, g) -> list[ScoredBlock]:
+def _blocks(store, requests, limits, lead_log_w, c: SMCConfig, eos, flush: Flush) -> list[ScoredBlock]:
     """Draft, score in one fused forward, verify and commit the blocks of rows with a token queued."""
+    u = flush.uniforms.to(store.device)
     drafted = draft_blocks(
         store,
         requests,
         block_size=c.block_size,
-        temperature=c.draft_temperature,
+        temperature=flush.draft_t,
         eos=eos,
-        g=g,
+        draws=lambda j: u[:, 1 + j],
         limits=limits,
         keep_probs=c.cut is not None,
     )
     k = block_length(drafted)  # one length for all: they are verified together
     rows = [b.row for b in drafted]
     logits, hidden = store.score(rows, [b.tokens for b in drafted])
-    logits = logits.div_(c.target_temperature)  # [n, k+1, V]
+    logits = logits.div_(flush.target_t[rows, None, None].to(logits.device))  # [n, k+1, V]
     batch = block_batch(drafted, lead_log_w, logits.shape[-1], logits.device, c.cut is not None and k > 0)
     verdict = verify_blocks(
-        logits, batch, g, alpha=c.alpha, cut=c.cut if k else None, divergence=c.cut_divergence
+        logits, batch, u[rows, -1], alpha=c.alpha, cut=c.cut if k else None, divergence=c.cut_divergence
     )
     kept, bonus, has_bonus, dead, diverged = torch.stack(
         [verdict.kept, verdict.bonus, verdict.has_bonus, verdict.dead, verdict.diverged]

@@ -9,17 +9,24 @@ EOS, its budget, its draft length, or where its constraint ends it.
 
 from __future__ import annotations
 
-from collections.abc import Container, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from ..backends.base import BatchedLM
 from ..ends import first_end
-from ..verification import sample_probs
+from ..verification import inverse_cdf
 from . import constrained
 from .blocks import BlockRequest, DraftedBlock
 from .rows import RowStore
+
+Draws = Callable[[int], torch.Tensor]  # draft position j -> a uniform per backend row [R]
+
+
+def generator_draws(g: torch.Generator, n_rows: int, device: torch.device) -> Draws:
+    """Draws from one generator for the whole batch (the speculative baselines'), in position order."""
+    return lambda j: torch.rand(n_rows, generator=g, device=device)
 
 
 @torch.inference_mode()
@@ -28,9 +35,9 @@ def draft_blocks(
     requests: Sequence[BlockRequest],
     *,
     block_size: int,
-    temperature: float,
+    temperature: float | torch.Tensor,
     eos: set[int],
-    g: torch.Generator,
+    draws: Draws,
     limits: Sequence[int] | None = None,
     keep_probs: bool = False,
 ) -> list[DraftedBlock]:
@@ -38,7 +45,9 @@ def draft_blocks(
 
     ``requests[i]`` asks for a block on row ``requests[i].row`` within its budget, under
     its constraint; ``limits[i]`` caps how many of its drafted tokens may count (0: the
-    row does not draft); ``keep_probs`` also returns q over the whole vocabulary. Drafting
+    row does not draft); ``keep_probs`` also returns q over the whole vocabulary.
+    ``temperature``: T_d, or one per backend row ``[R]``; ``draws(j)``: the uniforms ``[R]``
+    position j is drawn with (see ``generator_draws``). Drafting
     stops early once every asked row has ended (an EOS, its budget, a constraint's dead
     end): no later token could count, so all blocks of the call are that much shorter.
     On an accelerator, unconstrained drafting stops early on budgets only: spotting EOS
@@ -52,7 +61,9 @@ def draft_blocks(
     limits = [block_size] * len(rows) if limits is None else [min(block_size, n) for n in limits]
     if not any(limits):  # nobody drafts: the target alone decodes this cycle
         return [_ended(r, [], torch.zeros(0), eos) for r in requests]
-    settings = dict(block_size=block_size, temperature=temperature, eos=eos, g=g, keep_probs=keep_probs)
+    settings = dict(
+        block_size=block_size, temperature=temperature, eos=eos, draws=draws, keep_probs=keep_probs
+    )
     run = _start(store, requests, limits, **settings)
     for j in range(block_size):
         run.step(j)
@@ -63,7 +74,7 @@ def draft_blocks(
     return _blocks(run, requests, limits, eos)
 
 
-def _start(store: RowStore, requests, limits, *, block_size, temperature, eos, g, keep_probs) -> Drafting:
+def _start(store: RowStore, requests, limits, *, block_size, temperature, eos, draws, keep_probs) -> Drafting:
     """The drafting state: each asked row's queued tokens are the first input."""
     rows = [r.row for r in requests]
     caps = [min(r.budget, n) for r, n in zip(requests, limits)]
@@ -76,7 +87,7 @@ def _start(store: RowStore, requests, limits, *, block_size, temperature, eos, g
     masking = constrained.Masking(rows, [r.constraint for r in requests], "proposal")
     return Drafting(
         draft=store.draft,
-        g=g,
+        draws=draws,
         rows=rows,
         masking=masking,
         ids=ids,
@@ -88,7 +99,7 @@ def _start(store: RowStore, requests, limits, *, block_size, temperature, eos, g
         longest=max(caps),
         # Masks already bring every step to the host; on a CPU the check is free anyway.
         host_checks=store.early_stop_reads or bool(masking.items),
-        temperature=temperature,
+        temperature=temperature.to(store.device)[:, None] if torch.is_tensor(temperature) else temperature,
         keep_probs=keep_probs,
     )
 
@@ -143,7 +154,7 @@ class Drafting:
 
     Attributes:
         draft: the draft backend, holding every row.
-        g: the run's generator, which draws the tokens.
+        draws: the uniforms each position's tokens are drawn with.
         rows: backend row of each request.
         masking: the proposal-mode constraints of the requests.
         ids, valid: the draft's next input ``[R, T]``, holes where ``valid`` is False.
@@ -153,12 +164,12 @@ class Drafting:
         eos: the end-of-sequence token ids.
         longest: the most tokens any row may draft: drafting stops there.
         host_checks: whether each step may read the device to stop once every row has ended.
-        temperature: the draft temperature T_d.
+        temperature: the draft temperature T_d, or one per row ``[R, 1]``.
         keep_probs: whether to keep q over the whole vocabulary at each position.
     """
 
     draft: BatchedLM
-    g: torch.Generator
+    draws: Draws
     rows: list[int]
     masking: constrained.Masking
     ids: torch.Tensor
@@ -169,7 +180,7 @@ class Drafting:
     eos: torch.Tensor
     longest: int
     host_checks: bool
-    temperature: float
+    temperature: float | torch.Tensor
     keep_probs: bool
     drafts: list[torch.Tensor] = field(default_factory=list)  # [R] token per drawn position
     logqs: list[torch.Tensor] = field(default_factory=list)  # [R] log q of each
@@ -236,7 +247,7 @@ class Drafting:
         if vocab is not None:
             q = q.new_zeros(len(q), vocab_size).index_copy_(1, vocab.to(q.device), q)
         self.masking.restrict(q, allowed)
-        d = sample_probs(q, self.g)
+        d = inverse_cdf(q, self.draws(len(self.drafts)).to(q.device))
         self.logqs.append(q.gather(-1, d[:, None])[:, 0].log())
         self.ids, self.valid = d[:, None], self.asked[:, None]
         if self.reads_hidden:  # the draft's own predicted state goes with its next token

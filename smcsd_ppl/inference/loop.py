@@ -71,7 +71,7 @@ async def smc_sd(
     """
     record = record or DraftRecord()
     kernel, state = await run_to_end(programs, store, config, eos, record, encode, decode, on_cycle)
-    return [_result(pop, kernel, record) for pop in state.populations]
+    return [result_of(pop, kernel, record) for pop in state.populations]
 
 
 async def run_to_end(
@@ -89,7 +89,7 @@ async def run_to_end(
     kernel = SMCSDKernel(store, config, eos, decode)
     state = kernel.init(programs, record, encode)
     while not state.done:
-        state, info = await kernel.step(state, step_key(config.seed, state.cycle + 1))
+        state, info = await kernel.step(state)
         if on_cycle is not None:
             on_cycle(info)
     return kernel, state
@@ -120,17 +120,18 @@ def smc_info(pop: Population, record: DraftRecord) -> SMCInfo:
     )
 
 
-def _result(pop: Population, kernel: SMCSDKernel, record: DraftRecord) -> SMCResult:
+def result_of(pop: Population, kernel: SMCSDKernel, record: DraftRecord) -> SMCResult:
+    """A finished request's result: its output particle, drawn by weight (or the heaviest)."""
     info, log_w = smc_info(pop, record), pop.log_weights()
     if not torch.isfinite(log_w).any():
         return SMCResult([], "", -1, info, _why_dead(pop))
-    if kernel.config.selection == "argmax":
+    if kernel.settings(pop).selection == "argmax":
         chosen = int(torch.argmax(log_w))
     else:  # each request draws its output from its own stream
         g = host_generator(step_key(pop.seed, -1))
         chosen = int(smc.resample(log_w, "multinomial", g, 1)[0])
     best = info.particles[chosen]
-    return SMCResult(best.token_ids, best.text, chosen, info, _cut_short(pop.particles[chosen], kernel))
+    return SMCResult(best.token_ids, best.text, chosen, info, _cut_short(pop, pop.particles[chosen], kernel))
 
 
 def _why_dead(pop: Population) -> str:
@@ -150,9 +151,9 @@ def _why_dead(pop: Population) -> str:
     return "every particle has zero weight: no particle satisfied the program's conditions"
 
 
-def _cut_short(p: SMCSDModel, kernel: SMCSDKernel) -> str:
+def _cut_short(pop: Population, p: SMCSDModel, kernel: SMCSDKernel) -> str:
     """Say so when the budget ended a constrained output before the constraint was met."""
-    c, ids, budget = p.constraint, p.token_ids, kernel.config.max_new_tokens
+    c, ids, budget = p.constraint, p.token_ids, kernel.settings(pop).max_new_tokens
     if c is None or len(ids) < budget:
         return ""
     eos = kernel.eos

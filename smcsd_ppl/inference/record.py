@@ -18,7 +18,7 @@ from llamppl.inference.smc_record import SMCRecord
 
 from .loop import run_to_end
 from .state import final_particles
-from .step import SMCSDKernel, step_key
+from .step import SMCSDKernel
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ async def recorded_run(model, store, config, eos, record, encode, decode, keep=T
     kernel.start_record(config.n_particles)
     state = kernel.init([model], record, encode)
     while not state.done:
-        state, _ = await kernel.step(state, step_key(config.seed, state.cycle + 1))
+        state, _ = await kernel.step(state)
     return final_particles(state.populations[0]), kernel.history
 
 

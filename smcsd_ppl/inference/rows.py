@@ -94,6 +94,32 @@ class RowStore:
         )
         return logits
 
+    @torch.inference_mode()
+    def append(self, prompts: Sequence[Sequence[int]], rows: Sequence[int]) -> torch.Tensor:
+        """Add rows after those held, prefilled alone: new row i holds prompt ``rows[i]``.
+
+        The rows held keep their state (requests joining a running batch). Returns the new
+        rows' next-token target logits ``[len(rows), V]`` (untempered), which the store keeps.
+        """
+        if self.reads_hidden:
+            raise ValueError(
+                "a feature draft cannot take requests joining a running batch: use a token draft"
+            )
+        held = self.n_rows
+        logits = self.target.append(prompts)
+        if self.draft_ready:
+            self.draft.append(prompts)
+        index = torch.tensor([*range(held), *(held + r for r in rows)])
+        self.target.fork(index)
+        if self.draft_ready:
+            self.draft.fork(index)
+        logits = logits.index_select(0, torch.tensor(list(rows), device=logits.device))
+        self.target_pending += [[] for _ in rows]
+        self.draft_pending += [[] for _ in rows]
+        self.known += list(logits)
+        self.known_hidden += [None] * len(rows)
+        return logits
+
     def queue(self, tokens: dict[int, Sequence[int]]) -> None:
         """Queue ``tokens[row]`` for both models to read with their next forwards.
 

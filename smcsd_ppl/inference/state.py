@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .. import smc
+from ..config import SMCConfig
 from .program import Runtime, SMCSDModel
 from .schedule import DraftSchedule
 
@@ -41,6 +42,7 @@ class Population:
         n_resamples: resampling rounds.
         schedule: the request's draft schedule (None without the quality cut).
         ancestors: the slots each particle was drawn from at the latest reshape (empty: none yet).
+        config: the request's own settings (None: the run's).
     """
 
     particles: tuple[SMCSDModel, ...]
@@ -53,6 +55,7 @@ class Population:
     n_resamples: int = 0
     schedule: DraftSchedule | None = None
     ancestors: tuple[int, ...] = ()
+    config: SMCConfig | None = None
 
     def __post_init__(self) -> None:
         assert len(self.particles) == len(self.weights) == len(self.rows), "one weight and row set a particle"
@@ -60,6 +63,11 @@ class Population:
     def log_weights(self) -> torch.Tensor:
         """The particles' log-weights ``[N]`` (float64; NaN cleaned to -inf)."""
         return smc.clean_log_weights(torch.tensor(self.weights, dtype=torch.float64))
+
+    @property
+    def cycles(self) -> int:
+        """Steps the request has run (its own count: it may have joined a running batch)."""
+        return len(self.particle_trace)
 
     @property
     def stepping(self) -> bool:

@@ -113,9 +113,7 @@ async def steer(model, k, store, config, eos, record, encode, decode) -> list:
     g = torch.Generator().manual_seed(step_key(config.seed, -2))
     while not state.done:
         children = kernel.pack([expanded(state.populations[0], n, k)])
-        state, _ = await kernel.step(
-            replace(state, populations=tuple(children)), step_key(config.seed, state.cycle + 1)
-        )
+        state, _ = await kernel.step(replace(state, populations=tuple(children)))
         kept = kernel.pack([selected(state.populations[0], n, g)])
         state = replace(state, populations=tuple(kept))
     return final_particles(state.populations[0])

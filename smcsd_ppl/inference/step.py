@@ -1,4 +1,4 @@
-"""The one SMC step: ``SMCSDKernel.step(state, key) -> (state, info)``.
+"""The one SMC step: ``SMCSDKernel.step(state) -> (state, info)``.
 
 A step runs every live particle's program once (their ``extend()`` calls batched into one
 draft-and-verify call per barrier flush), then, per request: feeds the draft schedule what
@@ -6,7 +6,8 @@ the cycle's blocks saw, resamples when the ESS is low, and resizes the populatio
 the schedule asks (one particle for a plain request decoding alone). Finally the row store
 keeps the live particles' rows, in order. A step steps copies of the programs and builds a
 new state: the state it was given is not written, and the row store is the one thing it
-changes. Token draws come from the step's key; each request's resampling from its own seed.
+changes. Every draw of a request (tokens, resampling, token-level steps) comes from its own
+seed (``streams``), so its output does not depend on which requests share its cycles.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from .program import CycleBarrier, Runtime, SMCSDModel, unawaited_calls
 from .rows import RowStore
 from .schedule import DraftSchedule, draft_step_cost, schedule_from
 from .state import Population, SMCState, StepInfo, resampled
+from .streams import RowPlan, RowStreams, mix64, row_key
 
 MAX_IDLE_CYCLES = 64  # cycles in a row in which no particle did anything: a step that never extends
 
@@ -48,11 +50,6 @@ def host_generator(key: int) -> torch.Generator:
     return torch.Generator().manual_seed(key ^ 0x5DEECE66D)
 
 
-def generators(key: int, device: torch.device) -> tuple[torch.Generator, torch.Generator]:
-    """Two independent generators from one key: on the device (tokens), on the host."""
-    return torch.Generator(device=device).manual_seed(key), host_generator(key)
-
-
 class SMCSDKernel:
     """SMC-SD over a row store: ``init`` builds the state, ``step`` advances it.
 
@@ -61,94 +58,136 @@ class SMCSDKernel:
 
     Args:
         store: the rows of the draft and the target.
-        config: the run's settings.
+        config: the run's settings (an admitted request may bring its own).
         eos: EOS ids in force.
         decode: token ids -> text, for the particles' ``text``.
+        draft_always: the draft holds every row even while no request drafts (a server's
+            kernel, whose later requests may draft).
     """
 
-    def __init__(self, store: RowStore, config: SMCConfig, eos: Sequence[int], decode: Callable) -> None:
+    def __init__(
+        self,
+        store: RowStore,
+        config: SMCConfig,
+        eos: Sequence[int],
+        decode: Callable,
+        *,
+        draft_always: bool = False,
+    ) -> None:
         self.store, self.config, self.eos, self.decode = store, config, frozenset(int(e) for e in eos), decode
+        self.draft_always = draft_always  # the draft holds every row, for requests admitted later
         self.draft_cost = draft_step_cost(
             getattr(store.draft, "n_params", None), getattr(store.target, "n_params", None), store.device.type
         )
 
-    def plain(self, program: SMCSDModel) -> bool:
+    def settings(self, pop: Population) -> SMCConfig:
+        """A request's own settings (the run's unless it was admitted with others)."""
+        return pop.config or self.config
+
+    def plain(self, program: SMCSDModel, config: SMCConfig) -> bool:
         """The request may decode alone with one particle: the plain program at alpha = 1."""
-        return program.plain and self.config.alpha == 1.0
+        return program.plain and config.alpha == 1.0
+
+    def init(self, programs: Sequence[SMCSDModel], record: DraftRecord, encode: Callable | None) -> SMCState:
+        """The state of a run of ``programs``, all under the run's settings and seed."""
+        return self.admit(SMCState(()), programs, record, encode)
 
     @torch.inference_mode()
-    def init(self, programs: Sequence[SMCSDModel], record: DraftRecord, encode: Callable | None) -> SMCState:
-        """Prefill every context's prompt and fork each request into its particles.
+    def admit(
+        self,
+        state: SMCState,
+        programs: Sequence[SMCSDModel],
+        record: DraftRecord,
+        encode: Callable | None,
+        configs: Sequence[SMCConfig] | None = None,
+        seeds: Sequence[int] | None = None,
+    ) -> SMCState:
+        """``state`` with ``programs`` added: their prompts prefilled, each forked into its particles.
 
-        Each particle's contexts get rows of their own; no token is drawn yet: a context's
-        first token comes with its first step (a token-level draw, or a block's lead). The
-        programs given are not written: each request's particles share one copy of its program
-        until they step.
+        Each new context gets rows of its own after the running ones; no token is drawn yet: a
+        context's first token comes with its first step (a token-level draw, or a block's
+        lead). ``configs``: each program's settings (the run's when None); ``seeds``: each
+        one's seed (by default program i's is ``request_seed(seed, i)``, its config's seed).
+        The programs given are not written: a request's particles share one copy until they step.
         """
-        c = self.config
-        schedules = [
-            schedule_from(record, c.block_size, c.n_particles, self.plain(p), self.draft_cost).advanced()
-            if c.cut is not None and not c.token_level
-            else None
-            for p in programs
-        ]
-        counts = [c.n_particles if s is None else s.n_particles() for s in schedules]
+        own = configs is not None
+        joining = bool(state.populations) and self.store.n_rows > 0  # else the store starts afresh
+        configs = list(configs) if own else [self.config] * len(programs)
         copies = [copy.deepcopy(p) for p in programs]
         prompts: list[list[int]] = []  # distinct prompts, each request's contexts in order
         for program in copies:
             for ctx in program.contexts():
                 ctx.prompt_ids = _prompt_ids(ctx, encode)
                 prompts.append(ctx.prompt_ids)
+        base = self.store.n_rows if joining else 0
         pops, sources, first = [], [], 0  # sources: each row's prompt; first: a request's first prompt
-        for i, (program, count, schedule) in enumerate(zip(copies, counts, schedules)):
+        for i, (program, c) in enumerate(zip(copies, configs)):
+            schedule = None
+            if c.cut is not None and not c.token_level:
+                plain = self.plain(program, c)
+                schedule = schedule_from(record, c.block_size, c.n_particles, plain, self.draft_cost)
+                schedule = schedule.advanced()
+            count = c.n_particles if schedule is None else schedule.n_particles()
             width = len(program.contexts())
-            slots = tuple(
-                tuple(range(len(sources) + k * width, len(sources) + (k + 1) * width)) for k in range(count)
-            )
+            at = base + len(sources)
+            slots = tuple(tuple(range(at + k * width, at + (k + 1) * width)) for k in range(count))
             sources += [first + j for _ in range(count) for j in range(width)]
             first += width
-            seed = request_seed(c.seed, i)
-            pops.append(Population((program,) * count, (0.0,) * count, slots, seed, schedule=schedule))
-        drafting = not c.token_level and any(s is None or s.length != 0 for s in schedules)
-        self.store.start(prompts, sources, draft=drafting)
-        return SMCState(tuple(pops))
+            seed = request_seed(c.seed, i) if seeds is None else seeds[i]
+            config = c if own else None
+            weights = (0.0,) * count
+            pops.append(
+                Population((program,) * count, weights, slots, seed, schedule=schedule, config=config)
+            )
+        drafting = self.draft_always or any(
+            not self.settings(p).token_level and (p.schedule is None or p.schedule.length != 0) for p in pops
+        )
+        if joining:
+            self.store.append(prompts, sources)
+        else:
+            self.store.start(prompts, sources, draft=drafting)
+        return replace(state, populations=(*state.populations, *pops))
 
-    async def step(self, state: SMCState, key: int) -> tuple[SMCState, StepInfo]:
+    async def step(self, state: SMCState) -> tuple[SMCState, StepInfo]:
         """One cycle of every request: step copies of the programs, then reweigh, resample, resize, pack.
 
-        ``state`` is not written; the row store is the one thing a step changes. Token draws
-        come from ``key``, each request's resampling from its own seed and the cycle.
+        ``state`` is not written; the row store is the one thing a step changes. Every draw
+        of a request comes from its own seed and the cycle.
         """
-        g_tokens, g_draws = generators(key, self.store.device)
-        runtime = Runtime(CycleBarrier(), self.config.max_new_tokens, self.decode, self.eos, g_draws)
-        bound = [pop.bound(runtime) for pop in state.populations]
-        live = [p for pop in bound for p in pop.particles if not p.done_stepping()]
-        limits = {
-            ctx.row: self._draft_length(pop)
-            for pop in bound
-            for p in pop.particles
-            if not p.done_stepping()
-            for ctx in p.contexts()
-        }
+        barrier = CycleBarrier()
+        bound = [pop.bound(self._runtime(pop, barrier)) for pop in state.populations]
+        stepping = [(p, self.settings(pop).max_new_tokens) for pop in bound for p in pop.particles]
+        stepping = [(p, budget) for p, budget in stepping if not p.done_stepping()]
+        live = [p for p, _ in stepping]
+        starting = {id(p) for pop in bound if pop.cycles == 0 for p in pop.particles}
+        streams = RowStreams(
+            {
+                ctx.row: self._plan(pop, slot, c)
+                for pop in bound
+                for slot, p in enumerate(pop.particles)
+                if not p.done_stepping()
+                for c, ctx in enumerate(p.contexts())
+            }
+        )
         blocks: dict[int, list[ScoredBlock]] = {}
 
         def handler(requests: list[CycleRequest]) -> list[CycleAnswer]:
-            out = serve(self.store, requests, config=self.config, eos=self.eos, limits=limits, g=g_tokens)
+            out = serve(self.store, requests, config=self.config, eos=self.eos, streams=streams)
             for b in out:
                 if isinstance(b, ScoredBlock):
                     blocks.setdefault(b.row, []).append(b)
             return out
 
         before = [_progress(p) for p in live]
-        await _step_programs(live, runtime.barrier, handler, first=state.cycle == 0)
-        self._settle(live)
-        idle = self._idle(state, live, before, runtime.barrier)
+        await _step_programs(live, barrier, handler, starting)
+        self._settle(stepping)
+        idle = self._idle(state, live, before, barrier)
         cycle, new, ess, did = state.cycle + 1, [], [], []
         for pop, old in zip(bound, state.populations):
             pop = self._observed(
                 pop.stepped(old), [b for rs in pop.rows for r in rs for b in blocks.get(r, [])]
             )
-            g = host_generator(step_key(pop.seed, cycle))
+            g = host_generator(step_key(pop.seed, pop.cycles + 1))
             pop, e, r = self._maybe_resample(pop, g)
             new.append(self._resized(pop, g))
             ess.append(e)
@@ -156,27 +195,38 @@ class SMCSDKernel:
         out = SMCState(tuple(self.pack(new)), cycle, idle)
         every = [p for pop in out.populations for p in pop.particles]
         live_after = sum(not p.done_stepping() for p in every)
-        longest = max(len(p.token_ids) for p in every)
+        longest = max((len(p.token_ids) for p in every), default=0)
         info = StepInfo(cycle, live_after, longest, tuple(ess), tuple(did), out.populations)
         return out, info
 
+    def _runtime(self, pop: Population, barrier: CycleBarrier) -> Runtime:
+        """What a request's particles share in a step: the barrier, its budget, its token-level draws."""
+        generator = host_generator(mix64(step_key(pop.seed, pop.cycles + 1)) >> 1)
+        return Runtime(barrier, self.settings(pop).max_new_tokens, self.decode, self.eos, generator)
+
+    def _plan(self, pop: Population, slot: int, context: int) -> RowPlan:
+        """A live row's plan for the step: its draft length, its draws' key, its temperatures."""
+        c = self.settings(pop)
+        key = row_key(pop.seed, pop.cycles + 1, slot, context)
+        return RowPlan(self._draft_length(pop), key, c.target_temperature, c.draft_temperature)
+
     def _draft_length(self, pop: Population) -> int:
         """How many tokens a request's rows draft this cycle (0: the target alone)."""
-        if self.config.token_level:
+        c = self.settings(pop)
+        if c.token_level:
             return 0
-        return pop.schedule.length if pop.schedule is not None else self.config.block_size
+        return pop.schedule.length if pop.schedule is not None else c.block_size
 
-    def _settle(self, live: list[SMCSDModel]) -> None:
-        """After the programs stepped: no primitive left un-awaited; a context out of budget ends."""
-        forgotten = {type(p).__name__: name for p in live if (name := unawaited_calls(p))}
+    def _settle(self, live: list[tuple[SMCSDModel, int]]) -> None:
+        """After the programs stepped (with their budgets): nothing left un-awaited; out of budget ends."""
+        forgotten = {type(p).__name__: name for p, _ in live if (name := unawaited_calls(p))}
         if forgotten:
             program, name = next(iter(forgotten.items()))
             raise ValueError(
                 f"{program}.step() called self.{name}(...) without await, which does nothing: "
                 f"write `await self.{name}(...)`"
             )
-        budget = self.config.max_new_tokens
-        for p in live:
+        for p, budget in live:
             # Token-level steps reach the budget here (a block stops there itself); an EOS
             # drawn at token level is the program's to act on, as in LLaMPPL.
             if not p.finished and any(row_ends(-1, len(x.generated), budget, ()) for x in p.contexts()):
@@ -206,7 +256,7 @@ class SMCSDKernel:
 
     def _maybe_resample(self, pop: Population, g: torch.Generator) -> tuple[Population, float, bool]:
         """Resample a request whose ESS fell under ``ess_threshold * N``; returns its ESS and whether."""
-        c, log_w, n = self.config, pop.log_weights(), len(pop.particles)
+        c, log_w, n = self.settings(pop), pop.log_weights(), len(pop.particles)
         pop = replace(pop, particle_trace=(*pop.particle_trace, n))
         if not torch.isfinite(log_w).any():  # every particle is dead; nothing to resample from
             return replace(pop, ess_trace=(*pop.ess_trace, 0.0)), 0.0, False
@@ -228,7 +278,7 @@ class SMCSDKernel:
         schedule: DraftSchedule = pop.schedule.advanced()
         pop = replace(pop, schedule=schedule)
         want = schedule.n_particles()
-        return pop if want == len(pop.particles) else resampled(pop, self.config.resampling, g, want)
+        return pop if want == len(pop.particles) else resampled(pop, self.settings(pop).resampling, g, want)
 
     def pack(self, pops: list[Population]) -> list[Population]:
         """One fork: live particles' contexts get consecutive rows; finished ones release theirs."""
@@ -247,13 +297,15 @@ class SMCSDKernel:
         return out
 
 
-async def _step_programs(live: list[SMCSDModel], barrier: CycleBarrier, serve: Callable, first: bool) -> None:
-    """Run every live particle's step (the first cycle runs LLaMPPL's ``start()`` before it)."""
+async def _step_programs(
+    live: list[SMCSDModel], barrier: CycleBarrier, serve: Callable, starting: set
+) -> None:
+    """Run every live particle's step (a request's first runs LLaMPPL's ``start()`` before it)."""
     barrier.open(len(live), serve)
 
     async def step(p: SMCSDModel) -> None:
         try:
-            if first:
+            if id(p) in starting:
                 await p.start()
             if not p.done_stepping():
                 await p.step()

@@ -17,7 +17,7 @@ from ..backends.base import to_device
 from ..config import SMCConfig
 from ..ends import row_ends
 from ..inference.blocks import BlockRequest, DraftedBlock
-from ..inference.drafting import draft_blocks
+from ..inference.drafting import draft_blocks, generator_draws
 from ..inference.rows import RowStore
 from ..results import SpeculativeInfo
 from ..verification import sample_tokens, speculative_accept
@@ -114,7 +114,7 @@ class SpeculativeLoop:
             block_size=c.block_size,
             temperature=c.draft_temperature,
             eos=self.eos,
-            g=self.g,
+            draws=generator_draws(self.g, self.store.n_rows, self.store.device),
             keep_probs=True,
         )
 

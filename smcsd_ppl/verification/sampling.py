@@ -73,7 +73,7 @@ def draw_restricted(
     logits: torch.Tensor,  # [R, V] l / T_t where the token is drawn
     alpha: float,
     log_factor: torch.Tensor | None,  # [R, V] a constraint's log-weights (-inf: not allowed); None: none
-    g: torch.Generator,
+    u: torch.Tensor,  # [R] a uniform per row
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row from p_T^alpha times the factor, and the log mass drawn from (``[R]`` each).
 
@@ -81,4 +81,4 @@ def draw_restricted(
     mass is the token's weight (-inf where the factor allows nothing).
     """
     power, log_z = restrict_power(alpha * logits, power_log_normalizer(logits, 1.0, alpha), log_factor)
-    return sample_tokens(power, 1.0, g), log_z
+    return inverse_cdf(torch.softmax(power.float(), dim=-1), u.to(power.device)), log_z

@@ -145,7 +145,7 @@ class Verdict:
 def verify_blocks(
     logits: torch.Tensor,  # [R, k+1, V] l / T_t at the drafted positions and after the last
     batch: BlockBatch,
-    g: torch.Generator,
+    u: torch.Tensor,  # [R] the uniform each row's bonus is drawn with
     *,
     alpha: float = 1.0,
     cut: float | None = None,
@@ -172,7 +172,7 @@ def verify_blocks(
     target_logp = pick(torch.log_softmax(logits[:, :k], -1), tokens)
     rows = torch.arange(r, device=logits.device)
     bonus, bonus_log_z = draw_restricted(
-        logits[rows, kept], alpha, log_factor[rows, kept] if log_factor is not None else None, g
+        logits[rows, kept], alpha, log_factor[rows, kept] if log_factor is not None else None, u
     )
     has_bonus = ~stops & ~dead & torch.isfinite(bonus_log_z)
     vetoed = torch.zeros_like(has_bonus)

@@ -1,0 +1,70 @@
+"""Each request's own random numbers, whoever shares its cycles.
+
+A batched draw takes one uniform per row. Were those uniforms drawn from one generator for
+the whole batch, a request's tokens would depend on which requests shared its cycles and
+in what order. Here every uniform is a hash of the request's seed, the cycle, the
+particle's slot and context, how many blocks the row was served this cycle, the purpose
+(lead, draft position j, bonus) and nothing else: a request alone and the same request in
+any batch draw the same numbers. Hashes of distinct keys behave as independent uniforms.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+MASK64 = (1 << 64) - 1
+LEAD, BONUS, DRAFT = 1, 2, 3  # purposes; DRAFT + j is draft position j
+
+
+def mix64(x: int) -> int:
+    """A 64-bit integer hash (the splitmix64 finalizer): nearby inputs give unrelated outputs."""
+    x = (x + 0x9E3779B97F4A7C15) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
+
+
+def row_key(seed: int, cycle: int, slot: int, context: int) -> int:
+    """The key of one context row of one particle slot of a request in one cycle."""
+    return mix64(mix64(mix64(mix64(seed & MASK64) ^ cycle) ^ slot) ^ context)
+
+
+def uniform(key: int, purpose: int) -> float:
+    """The uniform in [0, 1) of ``key`` for ``purpose`` (53 bits, as a float64 holds)."""
+    return (mix64(key ^ mix64(purpose)) >> 11) / float(1 << 53)
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """What a step decided for one row: its draft length, its draws' key, its temperatures."""
+
+    limit: int
+    key: int
+    target_temperature: float
+    draft_temperature: float
+
+
+class RowStreams:
+    """The uniforms of one step's rows; a row served twice in a step draws afresh the second time."""
+
+    def __init__(self, plans: Mapping[int, RowPlan]) -> None:
+        self.plans = plans
+        self.served: dict[int, int] = {}
+
+    def table(self, n_rows: int, rows: Sequence[int], width: int) -> torch.Tensor:
+        """Uniforms ``[n_rows, width]`` (float64, host) for a block flush of ``rows``.
+
+        Column 0 is the lead's, 1..width-2 the draft positions', the last the bonus's; rows
+        not asked are zeros. Each asked row's count of services moves on.
+        """
+        u = torch.zeros(n_rows, width, dtype=torch.float64)
+        for r in rows:
+            n = self.served.get(r, 0)
+            self.served[r] = n + 1
+            key = mix64(self.plans[r].key ^ n)
+            purposes = [LEAD, *(DRAFT + j for j in range(width - 2)), BONUS]
+            u[r] = torch.tensor([uniform(key, p) for p in purposes], dtype=torch.float64)
+        return u

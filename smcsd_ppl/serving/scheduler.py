@@ -1,0 +1,408 @@
+"""Continuous batching: one owner of a pair's rows; requests join and leave between cycles.
+
+A scheduler's thread runs the SMC loop over every running request at once (one fused target
+forward a cycle). Callers submit from any thread and get a ``Ticket``. At each cycle boundary
+the waiting requests are admitted (their prompts prefilled together, as rows after the
+running ones) while the rows in use stay under ``max_rows``; finished requests leave with
+their result, cancelled ones are dropped, and the row store keeps only the live rows. Each
+request keeps its own settings and its own random numbers (``inference.streams``), so what
+it returns does not depend on which requests shared its cycles. Settings that every row of a
+cycle shares (``SHARED_SETTINGS``) are the scheduler's; a request that differs in them runs
+alone, between batches, as do calls of other methods (``run_alone``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import itertools
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+from ..config import SMCConfig
+from ..inference.loop import result_of
+from ..inference.program import SMCSDModel
+from ..inference.state import Population, SMCState, settled_tokens
+from ..inference.step import SMCSDKernel, request_seed
+from ..potentials.spec import ConstraintSpec
+from ..results import Generation, RunStats
+from .ticket import RequestCancelled, Ticket, before_stop
+
+SERVE_METHODS = ("smcsd", "ar")  # ar: one particle, the target alone (the same kernel, drafting nothing)
+SHARED_SETTINGS = ("alpha", "cut", "cut_divergence", "ignore_eos")
+
+
+class QueueFull(RuntimeError):
+    """The scheduler's queue is full: try again later."""
+
+
+class SchedulerClosed(RuntimeError):
+    """The scheduler is closed (or closing) and takes no more requests."""
+
+
+@dataclass(frozen=True)
+class ServeRequest:
+    """One request to a scheduler.
+
+    Attributes:
+        prompt_ids: the prompt's token ids (any chat template already applied).
+        config: its settings (seed, budget, temperatures, N, K, ...).
+        method: one of ``SERVE_METHODS``.
+        constraint: a JSON Schema, regex or grammar every output must satisfy, or None.
+        stop: stop strings: the output ends before the first one.
+    """
+
+    prompt_ids: list[int]
+    config: SMCConfig = field(default_factory=SMCConfig)
+    method: str = "smcsd"
+    constraint: ConstraintSpec | None = None
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.method not in SERVE_METHODS:
+            raise ValueError(
+                f"unknown method {self.method!r} for serving; choose from {', '.join(SERVE_METHODS)}"
+            )
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty texts")
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """A snapshot of a scheduler: its queue, its rows, what it has done."""
+
+    queued: int
+    running: int
+    rows_in_use: int
+    max_rows: int
+    max_queue: int
+    requests_total: dict[str, int]
+    tokens_total: int
+    cycles_total: int
+    cycle_seconds_total: float
+    last_cycle_seconds: float
+    last_mean_ess: float
+
+
+@dataclass
+class _Job:
+    """A request waiting for admission: its program, settings, seed and ticket."""
+
+    ticket: Ticket
+    program: SMCSDModel | None
+    config: SMCConfig
+    seed: int
+    rows: int
+    alone: Callable[[], object] | None = None  # a call that runs alone instead
+    start: float = 0.0
+
+
+class Scheduler:
+    """Runs SMC-SD for requests that come and go, on one pair's rows.
+
+    Args:
+        pair: an ``SMCSD`` pair (its backends' rows become the scheduler's).
+        base: the settings every cycle shares (``SHARED_SETTINGS``) and each request's defaults.
+        max_queue: requests that may wait for admission; more raise ``QueueFull``.
+        max_rows: rows (particles times contexts) the running requests may hold.
+    """
+
+    def __init__(
+        self, pair, base: SMCConfig | None = None, *, max_queue: int = 64, max_rows: int = 512
+    ) -> None:
+        if max_queue < 1 or max_rows < 1:
+            raise ValueError("max_queue and max_rows must be at least 1")
+        self.pair, self.base = pair, base or SMCConfig()
+        self.max_queue, self.max_rows = max_queue, max_rows
+        self.kernel = SMCSDKernel(
+            pair.rows(), self.base, pair.eos_for(self.base), pair.decode, draft_always=True
+        )
+        self._cond = threading.Condition()
+        self._queue: deque[_Job] = deque()
+        self._running: list[_Job] = []
+        self._closing = self._cancel_all = False
+        self._ids = itertools.count()
+        self._counts = dict.fromkeys(("completed", "cancelled", "failed", "rejected"), 0)
+        self._tokens = self._cycles = 0
+        self._cycle_seconds = self._last_seconds = 0.0
+        self._last_ess = math.nan
+        self._rows_in_use = 0
+        # Programs are coroutines: each cycle runs on this loop. Calls run alone run outside it
+        # (they may start loops of their own).
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._serve, daemon=True, name="smcsd-scheduler")
+        self._thread.start()
+
+    # Submitting.
+    def submit(self, request: ServeRequest) -> Ticket:
+        """Queue a request; its ticket at once (``QueueFull``, ``SchedulerClosed``, ``ValueError``)."""
+        config = request.config
+        if request.method == "ar":
+            config = replace(config, n_particles=1, token_level=True)
+        constraint = None
+        if request.constraint is not None:
+            constraint = request.constraint.build(self.pair.tokenizer, self.pair.eos_for(config))
+        ids = [int(t) for t in request.prompt_ids]
+        self.pair.check_request(ids, config)
+        program = SMCSDModel(ids, constraint)
+        return self.submit_program(program, config, seed=request_seed(config.seed, 0), stop=request.stop)
+
+    def submit_program(
+        self, program: SMCSDModel, config: SMCConfig, *, seed: int, stop: Sequence[str] = ()
+    ) -> Ticket:
+        """Queue a program (a request of ``SMCSD.run``) with its settings and seed; its ticket."""
+        if any(getattr(config, k) != getattr(self.base, k) for k in SHARED_SETTINGS):
+            return self._enqueue(
+                None, config, seed, stop, alone=lambda: self._run_alone(program, config, seed)
+            )
+        return self._enqueue(program, config, seed, stop)
+
+    def run_alone(self, call: Callable[[], object]) -> object:
+        """Run ``call`` with the pair to itself, between batches (other methods, other settings)."""
+        box = []
+        self._enqueue(None, self.base, 0, (), alone=lambda: box.append(call()), wait=True)
+        return box[0]
+
+    def _enqueue(self, program, config, seed, stop, *, alone=None, wait=False):
+        prompt = len(program.prompt) if program is not None and not isinstance(program.prompt, str) else 0
+        ticket = Ticket(f"req-{next(self._ids)}", prompt, stop)
+        rows = config.n_particles * (len(program.contexts()) if program is not None else 1)
+        job = _Job(ticket, program, config, seed, min(rows, self.max_rows), alone, time.perf_counter())
+        with self._cond:
+            if self._closing:
+                raise SchedulerClosed("the scheduler is closed")
+            if len(self._queue) >= self.max_queue and not wait:
+                self._counts["rejected"] += 1
+                raise QueueFull(f"the queue is full ({self.max_queue} requests waiting); try again later")
+            self._queue.append(job)
+            self._cond.notify_all()
+        if wait:
+            return ticket.wait()
+        return ticket
+
+    # Reading.
+    def stats(self) -> SchedulerStats:
+        """What the scheduler holds and has done."""
+        with self._cond:
+            return SchedulerStats(
+                len(self._queue),
+                len(self._running),
+                self._rows_in_use,
+                self.max_rows,
+                self.max_queue,
+                dict(self._counts),
+                self._tokens,
+                self._cycles,
+                self._cycle_seconds,
+                self._last_seconds,
+                self._last_ess,
+            )
+
+    def close(self, cancel: bool = False) -> None:
+        """Take no more requests; finish (or cancel) those queued and running; stop the thread."""
+        with self._cond:
+            self._closing = True
+            self._cancel_all = self._cancel_all or cancel
+            self._cond.notify_all()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def __enter__(self) -> Scheduler:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close(cancel=exc[0] is not None)
+
+    # The scheduler's thread.
+    def _serve(self) -> None:
+        state = SMCState(())
+        while True:
+            jobs = self._admissible()
+            if jobs is None:
+                self._loop.close()
+                return
+            if jobs and jobs[0].alone is not None:
+                self._alone(jobs[0])
+                continue
+            state = self._dropped(state)
+            if jobs:
+                state = self._admitted(state, jobs)
+            if self._running:
+                state = self._cycle(state)
+
+    def _admissible(self) -> list[_Job] | None:
+        """The jobs to admit now (waiting while there is nothing to do); None: closed and drained."""
+        with self._cond:
+            while True:
+                if self._cancel_all:
+                    for job in [*self._queue, *self._running]:
+                        job.ticket.cancel()
+                if self._closing and self._cancel_all:
+                    while self._queue:
+                        self._end(self._queue.popleft(), None)
+                if self._running or self._queue:
+                    break
+                if self._closing:
+                    return None
+                self._cond.wait()
+            jobs, rows = [], self._rows_in_use
+            while self._queue:
+                job = self._queue[0]
+                if job.ticket.cancelled:
+                    self._end(self._queue.popleft(), None)
+                    continue
+                if job.alone is not None:  # runs once the batch has drained
+                    if not self._running and not jobs:
+                        jobs.append(self._queue.popleft())
+                    break
+                if rows + job.rows > self.max_rows:
+                    break
+                jobs.append(self._queue.popleft())
+                rows += job.rows
+            return jobs
+
+    def _alone(self, job: _Job) -> None:
+        try:
+            out = job.alone()
+        except BaseException as err:  # noqa: BLE001 - the caller gets it
+            job.ticket.fail(err)
+            self._count("failed")
+            return
+        if isinstance(out, tuple):  # an SMC request run alone: (generation, finish reason)
+            job.ticket.finish(*out)
+            self._count("completed", len(out[0].token_ids))
+        else:
+            job.ticket.finish(Generation("", [], "alone", None), "stop")
+
+    def _run_alone(self, program: SMCSDModel, config: SMCConfig, seed: int) -> tuple[Generation, str]:
+        """A request whose shared settings differ from the scheduler's: a run of its own."""
+        kernel = SMCSDKernel(self.pair.rows(), config, self.pair.eos_for(config), self.pair.decode)
+        start = time.perf_counter()
+        state = kernel.admit(
+            SMCState(()), [program], self.pair.draft_record, self.pair.encode, [config], [seed]
+        )
+        while not state.done:
+            state, _ = self._loop.run_until_complete(kernel.step(state))
+        return self._generation(kernel, state.populations[0], start, ())
+
+    def _dropped(self, state: SMCState) -> SMCState:
+        """The state without cancelled requests (their rows freed)."""
+        keep = [not job.ticket.cancelled for job in self._running]
+        if all(keep):
+            return state
+        for job, k in zip(self._running, keep):
+            if not k:
+                self._end(job, None)
+        state = replace(
+            state, populations=tuple(self.kernel.pack([p for p, k in zip(state.populations, keep) if k]))
+        )
+        with self._cond:
+            self._running = [j for j, k in zip(self._running, keep) if k]
+            self._rows_in_use = _rows_in_use(state)
+        return state
+
+    def _admitted(self, state: SMCState, jobs: list[_Job]) -> SMCState:
+        """The state with ``jobs`` admitted (a failure fails those jobs only)."""
+        try:
+            state = self.kernel.admit(
+                state,
+                [j.program for j in jobs],
+                self.pair.draft_record,
+                self.pair.encode,
+                [j.config for j in jobs],
+                [j.seed for j in jobs],
+            )
+        except Exception as err:  # noqa: BLE001 - those callers get it
+            for job in jobs:
+                job.ticket.fail(err)
+                self._count("failed")
+            return state
+        with self._cond:
+            self._running += jobs
+            self._rows_in_use = _rows_in_use(state)
+        return state
+
+    def _cycle(self, state: SMCState) -> SMCState:
+        """One step of every running request; stop strings end particles; the finished leave."""
+        start = time.perf_counter()
+        try:
+            state, info = self._loop.run_until_complete(self.kernel.step(state))
+        except Exception as err:  # noqa: BLE001 - a failed step fails every request in it
+            for job in self._running:
+                job.ticket.fail(err)
+                self._count("failed")
+            with self._cond:
+                self._running, self._rows_in_use = [], 0
+            return SMCState(())
+        state = self._stopped(state)
+        for job, pop in zip(self._running, state.populations):
+            job.ticket.offer(self.pair.decode(settled_tokens(pop)))
+        done = [not pop.stepping for pop in state.populations]
+        for job, pop, d in zip(self._running, state.populations, done):
+            if d:
+                gen, reason = self._generation(self.kernel, pop, job.start, job.ticket.stop)
+                job.ticket.finish(gen, reason)
+                self._count("completed", len(gen.token_ids))
+        ess = [e / len(p.particles) for e, p in zip(info.ess, state.populations) if p.stepping and e]
+        with self._cond:
+            self._running = [j for j, d in zip(self._running, done) if not d]
+            self._rows_in_use = _rows_in_use(state)
+            self._cycles += 1
+            self._last_seconds = time.perf_counter() - start
+            self._cycle_seconds += self._last_seconds
+            self._last_ess = sum(ess) / len(ess) if ess else math.nan
+        return replace(state, populations=tuple(p for p, d in zip(state.populations, done) if not d))
+
+    def _stopped(self, state: SMCState) -> SMCState:
+        """End every particle whose text holds one of its request's stop strings."""
+        pops, changed = [], False
+        for job, pop in zip(self._running, state.populations):
+            stop = job.ticket.stop
+            hit = [stop and not p.done_stepping() and before_stop(p.text, stop)[1] for p in pop.particles]
+            if any(hit):
+                pop, changed = _finished(pop, hit), True
+            pops.append(pop)
+        return replace(state, populations=tuple(self.kernel.pack(pops))) if changed else state
+
+    def _generation(self, kernel, pop: Population, start: float, stop) -> tuple[Generation, str]:
+        """A finished request's ``Generation`` (its text cut before a stop string) and finish reason."""
+        out = result_of(pop, kernel, self.pair.draft_record)
+        text, stopped = before_stop(out.text, stop)
+        ids = out.token_ids
+        c = kernel.settings(pop)
+        ended = stopped or (bool(ids) and ids[-1] in kernel.eos) or len(ids) < c.max_new_tokens
+        cycles = max(1, pop.cycles)
+        stats = RunStats("smcsd", len(ids), time.perf_counter() - start, cycles, 0, 0.0, 0.0)
+        return Generation(text, list(ids), "smcsd", stats, out.message, smc=out.info), (
+            "stop" if ended else "length"
+        )
+
+    def _end(self, job: _Job, err: BaseException | None) -> None:
+        """A job leaves unfinished: cancelled, or failed with ``err``."""
+        job.ticket.fail(err or RequestCancelled(f"request {job.ticket.id} was cancelled"))
+        self._count("failed" if err else "cancelled")
+
+    def _count(self, outcome: str, tokens: int = 0) -> None:
+        with self._cond:
+            self._counts[outcome] += 1
+            self._tokens += tokens
+
+
+def _rows_in_use(state: SMCState) -> int:
+    """Rows the live particles hold (released rows are -1)."""
+    return sum(r >= 0 for pop in state.populations for rows in pop.rows for r in rows)
+
+
+def _finished(pop: Population, hit: Sequence[bool]) -> Population:
+    """``pop`` with the particles ``hit`` ended (fresh copies; the state's objects stay as they were)."""
+    particles = []
+    for p, h in zip(pop.particles, hit):
+        if h:
+            p = copy.deepcopy(p)
+            p.finish()
+        particles.append(p)
+    return replace(pop, particles=tuple(particles))

@@ -1,0 +1,148 @@
+"""A submitted request as its caller sees it: settled text as it comes, then the result.
+
+The scheduler's thread writes a ticket; callers read it from any thread (``wait``) or any
+asyncio loop (``stream``, ``result``). What is streamed is text every surviving particle
+already shares, cut before the first stop string, and held back by one stop string's length
+less one character while a stop string could still be forming: a stream never takes text back,
+and its pieces join into the final text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Sequence
+
+from ..results import Generation
+
+
+class RequestCancelled(RuntimeError):
+    """The request was cancelled (by its caller, or by a scheduler closing) before it finished."""
+
+
+def before_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
+    """``text`` up to the first stop string (excluded), and whether one was found."""
+    cuts = [i for i in (text.find(s) for s in stop) if i >= 0]
+    return (text[: min(cuts)], True) if cuts else (text, False)
+
+
+class Ticket:
+    """One request's handle: its streamed text, its outcome, and a way to cancel it.
+
+    Attributes:
+        id: the request's id.
+        prompt_tokens: tokens in its prompt.
+        completion_tokens: tokens in its output (final once done).
+        finish_reason: ``"stop"`` (an EOS or a stop string), ``"length"`` (the budget), or
+            None before it is done.
+    """
+
+    def __init__(self, request_id: str, prompt_tokens: int, stop: Sequence[str] = ()) -> None:
+        self.id, self.prompt_tokens, self.stop = request_id, prompt_tokens, tuple(stop)
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+        self.cancelled = False
+        self._lock = threading.Lock()
+        self._pieces: list[str] = []
+        self._sent = ""  # the pieces joined
+        self._done = threading.Event()
+        self._outcome: Generation | BaseException | None = None
+        self._wakers: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+
+    # The scheduler's side.
+    def offer(self, settled: str) -> None:
+        """Stream what ``settled`` (text every surviving particle shares) adds, short of a stop."""
+        text, stopped = before_stop(settled, self.stop)
+        if not stopped and self.stop:
+            text = text[: max(len(self._sent), len(text) - max(map(len, self.stop)) + 1)]
+        self._add(text)
+
+    def finish(self, generation: Generation, reason: str) -> None:
+        """The request is done: its text streams out in full, then its result."""
+        self._add(generation.text)
+        with self._lock:
+            self.finish_reason, self.completion_tokens = reason, len(generation.token_ids)
+            self._outcome = generation
+        self._wake(done=True)
+
+    def fail(self, err: BaseException) -> None:
+        """The request ends with ``err`` (raised by ``result`` and ``wait``)."""
+        with self._lock:
+            if self._done.is_set():
+                return
+            self._outcome = err
+        self._wake(done=True)
+
+    # The caller's side.
+    def cancel(self) -> None:
+        """Cancel the request: it leaves the batch at the next cycle boundary."""
+        self.cancelled = True
+
+    @property
+    def done(self) -> bool:
+        """Whether the request finished, failed or was cancelled."""
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> Generation:
+        """The result, blocking (``TimeoutError`` past ``timeout`` seconds)."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.id} did not finish within {timeout} s")
+        return self._result()
+
+    async def result(self) -> Generation:
+        """The result, from an asyncio loop."""
+        while not self._done.is_set():
+            await self._armed().wait()
+        return self._result()
+
+    async def stream(self) -> AsyncIterator[str]:
+        """The text as it settles, piece by piece; ends when the request does."""
+        n = 0
+        while True:
+            waker = self._armed()
+            with self._lock:
+                pieces, done = self._pieces[n:], self._done.is_set()
+            for piece in pieces:
+                yield piece
+            n += len(pieces)
+            if done:
+                with self._lock:
+                    rest = self._pieces[n:]
+                for piece in rest:
+                    yield piece
+                return
+            await waker.wait()
+
+    def _result(self) -> Generation:
+        if isinstance(self._outcome, BaseException):
+            raise self._outcome
+        return self._outcome
+
+    def _add(self, text: str) -> None:
+        with self._lock:
+            if len(text) <= len(self._sent) or not text.startswith(self._sent):
+                return
+            self._pieces.append(text[len(self._sent) :])
+            self._sent = text
+        self._wake()
+
+    def _armed(self) -> asyncio.Event:
+        """An event of the running loop that the next change of this ticket sets."""
+        event = asyncio.Event()
+        with self._lock:
+            if self._done.is_set():
+                event.set()
+            else:
+                self._wakers.append((asyncio.get_running_loop(), event))
+        return event
+
+    def _wake(self, done: bool = False) -> None:
+        with self._lock:
+            if done:
+                self._done.set()
+            wakers, self._wakers = self._wakers, []
+        for loop, event in wakers:
+            try:
+                loop.call_soon_threadsafe(event.set)
+            except RuntimeError:  # that loop has closed: nobody is listening there
+                pass
