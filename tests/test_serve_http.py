@@ -220,7 +220,15 @@ def test_a_prompt_past_the_context_gets_400(tiny_server):
 
 def test_a_client_gone_mid_stream_is_cancelled_and_its_rows_freed(tiny_smcsd):
     with served(tiny_smcsd, defaults=UNENDING) as client:
-        ask = {"prompt": "Once upon a time", "seed": 4, "max_tokens": 100, "stream": True}
+        # one token a cycle for 110 cycles: long enough to leave in the middle
+        ask = {
+            "prompt": "Once",
+            "seed": 4,
+            "max_tokens": 110,
+            "block_size": 1,
+            "n_particles": 16,
+            "stream": True,
+        }
         with client.stream("POST", "/v1/completions", json=ask) as response:
             lines = response.iter_lines()
             next(line for line in lines if '"text": "' in line and '"text": ""' not in line)
@@ -228,6 +236,13 @@ def test_a_client_gone_mid_stream_is_cancelled_and_its_rows_freed(tiny_smcsd):
         deadline = time.monotonic() + 30
         while counter(client, "smcsd_requests_total", 'outcome="cancelled"') < 1:
             assert time.monotonic() < deadline, "the request was not cancelled"
+            time.sleep(0.05)
+        wait_idle(client)
+        # a client that gives up waiting for a whole answer is cancelled too
+        with pytest.raises(httpx.ReadTimeout):
+            client.post("/v1/completions", json=ask | {"stream": False}, timeout=0.1)
+        while counter(client, "smcsd_requests_total", 'outcome="cancelled"') < 2:
+            assert time.monotonic() < deadline + 30, "the waiting request was not cancelled"
             time.sleep(0.05)
         wait_idle(client)
         assert counter(client, "smcsd_requests_total", 'outcome="completed"') == 0
