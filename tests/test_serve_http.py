@@ -326,3 +326,21 @@ def test_the_openai_client_gets_json_under_a_schema(real_server):
     assert json.loads(out.choices[0].message.content)["answer"] in ("yes", "no")
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "Hi"}])
+
+
+def test_faults_get_their_errors_while_a_running_request_finishes(tiny_smcsd):
+    with served(tiny_smcsd, defaults=UNENDING, max_queue=2) as client:
+        steady = {"prompt": "The sun", "seed": 8, "max_tokens": 60, "block_size": 1}
+        alone = client.post("/v1/completions", json=steady).json()["choices"][0]["text"]
+        answers = []
+        running = threading.Thread(target=lambda: answers.append(client.post("/v1/completions", json=steady)))
+        running.start()
+        bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}
+        error_of(client.post("/v1/completions", json={"prompt": "Hi", "response_format": bad}), 422)
+        error_of(client.post("/v1/completions", json={"prompt": [5] * 200}), 400)
+        with client.stream("POST", "/v1/completions", json=steady | {"seed": 9, "stream": True}) as killed:
+            next(killed.iter_lines())
+        running.join()
+        [answer] = answers
+        assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == alone
+        wait_idle(client)
