@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 
 from .loading import load_pair
@@ -86,20 +87,14 @@ def _served_model(url: str, api_key: str | None) -> str:
     return openai.OpenAI(base_url=url, api_key=api_key or "none").models.list().data[0].id
 
 
-class _in_process:
+@contextlib.contextmanager
+def _in_process(pair, config, requests: int):
     """``smcsd serve`` of ``pair`` on a free local port while the block runs: ``(url, model)``."""
+    from ..serving.app import build_app
+    from ..serving.scheduler import Scheduler
+    from ..serving.server import BackgroundServer
 
-    def __init__(self, pair, config, requests: int) -> None:
-        from ..serving.app import build_app
-        from ..serving.scheduler import Scheduler
-        from ..serving.server import BackgroundServer
-
-        scheduler = Scheduler(pair, config, max_queue=max(64, requests))
-        self.model = pair.target.name
-        self.server = BackgroundServer(build_app(scheduler, pair, model_name=self.model, defaults=config))
-
-    def __enter__(self) -> tuple[str, str]:
-        return self.server.__enter__().url + "/v1", self.model
-
-    def __exit__(self, *exc) -> None:
-        self.server.__exit__(*exc)
+    scheduler = Scheduler(pair, config, max_queue=max(64, requests))
+    model = pair.target.name
+    with BackgroundServer(build_app(scheduler, pair, model_name=model, defaults=config)) as server:
+        yield server.url + "/v1", model

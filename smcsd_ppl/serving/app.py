@@ -79,6 +79,10 @@ class Service:
             raise APIError(400, "the request body is not valid JSON") from None
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object")
+        return body
+
+    def check_model(self, body: dict) -> None:
+        """404 unless the body names the served model (or none)."""
         model = body.get("model")
         if model is not None and model != self.model_name:
             raise APIError(
@@ -87,7 +91,6 @@ class Service:
                 param="model",
                 code="model_not_found",
             )
-        return body
 
     def encode(self, prompt) -> list[int]:
         """Token ids of a prompt: chat messages (the template), token ids (as given) or text (as is)."""
@@ -228,6 +231,7 @@ async def complete(service: Service, request: Request, kind: str):
     """A completion request, chat or text: checked, encoded, submitted, then streamed or awaited."""
     service.check_key(request)
     body = await service.read_body(request)
+    service.check_model(body)
     call = (parse_chat if kind == "chat" else parse_completion)(body, service.defaults)
     check_schema(call.constraint)
     prompt_ids = await asyncio.to_thread(lambda: [service.encode(p) for p in call.prompts])
