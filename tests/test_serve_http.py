@@ -18,7 +18,7 @@ import pytest
 
 from smcsd_ppl.config import SMCConfig
 from smcsd_ppl.serving.app import build_app
-from smcsd_ppl.serving.scheduler import Scheduler
+from smcsd_ppl.serving.scheduler import Scheduler, SchedulerClosed, ServeRequest
 from smcsd_ppl.serving.server import BackgroundServer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -344,3 +344,23 @@ def test_faults_get_their_errors_while_a_running_request_finishes(tiny_smcsd):
         [answer] = answers
         assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == alone
         wait_idle(client)
+
+
+def test_shutdown_lets_a_running_request_finish_then_closes_the_scheduler(tiny_smcsd):
+    scheduler = Scheduler(tiny_smcsd, UNENDING)
+    app = build_app(scheduler, tiny_smcsd, model_name=MODEL, defaults=UNENDING)
+    answers = []
+    with BackgroundServer(app) as server, httpx.Client(base_url=server.url, timeout=60) as client:
+        ask = {"prompt": "Once", "seed": 2, "max_tokens": 80, "block_size": 1}
+        call = lambda: answers.append(httpx.post(f"{server.url}/v1/completions", json=ask, timeout=60))  # noqa: E731
+        running = threading.Thread(target=call)
+        running.start()
+        while not gauge(client, "smcsd_rows_in_use"):
+            time.sleep(0.01)
+    running.join()
+    [answer] = answers
+    assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 80
+    stats = scheduler.stats()
+    assert stats.rows_in_use == stats.running == stats.queued == 0
+    with pytest.raises(SchedulerClosed):
+        scheduler.submit(ServeRequest([5, 6], UNENDING))
