@@ -7,7 +7,9 @@
 * A ``--8<-- "path"`` line in a block (pymdownx.snippets) runs the file it includes.
 * Every ``smcsd ...`` command of a ```bash block must parse with the real argument parser,
   and every ``python path.py`` command must name an existing file.
-* Pages that load the real model (``SMCSD.load``) are slow tests. ``SMCSD.load`` is cached
+* Blocks that call ``smcsd serve`` at ``SERVE_URL`` call a live server of the embedded pair
+  instead, started once on a free port.
+* Pages that load the real model (``SMCSD.load``) or call the server are slow tests. ``SMCSD.load`` is cached
   per arguments for the whole session, so the model loads once however many pages use it.
 """
 
@@ -26,6 +28,7 @@ from smcsd_ppl.cli import build_parser
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").rglob("*.md")) + ["README.md"]
 NO_RUN = "<!-- no-run -->"
+SERVE_URL = "http://127.0.0.1:8000/v1"  # where the docs' snippets find `smcsd serve`
 FENCE = re.compile(r"^(?P<indent> *)(?P<fence>```+|~~~+)(?P<info>.*)$")
 SNIPPET = re.compile(r"""^\s*--8<--\s+["']?(?P<path>[^"']+)["']?\s*$""")
 
@@ -66,7 +69,9 @@ def _include(code: str) -> str:
 
 
 def _uses_model(page: str) -> bool:
-    return any("SMCSD.load(" in code for _, code, run in blocks_of(page, "python") if run)
+    return any(
+        "SMCSD.load(" in code or SERVE_URL in code for _, code, run in blocks_of(page, "python") if run
+    )
 
 
 def _python_pages() -> list:
@@ -88,14 +93,30 @@ def shared_models(monkeypatch):
     monkeypatch.setattr(SMCSD, "load", staticmethod(_load))
 
 
+@pytest.fixture(scope="session")
+def served_url():
+    """The ``/v1`` URL of ``smcsd serve`` on its own embedded pair, on a free port, for the session."""
+    from smcsd_ppl.config import SMCConfig
+    from smcsd_ppl.serving.app import build_app
+    from smcsd_ppl.serving.scheduler import Scheduler
+    from smcsd_ppl.serving.server import BackgroundServer
+
+    pair, config = _ORIGINAL_LOAD(), SMCConfig(n_particles=4, block_size=4)
+    app = build_app(Scheduler(pair, config), pair, model_name=pair.target.name, defaults=config)
+    with BackgroundServer(app) as server:
+        yield server.url + "/v1"
+
+
 @pytest.mark.parametrize("page", _python_pages())
-def test_python_snippets_run(page, shared_models, tmp_path, monkeypatch, capsys):
+def test_python_snippets_run(page, shared_models, tmp_path, monkeypatch, capsys, request):
     monkeypatch.chdir(tmp_path)  # snippets that write files write them here
     monkeypatch.syspath_prepend(str(ROOT))  # `examples.*` imports, as from the repository root
     namespace = {"__name__": f"docs_snippet_{Path(page).stem.replace('-', '_')}"}
     for line, code, runnable in blocks_of(page, "python"):
         if not runnable:
             continue
+        if SERVE_URL in code:
+            code = code.replace(SERVE_URL, request.getfixturevalue("served_url"))
         try:
             exec(compile(code, f"{page}:{line}", "exec"), namespace)
         except Exception as err:

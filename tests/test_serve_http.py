@@ -286,14 +286,24 @@ def test_api_key_body_size_full_queue_and_shutdown(tiny_smcsd):
 
 @pytest.fixture(scope="module")
 def real_server(default_smcsd):
-    with served(default_smcsd, model_name="smol") as client:
+    real = SMCConfig(n_particles=4, block_size=4, max_new_tokens=8)
+    with served(default_smcsd, defaults=real, model_name=default_smcsd.target.name) as client:
         yield client
+
+
+def real_model(client) -> str:
+    return client.get("/v1/models").json()["data"][0]["id"]
 
 
 @pytest.mark.slow
 def test_the_openai_client_streams_chat_as_it_answers_whole(real_server):
     client = openai.OpenAI(base_url=str(real_server.base_url).rstrip("/") + "/v1", api_key="unused")
-    ask = dict(model="smol", messages=[{"role": "user", "content": "Name a color."}], seed=3, max_tokens=8)
+    ask = dict(
+        model=real_model(real_server),
+        messages=[{"role": "user", "content": "Name a color."}],
+        seed=3,
+        max_tokens=8,
+    )
     whole = client.chat.completions.create(**ask)
     assert whole.object == "chat.completion" and whole.choices[0].message.role == "assistant"
     assert whole.choices[0].model_extra["smcsd"]["seed"] == 3
@@ -302,7 +312,9 @@ def test_the_openai_client_streams_chat_as_it_answers_whole(real_server):
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
     assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
     # the chat template was applied: the same text as a plain completion prompts differently
-    plain = client.completions.create(model="smol", prompt="Name a color.", seed=3, max_tokens=8)
+    plain = client.completions.create(
+        model=real_model(real_server), prompt="Name a color.", seed=3, max_tokens=8
+    )
     assert whole.usage.prompt_tokens > plain.usage.prompt_tokens
 
 
@@ -316,7 +328,7 @@ def test_the_openai_client_gets_json_under_a_schema(real_server):
         "additionalProperties": False,
     }
     out = client.chat.completions.create(
-        model="smol",
+        model=real_model(real_server),
         messages=[{"role": "user", "content": "Is the sky blue? Answer in JSON."}],
         response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
         seed=1,
