@@ -19,6 +19,7 @@ LAYERS = [
     {"bench"},
     {"llamppl"},
     {"api"},
+    {"serving"},
     {"methods"},
     {"inference"},
     {"models", "potentials", "proposals"},
