@@ -168,8 +168,8 @@ class Scheduler:
         called, on the scheduler's thread, with the request's longest output after each cycle.
         """
         if not self.shares(config):
-            call = lambda: self._run_alone(program, config, seed)  # noqa: E731
-            return self._enqueue(None, config, seed, stop, alone=call, bounded=bounded)
+            call = lambda: self._run_alone(program, config, seed, stop)  # noqa: E731
+            return self._enqueue(program, config, seed, stop, alone=call, bounded=bounded)
         return self._enqueue(program, config, seed, stop, bounded=bounded, on_progress=on_progress)
 
     def shares(self, config: SMCConfig) -> bool:
@@ -214,9 +214,9 @@ class Scheduler:
         prompt = len(program.prompt) if program is not None and not isinstance(program.prompt, str) else 0
         ticket = Ticket(f"req-{next(self._ids)}", prompt, stop)
         rows = config.n_particles * (len(program.contexts()) if program is not None else 1)
-        job = _Job(
-            ticket, program, config, seed, min(rows, self.max_rows), alone, time.perf_counter(), on_progress
-        )
+        if rows > self.max_rows and alone is None:
+            raise ValueError(f"the request needs {rows} rows (particles x contexts); at most {self.max_rows}")
+        job = _Job(ticket, program, config, seed, rows, alone, time.perf_counter(), on_progress)
         with self._cond:
             if self._closing:
                 raise SchedulerClosed("the scheduler is closed")
@@ -334,7 +334,7 @@ class Scheduler:
         else:
             job.ticket.finish(Generation("", [], "alone", None), "stop")
 
-    def _run_alone(self, program: SMCSDModel, config: SMCConfig, seed: int) -> tuple[Generation, str]:
+    def _run_alone(self, program: SMCSDModel, config: SMCConfig, seed: int, stop) -> tuple[Generation, str]:
         """A request whose shared settings differ from the scheduler's: a run of its own."""
         kernel = SMCSDKernel(self.pair.rows(), config, self.pair.eos_for(config), self.pair.decode)
         start = time.perf_counter()
@@ -343,7 +343,7 @@ class Scheduler:
         )
         while not state.done:
             state, _ = self._loop.run_until_complete(kernel.step(state))
-        return self._generation(kernel, state.populations[0], start, ())
+        return self._generation(kernel, state.populations[0], start, stop)
 
     def _dropped(self, state: SMCState) -> SMCState:
         """The state without cancelled requests (their rows freed)."""
