@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import functools
 import itertools
 import math
 import threading
@@ -23,6 +24,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+
+import torch
 
 from ..config import SMCConfig
 from ..inference.loop import result_of
@@ -226,7 +229,9 @@ class Scheduler:
             self._queue.append(job)
             self._cond.notify_all()
             if self._thread is None:
-                self._thread = threading.Thread(target=self._serve, daemon=True, name="smcsd-scheduler")
+                # torch's CPU thread count is a per-thread setting: the caller's carries over.
+                serve = functools.partial(self._serve, torch.get_num_threads())
+                self._thread = threading.Thread(target=serve, daemon=True, name="smcsd-scheduler")
                 self._thread.start()
         return ticket
 
@@ -265,7 +270,8 @@ class Scheduler:
         self.close(cancel=exc[0] is not None)
 
     # The scheduler's thread.
-    def _serve(self) -> None:
+    def _serve(self, threads: int) -> None:
+        torch.set_num_threads(threads)
         # Programs are coroutines: each cycle runs on this loop. Calls run alone run outside it
         # (they may start loops of their own).
         self._loop, state = asyncio.new_event_loop(), SMCState(())
