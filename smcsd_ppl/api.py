@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import numbers
 import threading
 import time
@@ -17,23 +19,28 @@ from .config import DraftRecord, SMCConfig
 from .inference.program import SMCSDModel
 from .inference.rows import RowStore
 from .inference.state import StepInfo
+from .inference.step import request_seed
 from .models import LoadedModel, eos_ids, load_model
 from .models.drafts import resolve_draft
 from .models.loading import cache_root
 from .models.threads import choose_threads
 from .proposals.retrieval import RetrievalDrafter
 from .results import Generation, RunStats, SMCInfo, SpeculativeInfo
+from .serving.scheduler import Scheduler
 from .text import check_prompt
 
 BACKENDS = ("hf", "vllm")
+# The methods whose requests join the running batch, and the settings each runs with.
+BATCHED = {"smcsd": lambda c: c, "smcsd_paper": lambda c: dataclasses.replace(c, cut=None)}
 
 
 class SMCSD:
     """A target and a draft model sharing a tokenizer, with batched backends.
 
     Calls are reproducible and safe to share: the same call with the same seed returns the
-    same output whatever ran before, and calls from several threads (or asyncio tasks, with
-    ``agenerate``) wait their turn, each returning what it would have returned alone.
+    same output whatever ran before or alongside. SMC-SD calls from several threads (or
+    asyncio tasks, with ``agenerate``) join one running batch (``scheduler``), each returning
+    what it would have returned alone; other methods and settings take the pair in turn.
 
     Args:
         target: the target model, loaded (see ``smcsd_ppl.models``).
@@ -85,7 +92,8 @@ class SMCSD:
         # RACER's index and cues, kept across calls only if the caller sets one (as the RACER
         # reference does): faster on repeated content, but later outputs depend on earlier calls.
         self.retrieval_memory: RetrievalDrafter | None = None
-        self._lock = threading.RLock()  # one call at a time on the backends' rows
+        self._scheduler: Scheduler | None = None  # owns the backends' rows once started
+        self._starting = threading.Lock()
 
     @classmethod
     def load(
@@ -125,7 +133,7 @@ class SMCSD:
         documented way; nothing else does.
         """
         config = config or SMCConfig()
-        with self._lock:
+        with self.lock:
             record = DraftRecord()
             if config.cut is not None:
                 ids = [self.encode(prompt)]
@@ -148,9 +156,31 @@ class SMCSD:
         return RowStore(self.target_lm, self.draft_lm)
 
     @property
-    def lock(self) -> threading.RLock:
-        """The lock every call holds while it uses the backends."""
-        return self._lock
+    def scheduler(self) -> Scheduler:
+        """The scheduler that owns this pair's rows (started on first use; see ``use_scheduler``)."""
+        with self._starting:
+            if self._scheduler is None:
+                self._scheduler = Scheduler(self)
+            return self._scheduler
+
+    def use_scheduler(self, scheduler: Scheduler) -> None:
+        """Make ``scheduler`` (built over this pair, e.g. with a server's limits) the pair's own."""
+        with self._starting:
+            if self._scheduler is not None and self._scheduler is not scheduler:
+                self._scheduler.close()
+            self._scheduler = scheduler
+
+    def close(self) -> None:
+        """Finish the requests running and stop the scheduler (a later call starts a new one)."""
+        with self._starting:
+            sched, self._scheduler = self._scheduler, None
+        if sched is not None:
+            sched.close()
+
+    @property
+    def lock(self):
+        """A context manager that has the backends' rows to itself while held (reentrant)."""
+        return self.scheduler.exclusive()
 
     def eos_for(self, config: SMCConfig) -> list[int]:
         """EOS ids in force under ``config`` (none with ``ignore_eos``)."""
@@ -217,8 +247,11 @@ class SMCSD:
                     "SMCSDModel(prompt) (or SMCSDModel(prompt, constraint)), or call generate"
                 )
         self._check_token_prompts([p.prompt for p in programs if not isinstance(p.prompt, str)])
+        config = config or SMCConfig()
+        if on_cycle is None and self._joins_batch(config):
+            return self._batched(programs, config, "smcsd", None)
         context = self.context(config)  # the programs hold the prompts
-        with self._lock:
+        with self.lock:
             start = self.start_clock()
             out = methods.run_programs(context, list(programs), on_cycle)
             return self._generations("smcsd", out, start)
@@ -244,10 +277,46 @@ class SMCSD:
         """Run ``method`` on token-id prompts and build each request's ``Generation``."""
         method.check(config)
         self.check_fits(ids, config, method)
+        if method.name in BATCHED and self._joins_batch(effective := BATCHED[method.name](config)):
+            return self._batched([SMCSDModel(i) for i in ids], effective, method.name, on_progress)
         context = self.context(config, ids, on_progress)
-        with self._lock:
+        with self.lock:
             start = self.start_clock()
             return self._generations(method.name, method.run(context), start)
+
+    def _joins_batch(self, config: SMCConfig) -> bool:
+        """Whether a call with ``config`` joins the running batch (else it takes the pair in turn)."""
+        sched = self.scheduler
+        return self.retrieval_memory is None and sched.shares(config) and not sched.held_here
+
+    def _batched(
+        self,
+        programs: list[SMCSDModel],
+        config: SMCConfig,
+        name: str,
+        on_progress: Callable[[int], None] | None,
+    ) -> list[Generation]:
+        """Each program as a request of the running batch (request i seeded as in a run of its own)."""
+        start = self.start_clock()
+        longest = [0] * len(programs)
+
+        def progress(i: int, n: int) -> None:
+            longest[i] = n
+            on_progress(max(longest))
+
+        tickets = [
+            self.scheduler.submit_program(
+                p,
+                config,
+                seed=request_seed(config.seed, i),
+                bounded=False,
+                on_progress=None if on_progress is None else functools.partial(progress, i),
+            )
+            for i, p in enumerate(programs)
+        ]
+        outs = [t.wait() for t in tickets]
+        stats = self.stats(name, start, sum(len(g.token_ids) for g in outs))
+        return [dataclasses.replace(g, method=name, stats=stats) for g in outs]
 
     def context(
         self,
@@ -282,7 +351,7 @@ class SMCSD:
             retrieval=self.retrieval_memory,
         )
 
-    def _generations(self, name: str, out: methods.MethodOutput, start: float) -> list[Generation]:
+    def _generations(self, name: str, out: methods.MethodOutput, start: tuple) -> list[Generation]:
         """One ``Generation`` per request, sharing the call's stats; decoded unless the method gave texts."""
         stats = self.stats(name, start, sum(len(t) for t in out.token_ids))
         texts = out.texts if out.texts is not None else [self.decode(t) for t in out.token_ids]
@@ -324,20 +393,22 @@ class SMCSD:
                     f"over the budget of {lm.max_cache_bytes / 2**30:.2f} GiB (max_cache_bytes)"
                 )
 
-    def start_clock(self) -> float:
-        """Reset the forward counters; returns the start time for ``stats``."""
-        self.target_lm.stats.reset()
-        self.draft_lm.stats.reset()
-        return time.perf_counter()
+    def start_clock(self) -> tuple[float, ...]:
+        """The time and the forward counters now, for ``stats`` (counters are never reset)."""
+        t, d = self.target_lm.stats, self.draft_lm.stats
+        return time.perf_counter(), t.calls, d.calls, t.seconds, d.seconds
 
-    def stats(self, method: str, start: float, new_tokens: int) -> RunStats:
-        """Cost of the call begun at ``start``: wall time, forward counts and times."""
+    def stats(self, method: str, start: tuple[float, ...], new_tokens: int) -> RunStats:
+        """Cost of the call begun at ``start``: wall time, forwards and their time since then.
+
+        A call that joined a running batch shares its forwards with the requests around it.
+        """
         if self.target_lm.device.type == "cuda":
             torch.cuda.synchronize(self.target_lm.device)
         t, d = self.target_lm.stats, self.draft_lm.stats
-        return RunStats(
-            method, new_tokens, time.perf_counter() - start, t.calls, d.calls, t.seconds, d.seconds
-        )
+        now = (time.perf_counter(), t.calls, d.calls, t.seconds, d.seconds)
+        seconds, t_calls, d_calls, t_seconds, d_seconds = (a - b for a, b in zip(now, start))
+        return RunStats(method, new_tokens, seconds, t_calls, d_calls, t_seconds, d_seconds)
 
 
 def _check_ids(ids: Sequence[int], vocab: int) -> None:

@@ -97,6 +97,15 @@ class LeafLogitsOnRoots(MockLM):
         return out.flip(1)  # nodes get other nodes' logits
 
 
+class AppendsBefore(MockLM):
+    def append(self, prompts):
+        n = self.n_rows
+        out = super().append(prompts)
+        order = [*range(n, self.n_rows), *range(n)]  # the joining rows land first
+        self.history, self.rows = self.history[order], type(self.rows)(self.rows.valid[order])
+        return out
+
+
 @pytest.mark.parametrize(
     "broken, check",
     [
@@ -106,6 +115,7 @@ class LeafLogitsOnRoots(MockLM):
         (SortsForks, "fork_equals_recompute"),
         (RepeatsLastLogits, "fused_equals_stepwise"),
         (FirstColumns, "vocab_subset"),
+        (AppendsBefore, "append_keeps_rows"),
         (KeepsNoPath, "tree"),
         (LeafLogitsOnRoots, "tree"),
     ],

@@ -102,7 +102,9 @@ def served_url():
     from smcsd_ppl.serving.server import BackgroundServer
 
     pair, config = _ORIGINAL_LOAD(), SMCConfig(n_particles=4, block_size=4)
-    app = build_app(Scheduler(pair, config), pair, model_name=pair.target.name, defaults=config)
+    scheduler = Scheduler(pair, config)
+    pair.use_scheduler(scheduler)
+    app = build_app(scheduler, pair, model_name=pair.target.name, defaults=config)
     with BackgroundServer(app) as server:
         yield server.url + "/v1"
 

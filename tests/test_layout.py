@@ -15,11 +15,11 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "smcsd_ppl"
 LAYERS = [
     {"cli"},
-    {"serving"},
     {"distill"},
     {"bench"},
     {"llamppl"},
     {"api"},
+    {"serving"},
     {"methods"},
     {"inference"},
     {"models", "potentials", "proposals"},

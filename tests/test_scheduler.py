@@ -129,7 +129,12 @@ def test_the_row_cap_holds_requests_back_until_rows_free():
 def test_a_full_queue_refuses_and_a_closed_scheduler_too():
     gate = threading.Event()
     sched = Scheduler(MockPair(), settings(0), max_queue=2)
-    blocker = threading.Thread(target=lambda: sched.run_alone(gate.wait))
+
+    def hold():
+        with sched.exclusive():
+            gate.wait()
+
+    blocker = threading.Thread(target=hold)
     blocker.start()
     while sched.stats().queued:  # the blocking call has left the queue and runs
         time.sleep(0.001)

@@ -34,12 +34,22 @@ MODEL = "tiny"
 @contextlib.contextmanager
 def served(pair, *, defaults=DEFAULTS, max_queue=16, max_rows=512, **app_options):
     """A live server of ``pair`` on a free port; yields an httpx client on it."""
-    scheduler = Scheduler(pair, defaults, max_queue=max_queue, max_rows=max_rows)
-    app = build_app(
-        scheduler, pair, model_name=app_options.pop("model_name", MODEL), defaults=defaults, **app_options
-    )
-    with BackgroundServer(app) as server, httpx.Client(base_url=server.url, timeout=120) as client:
-        yield client
+    with owned(pair, defaults, max_queue=max_queue, max_rows=max_rows) as scheduler:
+        name = app_options.pop("model_name", MODEL)
+        app = build_app(scheduler, pair, model_name=name, defaults=defaults, **app_options)
+        with BackgroundServer(app) as server, httpx.Client(base_url=server.url, timeout=120) as client:
+            yield client
+
+
+@contextlib.contextmanager
+def owned(pair, defaults, **limits):
+    """A scheduler made the pair's own, as ``smcsd serve`` makes it; after, the pair starts a new one."""
+    scheduler = Scheduler(pair, defaults, **limits)
+    pair.use_scheduler(scheduler)
+    try:
+        yield scheduler
+    finally:
+        pair.close()
 
 
 @pytest.fixture(scope="module")
@@ -275,13 +285,13 @@ def test_api_key_body_size_full_queue_and_shutdown(tiny_smcsd):
         assert 429 in codes and 200 in codes and set(codes) <= {200, 429}, codes
         assert counter(client, "smcsd_requests_total", 'outcome="rejected"') >= codes.count(429)
         wait_idle(client)
-        client.app_scheduler = None
     # after shutdown the scheduler refuses work
-    scheduler = Scheduler(tiny_smcsd, DEFAULTS)
-    app = build_app(scheduler, tiny_smcsd, model_name=MODEL, defaults=DEFAULTS)
-    with BackgroundServer(app) as server, httpx.Client(base_url=server.url, timeout=60) as client:
-        scheduler.close()
-        assert error_of(client.post("/v1/completions", json={"prompt": "Hi"}), 503)["code"] == "shutting_down"
+    with owned(tiny_smcsd, DEFAULTS) as scheduler:
+        app = build_app(scheduler, tiny_smcsd, model_name=MODEL, defaults=DEFAULTS)
+        with BackgroundServer(app) as server, httpx.Client(base_url=server.url, timeout=60) as client:
+            scheduler.close()
+            answer = client.post("/v1/completions", json={"prompt": "Hi"})
+            assert error_of(answer, 503)["code"] == "shutting_down"
 
 
 @pytest.fixture(scope="module")
@@ -359,20 +369,20 @@ def test_faults_get_their_errors_while_a_running_request_finishes(tiny_smcsd):
 
 
 def test_shutdown_lets_a_running_request_finish_then_closes_the_scheduler(tiny_smcsd):
-    scheduler = Scheduler(tiny_smcsd, UNENDING)
-    app = build_app(scheduler, tiny_smcsd, model_name=MODEL, defaults=UNENDING)
     answers = []
-    with BackgroundServer(app) as server, httpx.Client(base_url=server.url, timeout=60) as client:
-        ask = {"prompt": "Once", "seed": 2, "max_tokens": 80, "block_size": 1}
-        call = lambda: answers.append(httpx.post(f"{server.url}/v1/completions", json=ask, timeout=60))  # noqa: E731
-        running = threading.Thread(target=call)
-        running.start()
-        while not gauge(client, "smcsd_rows_in_use"):
-            time.sleep(0.01)
-    running.join()
-    [answer] = answers
-    assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 80
-    stats = scheduler.stats()
-    assert stats.rows_in_use == stats.running == stats.queued == 0
-    with pytest.raises(SchedulerClosed):
-        scheduler.submit(ServeRequest([5, 6], UNENDING))
+    with owned(tiny_smcsd, UNENDING) as scheduler:
+        app = build_app(scheduler, tiny_smcsd, model_name=MODEL, defaults=UNENDING)
+        with BackgroundServer(app) as server, httpx.Client(base_url=server.url, timeout=60) as client:
+            ask = {"prompt": "Once", "seed": 2, "max_tokens": 80, "block_size": 1}
+            call = lambda: answers.append(httpx.post(f"{server.url}/v1/completions", json=ask, timeout=60))  # noqa: E731
+            running = threading.Thread(target=call)
+            running.start()
+            while not gauge(client, "smcsd_rows_in_use"):
+                time.sleep(0.01)
+        running.join()
+        [answer] = answers
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 80
+        stats = scheduler.stats()
+        assert stats.rows_in_use == stats.running == stats.queued == 0
+        with pytest.raises(SchedulerClosed):
+            scheduler.submit(ServeRequest([5, 6], UNENDING))

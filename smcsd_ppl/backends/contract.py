@@ -51,6 +51,7 @@ class BatchedLMContract:
         "fork_equals_recompute",
         "drop_tail_equals_recompute",
         "vocab_subset",
+        "append_keeps_rows",
         "tree",
     )
 
@@ -152,6 +153,25 @@ class BatchedLMContract:
                 f"vocab_subset: logits {tuple(part.shape)}, want {(len(prompts), 3, len(vocab))}"
             )
         self._same(part, full[..., vocab.to(full.device)], "vocab_subset")
+
+    def check_append_keeps_rows(self) -> None:
+        """Rows appended to running ones get their prompts' logits; every row keeps its own after."""
+        prompts = self._prompts()
+        lm = self._started(prompts)
+        block = self._tokens(len(prompts), 3)
+        lm.extend(block)
+        lm.drop_tail(torch.tensor([0, 2, 1, 3]))  # running rows of different lengths
+        seqs = [p + block[i, : 3 - d].tolist() for i, (p, d) in enumerate(zip(prompts, (0, 2, 1, 3)))]
+        joining = [self._tokens(1, n)[0].tolist() for n in (9, 1)]  # longer than any row, and one token
+        first = lm.append(joining)
+        if tuple(first.shape) != (2, lm.vocab_size) or lm.n_rows != len(seqs) + 2:
+            raise ContractError(f"append_keeps_rows: logits {tuple(first.shape)}, {lm.n_rows} rows")
+        for i, p in enumerate(joining):
+            self._same(first[i], self.reference(p), f"append_keeps_rows: joining row {i}")
+        seqs = self._extend_and_compare(lm, seqs + joining, 2, "append_keeps_rows (after the append)")
+        rows = [5, 0, 4, 5, 2]
+        lm.fork(torch.tensor(rows))
+        self._extend_and_compare(lm, [seqs[r] for r in rows], 1, f"append_keeps_rows (rows {rows})")
 
     def check_tree(self) -> None:
         """Tree nodes get their root-to-node path's logits; ``keep_path`` keeps that path."""

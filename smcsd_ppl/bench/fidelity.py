@@ -55,6 +55,10 @@ class MixedDraft:
         """Start afresh with one row per prompt; mixed next-token logits ``[B, V]``."""
         return self._mix(self.target.prefill(prompts), self.draft.prefill(prompts))
 
+    def append(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Add one row per prompt after those held, in both models; mixed next-token logits ``[B, V]``."""
+        return self._mix(self.target.append(prompts), self.draft.append(prompts))
+
     def extend(self, tokens, valid=None, hidden=None, *, vocab=None) -> torch.Tensor:
         """Append ``tokens [R, T]`` to both models; mixed logits ``[R, T, V]`` (or ``[R, T, U]``)."""
         if hidden is not None:

@@ -56,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
         pair = load_pair(args)
         with _in_process(pair, config, len(requests)) as (url, model):
             records, summaries, problems = run_load(_target(url, model, config), requests, levels, show)
-        top = ceiling(pair, dataclasses.replace(config, seed=args.seed), requests)
+            # the server idle: the same requests as one batch on the same scheduler
+            top = ceiling(pair, dataclasses.replace(config, seed=args.seed), requests)
     settings = {"requests": args.requests, "levels": levels, "url": args.url} | dataclasses.asdict(config)
     paths = write_load_report(args.out_dir, records, summaries, top, settings)
     print(load_table(summaries, top), end="")
@@ -95,6 +96,7 @@ def _in_process(pair, config, requests: int):
     from ..serving.server import BackgroundServer
 
     scheduler = Scheduler(pair, config, max_queue=max(64, requests))
+    pair.use_scheduler(scheduler)
     model = pair.target.name
     with BackgroundServer(build_app(scheduler, pair, model_name=model, defaults=config)) as server:
         yield server.url + "/v1", model

@@ -81,6 +81,7 @@ def serving_app(pair, config, args: argparse.Namespace):
     from ..serving.scheduler import Scheduler
 
     scheduler = Scheduler(pair, config, max_queue=args.max_queue, max_rows=args.max_rows)
+    pair.use_scheduler(scheduler)  # the pair's own calls share the server's batch
     return build_app(
         scheduler,
         pair,

@@ -61,21 +61,10 @@ class SMCSDKernel:
         config: the run's settings (an admitted request may bring its own).
         eos: EOS ids in force.
         decode: token ids -> text, for the particles' ``text``.
-        draft_always: the draft holds every row even while no request drafts (a server's
-            kernel, whose later requests may draft).
     """
 
-    def __init__(
-        self,
-        store: RowStore,
-        config: SMCConfig,
-        eos: Sequence[int],
-        decode: Callable,
-        *,
-        draft_always: bool = False,
-    ) -> None:
+    def __init__(self, store: RowStore, config: SMCConfig, eos: Sequence[int], decode: Callable) -> None:
         self.store, self.config, self.eos, self.decode = store, config, frozenset(int(e) for e in eos), decode
-        self.draft_always = draft_always  # the draft holds every row, for requests admitted later
         self.draft_cost = draft_step_cost(
             getattr(store.draft, "n_params", None), getattr(store.target, "n_params", None), store.device.type
         )
@@ -122,11 +111,7 @@ class SMCSDKernel:
         base = self.store.n_rows if joining else 0
         pops, sources, first = [], [], 0  # sources: each row's prompt; first: a request's first prompt
         for i, (program, c) in enumerate(zip(copies, configs)):
-            schedule = None
-            if c.cut is not None and not c.token_level:
-                plain = self.plain(program, c)
-                schedule = schedule_from(record, c.block_size, c.n_particles, plain, self.draft_cost)
-                schedule = schedule.advanced()
+            schedule = self._schedule(program, c, record)
             count = c.n_particles if schedule is None else schedule.n_particles()
             width = len(program.contexts())
             at = base + len(sources)
@@ -139,14 +124,23 @@ class SMCSDKernel:
             pops.append(
                 Population((program,) * count, weights, slots, seed, schedule=schedule, config=config)
             )
-        drafting = self.draft_always or any(
-            not self.settings(p).token_level and (p.schedule is None or p.schedule.length != 0) for p in pops
-        )
+        drafting = any(_drafts(self.settings(p), p.schedule) for p in pops)
         if joining:
             self.store.append(prompts, sources)
         else:
             self.store.start(prompts, sources, draft=drafting)
         return replace(state, populations=(*state.populations, *pops))
+
+    def needs_draft(self, program: SMCSDModel, config: SMCConfig, record: DraftRecord) -> bool:
+        """Whether a request would draft from its first cycle (so its rows need the draft's)."""
+        return _drafts(config, self._schedule(program, config, record))
+
+    def _schedule(self, program: SMCSDModel, c: SMCConfig, record: DraftRecord) -> DraftSchedule | None:
+        """A request's first draft schedule (None without the quality cut, or drafting nothing)."""
+        if c.cut is None or c.token_level:
+            return None
+        schedule = schedule_from(record, c.block_size, c.n_particles, self.plain(program, c), self.draft_cost)
+        return schedule.advanced()
 
     async def step(self, state: SMCState) -> tuple[SMCState, StepInfo]:
         """One cycle of every request: step copies of the programs, then reweigh, resample, resize, pack.
@@ -316,6 +310,11 @@ async def _step_programs(
     errors = [o for o in outcomes if isinstance(o, BaseException)]
     if errors:
         raise errors[0]
+
+
+def _drafts(config: SMCConfig, schedule: DraftSchedule | None) -> bool:
+    """Whether a request with these settings and first schedule drafts (a schedule at 0 stays there)."""
+    return not config.token_level and (schedule is None or schedule.length != 0)
 
 
 def _progress(p: SMCSDModel) -> tuple:

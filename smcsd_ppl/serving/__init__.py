@@ -1,1 +1,4 @@
-"""Serving: a scheduler that batches requests as they come, and an OpenAI-compatible HTTP app over it."""
+"""Serving SMC-SD: requests that join and leave a running batch (``scheduler``), and an HTTP app.
+
+``scheduler`` and ``ticket``: requests and their tickets; ``app``: the OpenAI-compatible server.
+"""

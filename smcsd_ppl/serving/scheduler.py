@@ -8,20 +8,24 @@ their result, cancelled ones are dropped, and the row store keeps only the live 
 request keeps its own settings and its own random numbers (``inference.streams``), so what
 it returns does not depend on which requests shared its cycles. Settings that every row of a
 cycle shares (``SHARED_SETTINGS``) are the scheduler's; a request that differs in them runs
-alone, between batches, as do calls of other methods (``run_alone``).
+alone, between batches, as do calls of other methods (``exclusive``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
+import functools
 import itertools
 import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+
+import torch
 
 from ..config import SMCConfig
 from ..inference.loop import result_of
@@ -34,6 +38,7 @@ from .ticket import RequestCancelled, Ticket, before_stop
 
 SERVE_METHODS = ("smcsd", "ar")  # ar: one particle, the target alone (the same kernel, drafting nothing)
 SHARED_SETTINGS = ("alpha", "cut", "cut_divergence", "ignore_eos")
+IDLE_SECONDS = 2.0  # an idle scheduler's thread ends after this long
 
 
 class QueueFull(RuntimeError):
@@ -99,6 +104,7 @@ class _Job:
     rows: int
     alone: Callable[[], object] | None = None  # a call that runs alone instead
     start: float = 0.0
+    on_progress: Callable[[int], None] | None = None
 
 
 class Scheduler:
@@ -118,9 +124,7 @@ class Scheduler:
             raise ValueError("max_queue and max_rows must be at least 1")
         self.pair, self.base = pair, base or SMCConfig()
         self.max_queue, self.max_rows = max_queue, max_rows
-        self.kernel = SMCSDKernel(
-            pair.rows(), self.base, pair.eos_for(self.base), pair.decode, draft_always=True
-        )
+        self.kernel = SMCSDKernel(pair.rows(), self.base, pair.eos_for(self.base), pair.decode)
         self._cond = threading.Condition()
         self._queue: deque[_Job] = deque()
         self._running: list[_Job] = []
@@ -131,11 +135,11 @@ class Scheduler:
         self._cycle_seconds = self._last_seconds = 0.0
         self._last_ess = math.nan
         self._rows_in_use = 0
-        # Programs are coroutines: each cycle runs on this loop. Calls run alone run outside it
-        # (they may start loops of their own).
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._serve, daemon=True, name="smcsd-scheduler")
-        self._thread.start()
+        self._owner: int | None = None  # the thread holding ``exclusive``
+        # The thread runs while there is work and ends after IDLE_SECONDS without: an idle
+        # scheduler holds no thread, so nothing keeps a pair nobody uses alive.
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # Submitting.
     def submit(self, request: ServeRequest) -> Ticket:
@@ -152,36 +156,83 @@ class Scheduler:
         return self.submit_program(program, config, seed=request_seed(config.seed, 0), stop=request.stop)
 
     def submit_program(
-        self, program: SMCSDModel, config: SMCConfig, *, seed: int, stop: Sequence[str] = ()
+        self,
+        program: SMCSDModel,
+        config: SMCConfig,
+        *,
+        seed: int,
+        stop: Sequence[str] = (),
+        bounded: bool = True,
+        on_progress: Callable[[int], None] | None = None,
     ) -> Ticket:
-        """Queue a program (a request of ``SMCSD.run``) with its settings and seed; its ticket."""
-        if any(getattr(config, k) != getattr(self.base, k) for k in SHARED_SETTINGS):
-            return self._enqueue(
-                None, config, seed, stop, alone=lambda: self._run_alone(program, config, seed)
-            )
-        return self._enqueue(program, config, seed, stop)
+        """Queue a program with its settings and seed; its ticket.
 
-    def run_alone(self, call: Callable[[], object]) -> object:
-        """Run ``call`` with the pair to itself, between batches (other methods, other settings)."""
-        box = []
-        self._enqueue(None, self.base, 0, (), alone=lambda: box.append(call()), wait=True)
-        return box[0]
+        ``bounded=False`` (library calls) waits however long the queue; ``on_progress`` is
+        called, on the scheduler's thread, with the request's longest output after each cycle.
+        """
+        if not self.shares(config):
+            call = lambda: self._run_alone(program, config, seed, stop)  # noqa: E731
+            return self._enqueue(program, config, seed, stop, alone=call, bounded=bounded)
+        return self._enqueue(program, config, seed, stop, bounded=bounded, on_progress=on_progress)
 
-    def _enqueue(self, program, config, seed, stop, *, alone=None, wait=False):
+    def shares(self, config: SMCConfig) -> bool:
+        """Whether a request with ``config`` can join the batch (else it runs alone)."""
+        return all(getattr(config, k) == getattr(self.base, k) for k in SHARED_SETTINGS)
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Have the pair's rows to yourself while inside (other methods, custom loops).
+
+        The batch running now finishes first; requests submitted meanwhile wait. Reentrant in
+        the thread that holds it.
+        """
+        if self.held_here:
+            yield
+            return
+        granted, released = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            granted.set()
+            released.wait()
+
+        ticket = self._enqueue(None, self.base, 0, (), alone=hold, bounded=False)
+        while not granted.wait(0.05):
+            if ticket.done:  # the scheduler closed before our turn came
+                ticket.wait()
+                raise SchedulerClosed("the scheduler is closed")
+        self._owner = threading.get_ident()
+        try:
+            yield
+        finally:
+            self._owner = None
+            released.set()
+            ticket.wait()
+
+    @property
+    def held_here(self) -> bool:
+        """Whether this thread holds ``exclusive`` (its calls then run directly, not batched)."""
+        return self._owner == threading.get_ident()
+
+    def _enqueue(self, program, config, seed, stop, *, alone=None, bounded=True, on_progress=None) -> Ticket:
         prompt = len(program.prompt) if program is not None and not isinstance(program.prompt, str) else 0
         ticket = Ticket(f"req-{next(self._ids)}", prompt, stop)
         rows = config.n_particles * (len(program.contexts()) if program is not None else 1)
-        job = _Job(ticket, program, config, seed, min(rows, self.max_rows), alone, time.perf_counter())
+        if rows > self.max_rows and alone is None:
+            raise ValueError(f"the request needs {rows} rows (particles x contexts); at most {self.max_rows}")
+        job = _Job(ticket, program, config, seed, rows, alone, time.perf_counter(), on_progress)
         with self._cond:
             if self._closing:
                 raise SchedulerClosed("the scheduler is closed")
-            if len(self._queue) >= self.max_queue and not wait:
+            if len(self._queue) >= self.max_queue and bounded:
                 self._counts["rejected"] += 1
                 raise QueueFull(f"the queue is full ({self.max_queue} requests waiting); try again later")
             self._queue.append(job)
             self._cond.notify_all()
-        if wait:
-            return ticket.wait()
+            if self._thread is None:
+                # torch's CPU thread count is a per-thread setting: the caller's carries over.
+                serve = functools.partial(self._serve, torch.get_num_threads())
+                self._thread = threading.Thread(target=serve, daemon=True, name="smcsd-scheduler")
+                self._thread.start()
         return ticket
 
     # Reading.
@@ -208,8 +259,9 @@ class Scheduler:
             self._closing = True
             self._cancel_all = self._cancel_all or cancel
             self._cond.notify_all()
-        if threading.current_thread() is not self._thread:
-            self._thread.join()
+        thread = self._thread
+        if thread is not None and threading.current_thread() is not thread:
+            thread.join()
 
     def __enter__(self) -> Scheduler:
         return self
@@ -218,8 +270,11 @@ class Scheduler:
         self.close(cancel=exc[0] is not None)
 
     # The scheduler's thread.
-    def _serve(self) -> None:
-        state = SMCState(())
+    def _serve(self, threads: int) -> None:
+        torch.set_num_threads(threads)
+        # Programs are coroutines: each cycle runs on this loop. Calls run alone run outside it
+        # (they may start loops of their own).
+        self._loop, state = asyncio.new_event_loop(), SMCState(())
         while True:
             jobs = self._admissible()
             if jobs is None:
@@ -235,7 +290,7 @@ class Scheduler:
                 state = self._cycle(state)
 
     def _admissible(self) -> list[_Job] | None:
-        """The jobs to admit now (waiting while there is nothing to do); None: closed and drained."""
+        """The jobs to admit now, once there is work; None: the thread ends (closed, or idle)."""
         with self._cond:
             while True:
                 if self._cancel_all:
@@ -246,9 +301,9 @@ class Scheduler:
                         self._end(self._queue.popleft(), None)
                 if self._running or self._queue:
                     break
-                if self._closing:
+                if self._closing or not self._cond.wait(IDLE_SECONDS) and not self._queue:
+                    self._thread = None
                     return None
-                self._cond.wait()
             jobs, rows = [], self._rows_in_use
             while self._queue:
                 job = self._queue[0]
@@ -259,11 +314,18 @@ class Scheduler:
                     if not self._running and not jobs:
                         jobs.append(self._queue.popleft())
                     break
-                if rows + job.rows > self.max_rows:
+                if rows + job.rows > self.max_rows or self._needs_draft_later(job, rows):
                     break
                 jobs.append(self._queue.popleft())
                 rows += job.rows
             return jobs
+
+    def _needs_draft_later(self, job: _Job, rows: int) -> bool:
+        """A drafting request waits for a batch whose rows the draft does not hold to drain."""
+        store = self.kernel.store
+        if rows == 0 or store.draft_ready or store.n_rows == 0 and not self._running:
+            return False
+        return self.kernel.needs_draft(job.program, job.config, self.pair.draft_record)
 
     def _alone(self, job: _Job) -> None:
         try:
@@ -278,7 +340,7 @@ class Scheduler:
         else:
             job.ticket.finish(Generation("", [], "alone", None), "stop")
 
-    def _run_alone(self, program: SMCSDModel, config: SMCConfig, seed: int) -> tuple[Generation, str]:
+    def _run_alone(self, program: SMCSDModel, config: SMCConfig, seed: int, stop) -> tuple[Generation, str]:
         """A request whose shared settings differ from the scheduler's: a run of its own."""
         kernel = SMCSDKernel(self.pair.rows(), config, self.pair.eos_for(config), self.pair.decode)
         start = time.perf_counter()
@@ -287,7 +349,7 @@ class Scheduler:
         )
         while not state.done:
             state, _ = self._loop.run_until_complete(kernel.step(state))
-        return self._generation(kernel, state.populations[0], start, ())
+        return self._generation(kernel, state.populations[0], start, stop)
 
     def _dropped(self, state: SMCState) -> SMCState:
         """The state without cancelled requests (their rows freed)."""
@@ -341,6 +403,8 @@ class Scheduler:
         state = self._stopped(state)
         for job, pop in zip(self._running, state.populations):
             job.ticket.offer(self.pair.decode(settled_tokens(pop)))
+            if job.on_progress is not None:
+                job.on_progress(max(len(p.token_ids) for p in pop.particles))
         done = [not pop.stepping for pop in state.populations]
         for job, pop, d in zip(self._running, state.populations, done):
             if d:
