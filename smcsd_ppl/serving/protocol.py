@@ -135,31 +135,28 @@ def _call(body: dict, base: SMCConfig, prompts: tuple) -> Call:
 
 
 def _config(body: dict, base: SMCConfig) -> SMCConfig:
-    """The base settings with the body's: each checked alone, so an error names its field."""
-    changes = {field: body[name] for name, field in EXTRA_FIELDS.items() if body.get(name) is not None}
+    """The base settings with the body's: each checked alone, so an error names its body field."""
+    changes = {}  # SMCConfig field -> (the body field that sets it, its value)
+    for name, field in EXTRA_FIELDS.items():
+        if body.get(name) is not None:
+            changes[field] = (name, body[name])
     budget = next((k for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None), None)
     if budget:
-        changes["max_new_tokens"] = body[budget]
+        changes["max_new_tokens"] = (budget, body[budget])
     if body.get("temperature") is not None:
         t = body["temperature"]
         if isinstance(t, (int, float)) and not isinstance(t, bool) and 0 <= t < MIN_TEMPERATURE:
             t = MIN_TEMPERATURE  # 0 asks for greedy: the lowest temperature the weights resolve
-        changes["target_temperature"] = t
-        changes.setdefault("draft_temperature", t)
+        changes["target_temperature"] = ("temperature", t)
+        changes.setdefault("draft_temperature", ("temperature", t))
     seed = body.get("seed")
-    changes["seed"] = secrets.randbelow(MAX_SEED + 1) if seed is None else seed
-    names = {v: k for k, v in EXTRA_FIELDS.items()} | {
-        "max_new_tokens": budget,
-        "target_temperature": "temperature",
-        "seed": "seed",
-    }
-    for field, value in changes.items():
-        param = names[field] if field != "draft_temperature" or "draft_temperature" in body else "temperature"
+    changes["seed"] = ("seed", secrets.randbelow(MAX_SEED + 1) if seed is None else seed)
+    for field, (param, value) in changes.items():
         try:
             dataclasses.replace(base, **{field: value})
         except (ValueError, TypeError) as err:
             raise invalid(str(err).replace(field, param), param) from None
-    return dataclasses.replace(base, **changes)
+    return dataclasses.replace(base, **{field: value for field, (_, value) in changes.items()})
 
 
 def _constraint(body: dict) -> ConstraintSpec | None:
