@@ -64,11 +64,9 @@ class ChoiceStreams:
         if self.answer.kind == "chat":
             for i in range(len(self.tickets)):
                 yield event(self.answer.chunk(i, "", first=True))
-        sent = [""] * len(self.tickets)
         while len(self.finished) < len(self.tickets):
             index, item = await queue.get()
             if isinstance(item, str):
-                sent[index] += item
                 yield event(self.answer.chunk(index, item))
             elif isinstance(item, BaseException):
                 self.finished.add(index)
@@ -76,16 +74,13 @@ class ChoiceStreams:
                 return  # the others are cancelled on close
             else:
                 self.finished.add(index)
-                for chunk in self._final(index, item, sent[index]):
-                    yield event(chunk)
+                yield event(self._final(index, item))
         if self.include_usage:
             yield event(self.answer.usage_chunk(self._usage()))
         yield DONE
 
-    def _final(self, index: int, gen, sent: str) -> list[dict]:
-        """What a choice's stream ends with: any text not streamed yet, then its finish reason."""
-        rest = gen.text[len(sent) :] if gen.text.startswith(sent) else ""
-        chunks = [self.answer.chunk(index, rest)] if rest else []
+    def _final(self, index: int, gen) -> dict:
+        """A choice's last chunk: its finish reason and diagnostics (the ticket streamed all its text)."""
         last = self.answer.chunk(
             index,
             "",
@@ -94,7 +89,7 @@ class ChoiceStreams:
         )
         if not self.include_usage and len(self.finished) == len(self.tickets):
             last["usage"] = self._usage()
-        return [*chunks, last]
+        return last
 
     def _usage(self) -> dict:
         return request_usage(self.tickets, self.n)
