@@ -40,6 +40,12 @@ def default_smcsd():
     return SMCSD.load()
 
 
+@pytest.fixture(scope="session")
+def default_smcsd_f32():
+    """The embedded pair in float32: batch shapes then leave its logits' rounding alone."""
+    return SMCSD.load(dtype="float32")
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Torch on one thread for a module (``pytestmark = pytest.mark.usefixtures("one_thread")``).

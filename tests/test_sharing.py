@@ -2,7 +2,9 @@
 
 The same call with the same seed returns the same output whatever ran before it, for
 every method; calls from several threads (or asyncio tasks) each return what they
-would have returned alone.
+would have returned alone. SMC-SD calls made together share a batch, so their forwards
+take other shapes than alone: in float32 that leaves the tokens as they were (in bf16 the
+rounding can flip one, which docs/serving.md measures).
 """
 
 from __future__ import annotations
@@ -38,20 +40,25 @@ def test_the_same_seed_gives_the_same_output_after_other_calls(default_smcsd, me
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["smcsd", "ar"])
-def test_two_threads_on_one_pair_get_what_they_get_alone(default_smcsd, method):
+def test_two_threads_on_one_pair_get_what_they_get_alone(default_smcsd_f32, method):
+    pair = default_smcsd_f32
     calls = [(PROMPTS[i % 2], 7 + i) for i in range(4)]
-    alone = [outputs(default_smcsd, p, method, s) for p, s in calls]
+    alone = [outputs(pair, p, method, s) for p, s in calls]
     for trial in range(3):
         with ThreadPoolExecutor(max_workers=len(calls)) as pool:
-            futures = [pool.submit(outputs, default_smcsd, p, method, s) for p, s in calls]
-        assert [f.result() for f in futures] == alone, trial  # result() raises a thread's error
+            futures = [pool.submit(outputs, pair, p, method, s) for p, s in calls]
+        together = [f.result() for f in futures]  # result() raises a thread's error
+        assert [tokens for tokens, _ in together] == [tokens for tokens, _ in alone], trial
+        for (_, a), (_, b) in zip(together, alone):  # the weights up to float32 rounding
+            assert (a is None) == (b is None) and (a is None or a.log_z == pytest.approx(b.log_z, rel=1e-4))
 
 
 @pytest.mark.slow
-def test_asyncio_tasks_share_a_pair(default_smcsd):
-    alone = [default_smcsd.generate(p, config=CONFIG).token_ids for p in PROMPTS]
+def test_asyncio_tasks_share_a_pair(default_smcsd_f32):
+    pair = default_smcsd_f32
+    alone = [pair.generate(p, config=CONFIG).token_ids for p in PROMPTS]
 
     async def both():
-        return await asyncio.gather(*(default_smcsd.agenerate(p, config=CONFIG) for p in PROMPTS))
+        return await asyncio.gather(*(pair.agenerate(p, config=CONFIG) for p in PROMPTS))
 
     assert [g.token_ids for g in asyncio.run(both())] == alone

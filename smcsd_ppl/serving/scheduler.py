@@ -229,7 +229,6 @@ class Scheduler:
             self._queue.append(job)
             self._cond.notify_all()
             if self._thread is None:
-                # torch's CPU thread count is a per-thread setting: the caller's carries over.
                 serve = functools.partial(self._serve, torch.get_num_threads())
                 self._thread = threading.Thread(target=serve, daemon=True, name="smcsd-scheduler")
                 self._thread.start()
@@ -271,7 +270,9 @@ class Scheduler:
 
     # The scheduler's thread.
     def _serve(self, threads: int) -> None:
-        torch.set_num_threads(threads)
+        # OpenMP's thread count is per thread, and a new one starts from the default: set the
+        # caller's (through torch._C: vLLM's CPU worker makes torch.set_num_threads a no-op).
+        torch._C.set_num_threads(threads)
         # Programs are coroutines: each cycle runs on this loop. Calls run alone run outside it
         # (they may start loops of their own).
         self._loop, state = asyncio.new_event_loop(), SMCState(())
