@@ -5,15 +5,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import numbers
 import threading
-import time
 import warnings
 from collections.abc import Callable, Sequence
 
-import torch
-
 from . import methods
+from .backends.base import call_clock, call_stats
 from .backends.hf import DEFAULT_CACHE_BUDGET, HFBatchedLM
 from .config import DraftRecord, SMCConfig
 from .inference.program import SMCSDModel
@@ -27,7 +24,7 @@ from .models.threads import choose_threads
 from .proposals.retrieval import RetrievalDrafter
 from .results import Generation, RunStats, SMCInfo, SpeculativeInfo
 from .serving.scheduler import Scheduler
-from .text import check_prompt
+from .text import check_token_ids, encode_prompt
 
 BACKENDS = ("hf", "vllm")
 # The methods whose requests join the running batch, and the settings each runs with.
@@ -265,7 +262,7 @@ class SMCSD:
         """Refuse a token-id prompt that is empty or holds ids outside the target's vocabulary."""
         vocab = self.target.model.get_input_embeddings().num_embeddings
         for p in prompts:
-            _check_ids(p, vocab)
+            check_token_ids(p, vocab)
 
     def _generate(
         self,
@@ -395,40 +392,8 @@ class SMCSD:
 
     def start_clock(self) -> tuple[float, ...]:
         """The time and the forward counters now, for ``stats`` (counters are never reset)."""
-        t, d = self.target_lm.stats, self.draft_lm.stats
-        return time.perf_counter(), t.calls, d.calls, t.seconds, d.seconds
+        return call_clock(self.target_lm, self.draft_lm)
 
     def stats(self, method: str, start: tuple[float, ...], new_tokens: int) -> RunStats:
-        """Cost of the call begun at ``start``: wall time, forwards and their time since then.
-
-        A call that joined a running batch shares its forwards with the requests around it.
-        """
-        if self.target_lm.device.type == "cuda":
-            torch.cuda.synchronize(self.target_lm.device)
-        t, d = self.target_lm.stats, self.draft_lm.stats
-        now = (time.perf_counter(), t.calls, d.calls, t.seconds, d.seconds)
-        seconds, t_calls, d_calls, t_seconds, d_seconds = (a - b for a, b in zip(now, start))
-        return RunStats(method, new_tokens, seconds, t_calls, d_calls, t_seconds, d_seconds)
-
-
-def _check_ids(ids: Sequence[int], vocab: int) -> None:
-    """Refuse a token-id prompt that is empty or holds ids outside ``[0, vocab)``."""
-    ids = list(ids)
-    if not ids:
-        raise ValueError("the prompt is empty: give at least one token id")
-    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab]
-    if bad:
-        raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad[0]!r}")
-
-
-def encode_prompt(tokenizer, prompt: str, *, chat: bool = True) -> list[int]:
-    """Token ids of a text prompt, wrapped in the chat template when ``chat`` and there is one."""
-    check_prompt(prompt)
-    if chat and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-        )
-        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-    else:
-        ids = tokenizer(prompt)["input_ids"]
-    return [int(t) for t in ids]
+        """Cost of the call begun at ``start`` (shared with the requests of its batch, if it joined one)."""
+        return call_stats(method, start, self.target_lm, self.draft_lm, new_tokens)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import numbers
+from collections.abc import Sequence
+
 
 def check_prompt(prompt: object) -> str:
     """Return ``prompt`` if it is non-empty text that UTF-8 can encode, else raise ``ValueError``."""
@@ -52,3 +55,26 @@ class TextStream:
             return ""
         new, self.text, self.tokens = text[len(self.text) :], text, len(ids)
         return new
+
+
+def check_token_ids(ids: Sequence[int], vocab: int) -> None:
+    """Refuse a token-id prompt that is empty or holds ids outside ``[0, vocab)``."""
+    ids = list(ids)
+    if not ids:
+        raise ValueError("the prompt is empty: give at least one token id")
+    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad[0]!r}")
+
+
+def encode_prompt(tokenizer, prompt: str, *, chat: bool = True) -> list[int]:
+    """Token ids of a text prompt, wrapped in the chat template when ``chat`` and there is one."""
+    check_prompt(prompt)
+    if chat and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+        )
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    else:
+        ids = tokenizer(prompt)["input_ids"]
+    return [int(t) for t in ids]

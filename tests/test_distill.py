@@ -10,13 +10,13 @@ import torch
 from tiny import TEXT, llama, tokenizer
 
 from smcsd_ppl import SMCSD, SMCConfig
-from smcsd_ppl.api import encode_prompt
 from smcsd_ppl.cli import main
 from smcsd_ppl.distill import DistillConfig, collect, distill, forward_cost, load_examples, match_metrics
 from smcsd_ppl.distill.data import greedy_examples
 from smcsd_ppl.models import LoadedModel
 from smcsd_ppl.models.drafts import MANIFEST, draft_modules, is_draft_dir, load_draft, resolve_draft, student
 from smcsd_ppl.models.feature_draft import feature_student
+from smcsd_ppl.text import encode_prompt
 
 PROMPTS = [line.strip() for line in TEXT.splitlines() if line.strip()]
 

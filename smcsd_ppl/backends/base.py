@@ -15,6 +15,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from ..results import RunStats
+
 
 class ForwardStats:
     """Counts and wall time of a backend's model forwards.
@@ -304,3 +306,18 @@ def check_finite(*backends: BatchedLM) -> None:
     ):
         for lm in flagged:
             lm.check_finite()
+
+
+def call_clock(target: BatchedLM, draft: BatchedLM) -> tuple[float, int, int, float, float]:
+    """The time and both backends' forward counts and times now (``call_stats`` takes differences)."""
+    t, d = target.stats, draft.stats
+    return time.perf_counter(), t.calls, d.calls, t.seconds, d.seconds
+
+
+def call_stats(method: str, start: tuple, target: BatchedLM, draft: BatchedLM, new_tokens: int) -> RunStats:
+    """The cost of a call begun at ``start = call_clock(...)``: wall time, forwards and their time."""
+    if target.device.type == "cuda":
+        torch.cuda.synchronize(target.device)
+    now = call_clock(target, draft)
+    seconds, t_calls, d_calls, t_seconds, d_seconds = (a - b for a, b in zip(now, start))
+    return RunStats(method, new_tokens, seconds, t_calls, d_calls, t_seconds, d_seconds)

@@ -180,9 +180,9 @@ def _collect_data(args: argparse.Namespace, target, texts: list[str], out: pathl
 
     Returns the training data's directories and the held-out examples (empty without --eval-prompts).
     """
-    from ..api import encode_prompt
     from ..distill import collect, corpus_examples, load_examples
     from ..models import eos_ids
+    from ..text import encode_prompt
 
     tok, chat = target.tokenizer, not args.no_chat
     common = dict(max_prompt_tokens=args.max_prompt_tokens, top_k=args.top_k, seed=args.seed)

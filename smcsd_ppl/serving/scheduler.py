@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import functools
 import itertools
 import math
@@ -23,88 +22,39 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
 from ..config import SMCConfig
-from ..inference.loop import result_of
 from ..inference.program import SMCSDModel
-from ..inference.state import Population, SMCState, settled_tokens
+from ..inference.state import SMCState, settled_tokens
 from ..inference.step import SMCSDKernel, request_seed
-from ..potentials.spec import ConstraintSpec
-from ..results import Generation, RunStats
-from .ticket import RequestCancelled, Ticket, before_stop
+from ..results import Generation
+from .outcomes import generation_of, rows_in_use, stopped_at
+from .requests import (
+    SERVE_METHODS,
+    SHARED_SETTINGS,
+    Job,
+    QueueFull,
+    SchedulerClosed,
+    SchedulerStats,
+    ServeRequest,
+)
+from .ticket import RequestCancelled, Ticket
 
-SERVE_METHODS = ("smcsd", "ar")  # ar: one particle, the target alone (the same kernel, drafting nothing)
-SHARED_SETTINGS = ("alpha", "cut", "cut_divergence", "ignore_eos")
+__all__ = [
+    "SERVE_METHODS",
+    "SHARED_SETTINGS",
+    "QueueFull",
+    "RequestCancelled",
+    "Scheduler",
+    "SchedulerClosed",
+    "SchedulerStats",
+    "ServeRequest",
+]
+
 IDLE_SECONDS = 2.0  # an idle scheduler's thread ends after this long
-
-
-class QueueFull(RuntimeError):
-    """The scheduler's queue is full: try again later."""
-
-
-class SchedulerClosed(RuntimeError):
-    """The scheduler is closed (or closing) and takes no more requests."""
-
-
-@dataclass(frozen=True)
-class ServeRequest:
-    """One request to a scheduler.
-
-    Attributes:
-        prompt_ids: the prompt's token ids (any chat template already applied).
-        config: its settings (seed, budget, temperatures, N, K, ...).
-        method: one of ``SERVE_METHODS``.
-        constraint: a JSON Schema, regex or grammar every output must satisfy, or None.
-        stop: stop strings: the output ends before the first one.
-    """
-
-    prompt_ids: list[int]
-    config: SMCConfig = field(default_factory=SMCConfig)
-    method: str = "smcsd"
-    constraint: ConstraintSpec | None = None
-    stop: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.method not in SERVE_METHODS:
-            raise ValueError(
-                f"unknown method {self.method!r} for serving; choose from {', '.join(SERVE_METHODS)}"
-            )
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty texts")
-
-
-@dataclass(frozen=True)
-class SchedulerStats:
-    """A snapshot of a scheduler: its queue, its rows, what it has done."""
-
-    queued: int
-    running: int
-    rows_in_use: int
-    max_rows: int
-    max_queue: int
-    requests_total: dict[str, int]
-    tokens_total: int
-    cycles_total: int
-    cycle_seconds_total: float
-    last_cycle_seconds: float
-    last_mean_ess: float
-
-
-@dataclass
-class _Job:
-    """A request waiting for admission: its program, settings, seed and ticket."""
-
-    ticket: Ticket
-    program: SMCSDModel | None
-    config: SMCConfig
-    seed: int
-    rows: int
-    alone: Callable[[], object] | None = None  # a call that runs alone instead
-    start: float = 0.0
-    on_progress: Callable[[int], None] | None = None
 
 
 class Scheduler:
@@ -126,8 +76,8 @@ class Scheduler:
         self.max_queue, self.max_rows = max_queue, max_rows
         self.kernel = SMCSDKernel(pair.rows(), self.base, pair.eos_for(self.base), pair.decode)
         self._cond = threading.Condition()
-        self._queue: deque[_Job] = deque()
-        self._running: list[_Job] = []
+        self._queue: deque[Job] = deque()
+        self._running: list[Job] = []
         self._closing = self._cancel_all = False
         self._ids = itertools.count()
         self._counts = dict.fromkeys(("completed", "cancelled", "failed", "rejected"), 0)
@@ -219,7 +169,7 @@ class Scheduler:
         rows = config.n_particles * (len(program.contexts()) if program is not None else 1)
         if rows > self.max_rows and alone is None:
             raise ValueError(f"the request needs {rows} rows (particles x contexts); at most {self.max_rows}")
-        job = _Job(ticket, program, config, seed, rows, alone, time.perf_counter(), on_progress)
+        job = Job(ticket, program, config, seed, rows, alone, time.perf_counter(), on_progress)
         with self._cond:
             if self._closing:
                 raise SchedulerClosed("the scheduler is closed")
@@ -290,7 +240,7 @@ class Scheduler:
             if self._running:
                 state = self._cycle(state)
 
-    def _admissible(self) -> list[_Job] | None:
+    def _admissible(self) -> list[Job] | None:
         """The jobs to admit now, once there is work; None: the thread ends (closed, or idle)."""
         with self._cond:
             while True:
@@ -321,14 +271,14 @@ class Scheduler:
                 rows += job.rows
             return jobs
 
-    def _needs_draft_later(self, job: _Job, rows: int) -> bool:
+    def _needs_draft_later(self, job: Job, rows: int) -> bool:
         """A drafting request waits for a batch whose rows the draft does not hold to drain."""
         store = self.kernel.store
         if rows == 0 or store.draft_ready or store.n_rows == 0 and not self._running:
             return False
         return self.kernel.needs_draft(job.program, job.config, self.pair.draft_record)
 
-    def _alone(self, job: _Job) -> None:
+    def _alone(self, job: Job) -> None:
         try:
             out = job.alone()
         except BaseException as err:  # noqa: BLE001 - the caller gets it
@@ -350,7 +300,7 @@ class Scheduler:
         )
         while not state.done:
             state, _ = self._loop.run_until_complete(kernel.step(state))
-        return self._generation(kernel, state.populations[0], start, stop)
+        return generation_of(kernel, self.pair.draft_record, state.populations[0], start, stop)
 
     def _dropped(self, state: SMCState) -> SMCState:
         """The state without cancelled requests (their rows freed)."""
@@ -365,10 +315,10 @@ class Scheduler:
         )
         with self._cond:
             self._running = [j for j, k in zip(self._running, keep) if k]
-            self._rows_in_use = _rows_in_use(state)
+            self._rows_in_use = rows_in_use(state)
         return state
 
-    def _admitted(self, state: SMCState, jobs: list[_Job]) -> SMCState:
+    def _admitted(self, state: SMCState, jobs: list[Job]) -> SMCState:
         """The state with ``jobs`` admitted (a failure fails those jobs only)."""
         try:
             state = self.kernel.admit(
@@ -386,7 +336,7 @@ class Scheduler:
             return state
         with self._cond:
             self._running += jobs
-            self._rows_in_use = _rows_in_use(state)
+            self._rows_in_use = rows_in_use(state)
         return state
 
     def _cycle(self, state: SMCState) -> SMCState:
@@ -409,13 +359,15 @@ class Scheduler:
         done = [not pop.stepping for pop in state.populations]
         for job, pop, d in zip(self._running, state.populations, done):
             if d:
-                gen, reason = self._generation(self.kernel, pop, job.start, job.ticket.stop)
+                gen, reason = generation_of(
+                    self.kernel, self.pair.draft_record, pop, job.start, job.ticket.stop
+                )
                 job.ticket.finish(gen, reason)
                 self._count("completed", len(gen.token_ids))
         ess = [e / len(p.particles) for e, p in zip(info.ess, state.populations) if p.stepping and e]
         with self._cond:
             self._running = [j for j, d in zip(self._running, done) if not d]
-            self._rows_in_use = _rows_in_use(state)
+            self._rows_in_use = rows_in_use(state)
             self._cycles += 1
             self._last_seconds = time.perf_counter() - start
             self._cycle_seconds += self._last_seconds
@@ -426,27 +378,12 @@ class Scheduler:
         """End every particle whose text holds one of its request's stop strings."""
         pops, changed = [], False
         for job, pop in zip(self._running, state.populations):
-            stop = job.ticket.stop
-            hit = [stop and not p.done_stepping() and before_stop(p.text, stop)[1] for p in pop.particles]
-            if any(hit):
-                pop, changed = _finished(pop, hit), True
-            pops.append(pop)
+            ended = stopped_at(pop, job.ticket.stop)
+            changed |= ended is not pop
+            pops.append(ended)
         return replace(state, populations=tuple(self.kernel.pack(pops))) if changed else state
 
-    def _generation(self, kernel, pop: Population, start: float, stop) -> tuple[Generation, str]:
-        """A finished request's ``Generation`` (its text cut before a stop string) and finish reason."""
-        out = result_of(pop, kernel, self.pair.draft_record)
-        text, stopped = before_stop(out.text, stop)
-        ids = out.token_ids
-        c = kernel.settings(pop)
-        ended = stopped or (bool(ids) and ids[-1] in kernel.eos) or len(ids) < c.max_new_tokens
-        cycles = max(1, pop.cycles)
-        stats = RunStats("smcsd", len(ids), time.perf_counter() - start, cycles, 0, 0.0, 0.0)
-        return Generation(text, list(ids), "smcsd", stats, out.message, smc=out.info), (
-            "stop" if ended else "length"
-        )
-
-    def _end(self, job: _Job, err: BaseException | None) -> None:
+    def _end(self, job: Job, err: BaseException | None) -> None:
         """A job leaves unfinished: cancelled, or failed with ``err``."""
         job.ticket.fail(err or RequestCancelled(f"request {job.ticket.id} was cancelled"))
         self._count("failed" if err else "cancelled")
@@ -455,19 +392,3 @@ class Scheduler:
         with self._cond:
             self._counts[outcome] += 1
             self._tokens += tokens
-
-
-def _rows_in_use(state: SMCState) -> int:
-    """Rows the live particles hold (released rows are -1)."""
-    return sum(r >= 0 for pop in state.populations for rows in pop.rows for r in rows)
-
-
-def _finished(pop: Population, hit: Sequence[bool]) -> Population:
-    """``pop`` with the particles ``hit`` ended (fresh copies; the state's objects stay as they were)."""
-    particles = []
-    for p, h in zip(pop.particles, hit):
-        if h:
-            p = copy.deepcopy(p)
-            p.finish()
-        particles.append(p)
-    return replace(pop, particles=tuple(particles))
