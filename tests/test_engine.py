@@ -21,7 +21,7 @@ from smcsd_ppl.api import SMCSD
 from smcsd_ppl.backends.mock import MockLM
 from smcsd_ppl.config import SMCConfig
 from smcsd_ppl.inference.blocks import BlockRequest, RowConstraint
-from smcsd_ppl.inference.drafting import draft_blocks
+from smcsd_ppl.inference.drafting import draft_blocks, generator_draws
 from smcsd_ppl.inference.loop import run_smc_sd
 from smcsd_ppl.inference.program import SMCSDModel
 from smcsd_ppl.inference.rows import RowStore
@@ -546,8 +546,10 @@ def test_drafting_over_the_allowed_tokens_only_changes_nothing(tiny_smcsd, monke
         logits = store.start([pair.encode(p) for p in PROMPTS], [0, 0, 0, 1, 1, 1, 2, 2, 2])
         store.queue({r: [x] for r, x in enumerate(logits.argmax(-1).tolist())})
         requests = [BlockRequest(r, 10, RowConstraint(few, "proposal", ())) for r in range(store.n_rows)]
-        g = torch.Generator().manual_seed(4)
-        kw = dict(block_size=4, temperature=0.7, eos=set(pair.eos_token_ids), g=g, keep_probs=keep_probs)
+        draws = generator_draws(torch.Generator().manual_seed(4), store.n_rows, store.device)
+        kw = dict(
+            block_size=4, temperature=0.7, eos=set(pair.eos_token_ids), draws=draws, keep_probs=keep_probs
+        )
         runs[shared] = draft_blocks(store, requests, **kw)
         assert any(calls) == shared
     for a, b in zip(runs[True], runs[False]):
