@@ -40,30 +40,35 @@ def load_target(args: argparse.Namespace):
     return target
 
 
+def pair_options(args: argparse.Namespace) -> dict:
+    """``SMCSD.load``'s arguments from the ``models`` options (checked)."""
+    if args.tensor_parallel < 1:
+        raise ValueError(f"--tensor-parallel must be at least 1, got {args.tensor_parallel}")
+    if args.tensor_parallel > 1 and args.backend != "vllm":
+        raise ValueError("--tensor-parallel needs --backend vllm")
+    return {
+        "target": args.target,
+        "draft": args.draft,
+        "device": args.device,
+        "dtype": args.dtype,
+        "threads": args.threads,
+        "chat": not args.no_chat,
+        "backend": args.backend,
+        "vllm_options": {"tensor_parallel_size": args.tensor_parallel} if args.tensor_parallel > 1 else {},
+    }
+
+
 def load_pair(args: argparse.Namespace):
     """The target and draft as an ``SMCSD``, with a warning when the draft is a weak layer slice."""
     from ..api import SMCSD
 
     set_threads(args)
-    if args.tensor_parallel < 1:
-        raise ValueError(f"--tensor-parallel must be at least 1, got {args.tensor_parallel}")
-    if args.tensor_parallel > 1 and args.backend != "vllm":
-        raise ValueError("--tensor-parallel needs --backend vllm")
-    options = {"tensor_parallel_size": args.tensor_parallel} if args.tensor_parallel > 1 else {}
+    options = pair_options(args)
     if args.backend == "vllm":  # its start-up notes run to hundreds of lines; errors still show
         logging.getLogger("vllm").setLevel(logging.ERROR)
     where = f"{args.device} ({args.dtype})" + (", on vLLM" if args.backend == "vllm" else "")
     with status(f"loading models on {where}"):
-        pair = SMCSD.load(
-            args.target,
-            args.draft,
-            device=args.device,
-            dtype=args.dtype,
-            threads=args.threads,
-            chat=not args.no_chat,
-            backend=args.backend,
-            vllm_options=options,
-        )
+        pair = SMCSD.load(**options)
     err(f"target: {pair.target.name} [{pair.target.source}]")
     err(f"draft:  {pair.draft.name} [{pair.draft.source}]")
     if pair.draft.is_slice:
