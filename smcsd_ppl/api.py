@@ -18,6 +18,7 @@ from .inference.program import SMCSDModel
 from .inference.rows import RowStore
 from .inference.state import StepInfo
 from .models import LoadedModel, eos_ids, load_model
+from .models.checkpoint import draft_files, engine_parts, load_files
 from .models.drafts import resolve_draft
 from .models.loading import cache_root
 from .models.threads import choose_threads
@@ -70,11 +71,14 @@ class SMCSD:
         self.tokenizer = target.tokenizer
         self.backend = backend
         if backend == "vllm":
-            from .backends.vllm import vllm_backend
-
             options = dict(vllm_options or {})
-            self.target_lm = vllm_backend(target, role="target", cache_root=cache_root(), options=options)
-            self.draft_lm = vllm_backend(draft, role="draft", cache_root=cache_root(), options=options)
+            self.target_lm = _vllm_lm(target, "target", options)
+            self.draft_lm = _vllm_lm(draft, "draft", options)
+        elif target.model is None or draft.model is None:
+            raise ValueError(
+                f"the {backend} backend runs models built in PyTorch; these were loaded for vLLM only "
+                "(SMCSD.load(..., backend='vllm'))"
+            )
         else:
             self.target_lm = HFBatchedLM(target.model, max_cache_bytes=max_cache_bytes, name="target")
             self.draft_lm = HFBatchedLM(draft.model, max_cache_bytes=max_cache_bytes, name="draft")
@@ -100,7 +104,9 @@ class SMCSD:
     ) -> SMCSD:
         """Load models by name: hub id, local path, ``None`` for the embedded default.
 
-        ``draft`` may also be ``"layers:N"``, the target's first N layers (a weak draft).
+        ``draft`` may also be ``"layers:N"``, the target's first N layers (a weak draft). With
+        ``backend="vllm"`` no model is built in PyTorch: each engine loads its model, and only
+        the tokenizer and the LM heads are read here (``models.checkpoint``).
         ``threads`` sets torch's CPU threads; by default a busy machine's CPU runs as many as
         its load leaves free (see ``models.threads``), and one warning says so.
         """
@@ -114,6 +120,8 @@ class SMCSD:
             from .backends.vllm import import_vllm
 
             import_vllm()
+            t = load_files(target, device=device, dtype=dtype)
+            return cls(t, draft_files(draft, t, cache_root()), **kwargs)
         t = load_model(target, device=device, dtype=dtype)
         return cls(t, resolve_draft(draft, t, device=device, dtype=dtype), **kwargs)
 
@@ -225,7 +233,8 @@ class SMCSD:
 
     def _check_token_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
         """Refuse a token-id prompt that is empty or holds ids outside the target's vocabulary."""
-        vocab = self.target.model.get_input_embeddings().num_embeddings
+        model = self.target.model
+        vocab = self.target_lm.vocab_size if model is None else model.get_input_embeddings().num_embeddings
         for p in prompts:
             _check_ids(p, vocab)
 
@@ -333,6 +342,17 @@ class SMCSD:
         return RunStats(
             method, new_tokens, time.perf_counter() - start, t.calls, d.calls, t.seconds, d.seconds
         )
+
+
+def _vllm_lm(model: LoadedModel, role: str, options: dict):
+    """A model's vLLM backend: its head read from its checkpoint, or taken from the built model."""
+    from .backends.vllm import built_parts, vllm_backend
+
+    if model.model is None:
+        parts = engine_parts(model)
+    else:
+        parts = built_parts(model, role=role, cache_root=cache_root())
+    return vllm_backend(parts, role=role, options=options)
 
 
 def _check_ids(ids: Sequence[int], vocab: int) -> None:

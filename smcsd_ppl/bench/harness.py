@@ -158,7 +158,7 @@ def run_settings(pair: SMCSD, base: SMCConfig) -> dict:
         "cut": base.cut,  # smcsd_paper rows run without it whatever it is
         "cut_divergence": base.cut_divergence,
         "device": str(pair.target_lm.device),
-        "dtype": str(next(pair.target_lm.model.parameters()).dtype).removeprefix("torch."),
+        "dtype": str(pair.target_lm.dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
     }
 

@@ -58,10 +58,18 @@ def pair_options(args: argparse.Namespace) -> dict:
     }
 
 
-def load_pair(args: argparse.Namespace):
-    """The target and draft as an ``SMCSD``, with a warning when the draft is a weak layer slice."""
+def load_pair(args: argparse.Namespace, *, torch_models: bool = False):
+    """The target and draft as an ``SMCSD``, with a warning when the draft is a weak layer slice.
+
+    ``torch_models``: the command runs the models in PyTorch besides the backends, which a vLLM
+    pair does not build; ``--backend vllm`` is refused in one line.
+    """
     from ..api import SMCSD
 
+    if torch_models and args.backend != "hf":
+        raise ValueError(
+            f"--backend {args.backend}: this command runs the models in PyTorch (use --backend hf)"
+        )
     set_threads(args)
     options = pair_options(args)
     if args.backend == "vllm":  # its start-up notes run to hundreds of lines; errors still show
