@@ -6,6 +6,8 @@ import argparse
 import functools
 import logging
 import os
+import time
+import warnings
 
 from ..names import METHOD_SUMMARIES
 from .loading import load_pair, pair_options
@@ -88,7 +90,9 @@ def run(args: argparse.Namespace) -> int:
                 done[0] = n
                 bar(n)
 
+            began = time.perf_counter()
             summary = start(prompts, args.out, config, method=args.method, constraint=wanted, on_record=tick)
+            wall = time.perf_counter() - began
     except KeyboardInterrupt:
         err(f"interrupted after {done[0]}/{len(prompts)} prompts; run the same command again to resume")
         return 130
@@ -98,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
         f"{len(records)} prompts in {args.out} ({len(records) - summary.resumed} run now, {summary.resumed} "
         f"resumed from the file): {summary.failed} failed, {summary.with_message} with a message (empty or "
         f"cut short); all records: {summary.new_tokens} tokens, {summary.seconds:.1f} s of generation, "
-        f"{rate:.1f} tok/s"
+        f"{rate:.1f} tok/s per pair; this run: {wall:.1f} s wall"
+        + (" (the actors' start and model loading included)" if args.ray else "")
     )
     failed = [r for r in records if "error" in r]
     if failed:
@@ -129,8 +134,12 @@ def _on_ray(args: argparse.Namespace):
         raise ValueError(f"--gpus-per-worker must be at least 0, got {gpus}")
     try:
         import ray
+        import ray.data  # configures its loggers on import: quieted below, after it
     except ImportError as e:
         raise ValueError(RAY_HINT) from e
+    with warnings.catch_warnings():  # Ray's notes on its own deprecated settings: not the user's news
+        warnings.simplefilter("ignore", DeprecationWarning)
+        ray.data.DataContext.get_current()
     if not ray.is_initialized():  # RAY_ADDRESS names a cluster; unset, a local one starts here
         local = "RAY_ADDRESS" not in os.environ
         ray.init(
