@@ -11,13 +11,15 @@ from collections.abc import Callable, Sequence
 
 from . import methods
 from .backends.base import call_clock, call_stats
-from .backends.hf import DEFAULT_CACHE_BUDGET, HFBatchedLM
+from .backends.hf import DEFAULT_CACHE_BUDGET
 from .config import DraftRecord, SMCConfig
 from .inference.program import SMCSDModel
 from .inference.rows import RowStore
 from .inference.state import StepInfo
 from .inference.step import request_seed
 from .models import LoadedModel, eos_ids, load_model
+from .models.batched import batched_pair
+from .models.checkpoint import draft_files, load_files
 from .models.drafts import resolve_draft
 from .models.loading import cache_root
 from .models.threads import choose_threads
@@ -73,15 +75,9 @@ class SMCSD:
         self.target, self.draft, self.chat = target, draft, chat
         self.tokenizer = target.tokenizer
         self.backend = backend
-        if backend == "vllm":
-            from .backends.vllm import vllm_backend
-
-            options = dict(vllm_options or {})
-            self.target_lm = vllm_backend(target, role="target", cache_root=cache_root(), options=options)
-            self.draft_lm = vllm_backend(draft, role="draft", cache_root=cache_root(), options=options)
-        else:
-            self.target_lm = HFBatchedLM(target.model, max_cache_bytes=max_cache_bytes, name="target")
-            self.draft_lm = HFBatchedLM(draft.model, max_cache_bytes=max_cache_bytes, name="draft")
+        self.target_lm, self.draft_lm = batched_pair(
+            target, draft, backend=backend, max_cache_bytes=max_cache_bytes, vllm_options=vllm_options
+        )
         self.eos_token_ids = eos_ids(target)
         # What SMC-SD's adaptive drafting knows of this draft before a request: a value each
         # request starts from and none changes (assign a learned one to change it).
@@ -105,7 +101,9 @@ class SMCSD:
     ) -> SMCSD:
         """Load models by name: hub id, local path, ``None`` for the embedded default.
 
-        ``draft`` may also be ``"layers:N"``, the target's first N layers (a weak draft).
+        ``draft`` may also be ``"layers:N"``, the target's first N layers (a weak draft). With
+        ``backend="vllm"`` no model is built in PyTorch: each engine loads its model, and only
+        the tokenizer and the LM heads are read here (``models.checkpoint``).
         ``threads`` sets torch's CPU threads; by default a busy machine's CPU runs as many as
         its load leaves free (see ``models.threads``), and one warning says so.
         """
@@ -119,6 +117,8 @@ class SMCSD:
             from .backends.vllm import import_vllm
 
             import_vllm()
+            t = load_files(target, device=device, dtype=dtype)
+            return cls(t, draft_files(draft, t, cache_root()), **kwargs)
         t = load_model(target, device=device, dtype=dtype)
         return cls(t, resolve_draft(draft, t, device=device, dtype=dtype), **kwargs)
 
@@ -260,7 +260,8 @@ class SMCSD:
 
     def _check_token_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
         """Refuse a token-id prompt that is empty or holds ids outside the target's vocabulary."""
-        vocab = self.target.model.get_input_embeddings().num_embeddings
+        model = self.target.model
+        vocab = self.target_lm.vocab_size if model is None else model.get_input_embeddings().num_embeddings
         for p in prompts:
             check_token_ids(p, vocab)
 

@@ -69,6 +69,14 @@ CASES = [
         b"",
         "runs the target in PyTorch",
     ),
+    *(
+        (f"{command} on vLLM", [command, "--backend", "vllm", *more], b"", "runs the models in PyTorch")
+        for command, more in [
+            ("fidelity", ["--dataset", "short_answer", "--limit", "1", "--out", "{d}/f.jsonl"]),
+            ("eval-draft", []),
+            ("compare-constrained", []),
+        ]
+    ),
 ]
 
 

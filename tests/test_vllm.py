@@ -251,3 +251,39 @@ def test_an_engine_runs_on_after_another_in_the_process_is_dropped(hf32, vllm32)
     lm, row = _fresh(vllm32.draft_lm), [1, 450, 7483, 310]
     got = lm.prefill([row])
     assert torch.allclose(got[0], scratch_logits(hf32.draft.model, row), atol=1e-2, rtol=1e-2)
+
+
+def test_bench_runs_on_vllm(vllm16, tmp_path, monkeypatch):
+    """``smcsd bench --backend vllm`` at tiny size: records with the target's log-likelihood, no error.
+
+    The pair is this module's (loaded as the command loads it, by ``SMCSD.load(backend="vllm")``),
+    so that no third pair of engines starts here.
+    """
+    import importlib
+
+    cli = importlib.import_module("smcsd_ppl.cli.main")
+    data, out = tmp_path / "prompts.jsonl", tmp_path / "bench.jsonl"
+    data.write_text(json.dumps({"id": "a", "prompt": PROMPTS[0]}) + "\n")
+    monkeypatch.setattr(cli, "load_pair", lambda args: vllm16)
+    argv = [
+        "bench",
+        "--dataset",
+        str(data),
+        "--methods",
+        "ar,smcsd",
+        "--particles",
+        "2",
+        "--block-sizes",
+        "2",
+    ]
+    assert cli.main([*argv, "--max-new-tokens", "4", "--out", str(out), "--backend", "vllm"]) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["method"] for r in records] == ["ar", "smcsd"] and not any("error" in r for r in records)
+    assert all(r["dtype"] == "bfloat16" and r["target_loglik_per_token"] < 0 for r in records)
+
+
+def test_the_pair_builds_no_pytorch_model(vllm16):
+    """``SMCSD.load(backend="vllm")`` reads the heads and tokenizer; the models live in the engines only."""
+    assert vllm16.target.model is None and vllm16.draft.model is None
+    with pytest.raises(ValueError, match="runs the models in PyTorch"):
+        vllm16.generate(PROMPTS[0], method="hf_assisted", config=SMCConfig(max_new_tokens=4))

@@ -40,6 +40,7 @@ class HFBatchedLM(BatchedLM, TreeOps):
         self.model = model
         self.name = name
         self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.max_length = int(getattr(model.config, "max_position_embeddings", 2048))
         self.max_cache_bytes = max_cache_bytes

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import pathlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -36,7 +37,9 @@ from .vllm_export import weights_dir
 __all__ = [
     "CPU_BLOCK",
     "INSTALL_HINT",
+    "EngineParts",
     "VLLMBatchedLM",
+    "built_parts",
     "import_vllm",
     "start_engine",
     "vllm_backend",
@@ -71,7 +74,7 @@ class VLLMBatchedLM(BatchedLM):
     ) -> None:
         self.engine, self.head, self.bias = engine, head, bias
         self.name, self.max_length, self.n_params = name, max_length, n_params
-        self.device = head.device
+        self.device, self.dtype = head.device, head.dtype
         self.vocab_size = head.shape[0]
         self.stats = ForwardStats()
         self.rows: list[list[int]] = []
@@ -206,8 +209,27 @@ def _last_states(got: torch.Tensor, n: int) -> torch.Tensor | None:
     return torch.cat([got[:1], got]) if len(got) == n else got[-(n + 1) :]
 
 
-def vllm_backend(model, *, role: str, cache_root: pathlib.Path, options: dict) -> VLLMBatchedLM:
-    """A ``VLLMBatchedLM`` for ``model`` (a ``LoadedModel``): its engine, and its LM head here."""
+@dataclass(frozen=True)
+class EngineParts:
+    """What a ``VLLMBatchedLM`` is made of besides its engine.
+
+    Attributes:
+        path: the directory (or hub id) the engine loads the weights from.
+        head: the LM head ``[V, H]``, on the device and in the dtype logits are computed in.
+        bias: the head's bias ``[V]``, if any.
+        max_length: the model's context (``max_position_embeddings``), or None for the engine's.
+        n_params: parameters one forward reads (prices a draft step).
+    """
+
+    path: str
+    head: torch.Tensor
+    bias: torch.Tensor | None
+    max_length: int | None
+    n_params: int
+
+
+def built_parts(model, *, role: str, cache_root: pathlib.Path) -> EngineParts:
+    """``EngineParts`` of a model built in PyTorch (a ``LoadedModel``); one written out if only in memory."""
     import_vllm()  # not installed: say so before writing anything
     if getattr(model.model, "reads_hidden", False):
         raise ValueError(
@@ -221,20 +243,29 @@ def vllm_backend(model, *, role: str, cache_root: pathlib.Path, options: dict) -
             "applied to its last hidden state (scaled or soft-capped); use the HF backend"
         )
     head = model.model.get_output_embeddings()
-    config = model.model.config
-    max_length = options.get("max_model_len") or getattr(config, "max_position_embeddings", None)
-    engine = start_engine(
+    return EngineParts(
         weights_dir(model, cache_root),
-        dtype=head.weight.dtype,
-        max_length=max_length,
+        head.weight.detach(),
+        None if getattr(head, "bias", None) is None else head.bias.detach(),
+        getattr(model.model.config, "max_position_embeddings", None),
+        sum(p.numel() for p in model.model.parameters()),
+    )
+
+
+def vllm_backend(parts: EngineParts, *, role: str, options: dict) -> VLLMBatchedLM:
+    """A ``VLLMBatchedLM`` over an engine started on ``parts.path``, applying ``parts.head`` here."""
+    engine = start_engine(
+        parts.path,
+        dtype=parts.head.dtype,
+        max_length=options.get("max_model_len") or parts.max_length,
         role=role,
         options=options,
     )
     return VLLMBatchedLM(
         engine,
-        head.weight.detach(),
-        bias=None if getattr(head, "bias", None) is None else head.bias.detach(),
+        parts.head,
+        bias=parts.bias,
         max_length=int(engine.llm_engine.model_config.max_model_len),
         name=role,
-        n_params=sum(p.numel() for p in model.model.parameters()),
+        n_params=parts.n_params,
     )

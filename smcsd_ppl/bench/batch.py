@@ -9,7 +9,8 @@ the run's settings, and a file made under others is refused rather than extended
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+import itertools
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -150,37 +151,87 @@ def run_batch(
         ValueError: no prompts, a constraint that does not compile, or a file made with other
             settings or other prompt texts.
     """
-    config = config or SMCConfig()
+    config = check_batch(prompts, config, method, constraint)
+    out_path = Path(out_path)
+    existing, good = existing_records(out_path, key_fields=BATCH_KEY, writer=WRITER)
+    runner = PromptRunner(pair, config, method, constraint)
+    check_compatible(existing, runner.settings, prompts)
+    done = {r["prompt_id"]: r for r in existing}
+    fresh = (runner.record(p) for p in prompts if p.id not in done)
+    return collect(out_path, good, prompts, done, fresh, on_record)
+
+
+def check_batch(
+    prompts: Sequence[Prompt], config: SMCConfig | None, method: str, constraint: ConstraintSpec | None
+) -> SMCConfig:
+    """The batch's settings (defaults filled in), or a ValueError before anything runs."""
     if not prompts:
         raise ValueError("no prompts to run")
     if constraint is not None and method != "smcsd":
         raise ValueError(f"a constraint runs with the smcsd method only, got {method!r}")
-    out_path = Path(out_path)
-    existing, good = existing_records(out_path, key_fields=BATCH_KEY, writer=WRITER)
-    settings = batch_settings(pair, config, method, constraint)
-    check_compatible(existing, settings, prompts)
-    built = None if constraint is None else constraint.build(pair.tokenizer, pair.eos_token_ids)
-    done = {r["prompt_id"]: r for r in existing}
-    summary = BatchSummary(resumed=sum(p.id in done for p in prompts))
-    with appending(out_path, good) as f:
-        for i, prompt in enumerate(prompts):
-            if prompt.id not in done:
-                done[prompt.id] = _record(pair, prompt, config, method, built, settings)
-                append_record(f, done[prompt.id])
-            summary.records.append(done[prompt.id])
-            if on_record is not None:
-                on_record(done[prompt.id], i + 1, len(prompts))
-    return summary
+    return config or SMCConfig()
 
 
-def _record(pair: SMCSD, prompt: Prompt, config: SMCConfig, method: str, constraint, settings: dict) -> dict:
-    """One prompt's record: its key and seed, the output and its report, then the settings."""
-    seed = record_seed(BATCH_KEY + (prompt.id,), config.seed)
-    head = {"prompt_id": prompt.id, "prompt_sha": prompt_digest(prompt), "seed": seed}
-    try:
-        out = generate_one(
-            pair, prompt.text, dataclasses.replace(config, seed=seed), method=method, constraint=constraint
-        )
-    except ValueError as err:  # e.g. a prompt over the context: recorded, the batch goes on
-        return head | {"error": str(err)} | settings
-    return head | out.to_record() | settings
+def collect(
+    out_path: Path,
+    good: int,
+    prompts: Sequence[Prompt],
+    done: dict[str, dict],
+    fresh: Iterable[dict],
+    on_record: OnRecord | None,
+) -> BatchSummary:
+    """Append the ``fresh`` records (any order) after the file's ``good`` bytes; the summary of ``prompts``.
+
+    The file is opened at the first fresh record only, so a run refused before then leaves it as it was.
+    """
+    count = 0
+
+    def tick(record: dict) -> None:
+        nonlocal count
+        count += 1
+        if on_record is not None:
+            on_record(record, count, len(prompts))
+
+    resumed = [done[p.id] for p in prompts if p.id in done]
+    for record in resumed:
+        tick(record)
+    fresh = iter(fresh)
+    first = next(fresh, None)
+    if first is not None:
+        with appending(out_path, good) as f:
+            for record in itertools.chain([first], fresh):
+                append_record(f, record)
+                done[record["prompt_id"]] = record
+                tick(record)
+    return BatchSummary([done[p.id] for p in prompts], resumed=len(resumed))
+
+
+class PromptRunner:
+    """What turns one prompt into its record, on one pair: every worker runs prompts through this.
+
+    A record depends on its prompt, the settings and the seed made from the base seed and the
+    prompt's id only, so it is the same whichever process or worker ran it, in whatever order.
+    """
+
+    def __init__(
+        self, pair: SMCSD, config: SMCConfig, method: str, constraint: ConstraintSpec | None
+    ) -> None:
+        self.pair, self.config, self.method = pair, config, method
+        self.settings = batch_settings(pair, config, method, constraint)
+        self.constraint = None if constraint is None else constraint.build(pair.tokenizer, pair.eos_token_ids)
+
+    def record(self, prompt: Prompt) -> dict:
+        """One prompt's record: its key and seed, the output and its report, then the settings."""
+        seed = record_seed(BATCH_KEY + (prompt.id,), self.config.seed)
+        head = {"prompt_id": prompt.id, "prompt_sha": prompt_digest(prompt), "seed": seed}
+        try:
+            out = generate_one(
+                self.pair,
+                prompt.text,
+                dataclasses.replace(self.config, seed=seed),
+                method=self.method,
+                constraint=self.constraint,
+            )
+        except ValueError as err:  # e.g. a prompt over the context: recorded, the batch goes on
+            return head | {"error": str(err)} | self.settings
+        return head | out.to_record() | self.settings

@@ -158,7 +158,7 @@ def run_settings(pair: SMCSD, base: SMCConfig) -> dict:
         "cut": base.cut,  # smcsd_paper rows run without it whatever it is
         "cut_divergence": base.cut_divergence,
         "device": str(pair.target_lm.device),
-        "dtype": str(next(pair.target_lm.model.parameters()).dtype).removeprefix("torch."),
+        "dtype": str(pair.target_lm.dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
     }
 
@@ -296,6 +296,12 @@ def _peak_rss_mb() -> float:
 
 def check_compatible(existing: list[dict], settings: dict, prompts: Sequence[Prompt]) -> None:
     """Refuse to resume from records made with other settings or other prompt texts."""
+    check_settings(existing, settings)
+    check_prompt_texts(existing, prompts)
+
+
+def check_settings(existing: list[dict], settings: dict) -> None:
+    """Refuse to resume from records made with other settings."""
     for r in existing:
         for name, value in settings.items():
             if r.get(name) != value:
@@ -303,6 +309,10 @@ def check_compatible(existing: list[dict], settings: dict, prompts: Sequence[Pro
                     f"the output file holds records made with {name}={r.get(name)!r}, this run has "
                     f"{value!r}; records are resumed only under the same settings: use another --out file"
                 )
+
+
+def check_prompt_texts(existing: list[dict], prompts: Sequence[Prompt]) -> None:
+    """Refuse to resume from records of prompts whose text or answer has changed since."""
     digests = {p.id: prompt_digest(p) for p in prompts}
     for r in existing:
         if r["prompt_id"] in digests and r.get("prompt_sha") != digests[r["prompt_id"]]:

@@ -21,16 +21,26 @@ def target_loglik_per_token(
 ) -> float | None:
     """Mean log p(output token | prompt, earlier output) under the target at temperature 1.
 
-    One forward of the target model itself (not its batched backend, so the backend's
-    counters and cache are untouched). ``None`` for an empty output.
+    One forward of the target model itself where the backend has one (so the backend's
+    counters and cache are untouched); else (the vLLM backend) a prefill and an extend of the
+    backend, whose rows the next call replaces. ``None`` for an empty output.
     """
     if not output_ids:
         return None
-    model = pair.target_lm.model
-    ids = torch.tensor([list(prompt_ids) + list(output_ids)[:-1]], device=pair.target_lm.device)
+    lm = pair.target_lm
+    model = getattr(lm, "model", None)
     with torch.inference_mode():
-        # the last len(output) positions predict the output tokens
-        logits = model(input_ids=ids, logits_to_keep=len(output_ids)).logits[0].float()  # [T, V]
+        if model is None:
+            first = lm.prefill([list(prompt_ids)])[:, None]
+            rest = (
+                lm.extend(torch.tensor([list(output_ids)[:-1]], dtype=torch.long))
+                if len(output_ids) > 1
+                else None
+            )
+            logits = (first if rest is None else torch.cat([first, rest], 1))[0].float()  # [T, V]
+        else:  # the last len(output) positions predict the output tokens
+            ids = torch.tensor([list(prompt_ids) + list(output_ids)[:-1]], device=lm.device)
+            logits = model(input_ids=ids, logits_to_keep=len(output_ids)).logits[0].float()  # [T, V]
     logp = torch.log_softmax(logits, -1)
     tokens = torch.tensor(list(output_ids), device=logp.device)
     return float(logp.gather(1, tokens[:, None]).mean())

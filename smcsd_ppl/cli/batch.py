@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import functools
+import logging
+import os
+import time
+import warnings
 
 from ..names import METHOD_SUMMARIES
-from .loading import load_pair
+from .loading import load_pair, pair_options
 from .options import (
     constraint_args,
     model_args,
@@ -42,20 +47,40 @@ def add_parser(sub) -> None:
     model_args(p)
     smc_args(p)
     constraint_args(p)
+    g = p.add_argument_group("ray (docs/scaling.md)")
+    g.add_argument(
+        "--ray",
+        action="store_true",
+        help="spread the prompts over a pool of Ray actors, one pair each (RAY_ADDRESS: the cluster; "
+        "unset: a local one)",
+    )
+    g.add_argument("--workers", type=int, default=2, help="--ray: actors, each loading its own pair")
+    g.add_argument(
+        "--gpus-per-worker",
+        type=float,
+        default=None,
+        help="--ray: GPUs Ray reserves per actor (default: --tensor-parallel on cuda, else 0)",
+    )
+    g.add_argument(
+        "--prompts-per-batch",
+        type=int,
+        default=4,
+        help="--ray: prompts handed to an actor at a time (each still runs alone; records are "
+        "written as batches come back)",
+    )
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the batch; a summary on stderr, 130 if interrupted (rerun to resume)."""
     from ..bench import load_prompts
-    from ..bench.batch import run_batch
 
     config = smc_config(args)  # the base seed: each prompt's seed derives from it and the prompt's id
     wanted = read_constraint(args)
     prompts = load_prompts(args.prompts, limit=args.limit, per_category=args.per_category)
     check_output_file(args.out, "--out")
     check_threads(args.threads)
-    pair = load_pair(args)
+    start = _on_ray(args) if args.ray else _in_process(args)
     err(f"{len(prompts)} prompts -> {args.out}")
     done = [0]
     try:
@@ -65,9 +90,9 @@ def run(args: argparse.Namespace) -> int:
                 done[0] = n
                 bar(n)
 
-            summary = run_batch(
-                pair, prompts, args.out, config, method=args.method, constraint=wanted, on_record=tick
-            )
+            began = time.perf_counter()
+            summary = start(prompts, args.out, config, method=args.method, constraint=wanted, on_record=tick)
+            wall = time.perf_counter() - began
     except KeyboardInterrupt:
         err(f"interrupted after {done[0]}/{len(prompts)} prompts; run the same command again to resume")
         return 130
@@ -77,9 +102,59 @@ def run(args: argparse.Namespace) -> int:
         f"{len(records)} prompts in {args.out} ({len(records) - summary.resumed} run now, {summary.resumed} "
         f"resumed from the file): {summary.failed} failed, {summary.with_message} with a message (empty or "
         f"cut short); all records: {summary.new_tokens} tokens, {summary.seconds:.1f} s of generation, "
-        f"{rate:.1f} tok/s"
+        f"{rate:.1f} tok/s per pair; this run: {wall:.1f} s wall"
+        + (" (the actors' start and model loading included)" if args.ray else "")
     )
     failed = [r for r in records if "error" in r]
     if failed:
         err(f"first failure (prompt {failed[0]['prompt_id']}): {failed[0]['error']}")
     return 1 if len(failed) == len(records) else 0
+
+
+def _in_process(args: argparse.Namespace):
+    """``run_batch`` on a pair loaded here."""
+    from ..bench.batch import run_batch
+
+    pair = load_pair(args)
+    return functools.partial(run_batch, pair)
+
+
+def _on_ray(args: argparse.Namespace):
+    """``run_batch_on_ray`` over ``--workers`` actors, each loading the pair the options name."""
+    from ..api import SMCSD
+    from ..bench.ray_batch import RAY_HINT, run_batch_on_ray
+
+    options = pair_options(args)
+    if args.workers < 1:
+        raise ValueError(f"--workers must be at least 1, got {args.workers}")
+    gpus = args.gpus_per_worker
+    if gpus is None:
+        gpus = args.tensor_parallel if args.device.startswith("cuda") else 0
+    if gpus < 0:
+        raise ValueError(f"--gpus-per-worker must be at least 0, got {gpus}")
+    try:
+        import ray
+        import ray.data  # configures its loggers on import: quieted below, after it
+    except ImportError as e:
+        raise ValueError(RAY_HINT) from e
+    with warnings.catch_warnings():  # Ray's notes on its own deprecated settings: not the user's news
+        warnings.simplefilter("ignore", DeprecationWarning)
+        ray.data.DataContext.get_current()
+    if not ray.is_initialized():  # RAY_ADDRESS names a cluster; unset, a local one starts here
+        local = "RAY_ADDRESS" not in os.environ
+        ray.init(
+            logging_level=logging.ERROR,
+            log_to_driver=False,
+            **({"include_dashboard": False} if local else {}),
+        )
+    logging.getLogger("ray.data").setLevel(logging.ERROR)  # its notes on every run; errors still show
+    where = f"{args.workers} Ray actors ({gpus:g} GPUs each)"
+    err(f"loading a pair in each of {where}: {options['target'] or 'default target'} on {args.device}")
+    load = functools.partial(SMCSD.load, **options)
+    return functools.partial(
+        run_batch_on_ray,
+        load,
+        workers=args.workers,
+        gpus_per_worker=gpus,
+        prompts_per_batch=args.prompts_per_batch,
+    )

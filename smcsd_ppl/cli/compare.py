@@ -64,7 +64,7 @@ def _compare_constrained(args: argparse.Namespace) -> int:
         if m not in CC_METHODS:
             _unknown("method", m, CC_METHODS)
     check_threads(args.threads)
-    pair = load_pair(args)
+    pair = load_pair(args, torch_models=True)  # forwards are counted on the target's torch model
     total = args.repeats * len(tasks) * len(methods)
     with progress(total, "runs") as bar, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

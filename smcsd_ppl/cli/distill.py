@@ -238,7 +238,7 @@ def _eval_draft(args: argparse.Namespace) -> int:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
     texts = _texts(args.prompts or ["short_answer"], args.categories, None)[: args.limit]
     check_threads(args.threads)
-    pair = load_pair(args)
+    pair = load_pair(args, torch_models=True)
     _warn_overlap(args.draft, pair, texts)
     result = _measure_draft(pair, texts, args.max_new_tokens)
     if args.json:

@@ -54,7 +54,7 @@ def _fidelity(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.dataset} has no prompts with reference answers")
     check_output_file(args.out, "--out")
     check_threads(args.threads)
-    pair = load_pair(args)
+    pair = load_pair(args, torch_models=True)
     print("| lam | agreement | N | K | cut | accuracy | tokens/target call | mean ESS/N | collapsed |")
     print("|---|---|---|---|---|---|---|---|---|")  # cut: the threshold on --cut-divergence
     with progress(len(cells), "cells") as bar, open(args.out, "a") as out:

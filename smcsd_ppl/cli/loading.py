@@ -40,30 +40,43 @@ def load_target(args: argparse.Namespace):
     return target
 
 
-def load_pair(args: argparse.Namespace):
-    """The target and draft as an ``SMCSD``, with a warning when the draft is a weak layer slice."""
-    from ..api import SMCSD
-
-    set_threads(args)
+def pair_options(args: argparse.Namespace) -> dict:
+    """``SMCSD.load``'s arguments from the ``models`` options (checked)."""
     if args.tensor_parallel < 1:
         raise ValueError(f"--tensor-parallel must be at least 1, got {args.tensor_parallel}")
     if args.tensor_parallel > 1 and args.backend != "vllm":
         raise ValueError("--tensor-parallel needs --backend vllm")
-    options = {"tensor_parallel_size": args.tensor_parallel} if args.tensor_parallel > 1 else {}
+    return {
+        "target": args.target,
+        "draft": args.draft,
+        "device": args.device,
+        "dtype": args.dtype,
+        "threads": args.threads,
+        "chat": not args.no_chat,
+        "backend": args.backend,
+        "vllm_options": {"tensor_parallel_size": args.tensor_parallel} if args.tensor_parallel > 1 else {},
+    }
+
+
+def load_pair(args: argparse.Namespace, *, torch_models: bool = False):
+    """The target and draft as an ``SMCSD``, with a warning when the draft is a weak layer slice.
+
+    ``torch_models``: the command runs the models in PyTorch besides the backends, which a vLLM
+    pair does not build; ``--backend vllm`` is refused in one line.
+    """
+    from ..api import SMCSD
+
+    if torch_models and args.backend != "hf":
+        raise ValueError(
+            f"--backend {args.backend}: this command runs the models in PyTorch (use --backend hf)"
+        )
+    set_threads(args)
+    options = pair_options(args)
     if args.backend == "vllm":  # its start-up notes run to hundreds of lines; errors still show
         logging.getLogger("vllm").setLevel(logging.ERROR)
     where = f"{args.device} ({args.dtype})" + (", on vLLM" if args.backend == "vllm" else "")
     with status(f"loading models on {where}"):
-        pair = SMCSD.load(
-            args.target,
-            args.draft,
-            device=args.device,
-            dtype=args.dtype,
-            threads=args.threads,
-            chat=not args.no_chat,
-            backend=args.backend,
-            vllm_options=options,
-        )
+        pair = SMCSD.load(**options)
     err(f"target: {pair.target.name} [{pair.target.source}]")
     err(f"draft:  {pair.draft.name} [{pair.draft.source}]")
     if pair.draft.is_slice:

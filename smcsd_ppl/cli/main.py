@@ -11,7 +11,7 @@ from ..config import RESAMPLING_SCHEMES, SMCConfig
 from ..names import METHOD_SUMMARIES
 from ..text import check_prompt
 from . import batch, compare, constraints, device, distill, fidelity, generate, load, serve
-from .loading import load_pair
+from .loading import load_pair, pair_options
 from .options import (
     grid_args,
     model_args,
@@ -124,11 +124,9 @@ def _speed(args: argparse.Namespace) -> int:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     pair = load_pair(args)
     methods, others = SPEED_METHODS, {}
-    if args.backend == "vllm":  # the HF backend's AR beside, on the same loaded models
-        methods, others = (
-            VLLM_SPEED_METHODS,
-            {"ar (HF backend)": (SMCSD(pair.target, pair.draft, chat=pair.chat), "ar")},
-        )
+    if args.backend == "vllm":  # the HF backend's AR beside: the models built in PyTorch too, for it
+        hf = SMCSD.load(**(pair_options(args) | {"backend": "hf", "vllm_options": None}))
+        methods, others = VLLM_SPEED_METHODS, {"ar (HF backend)": (hf, "ar")}
     total = args.repeats * len(prompts) * (len(methods) + len(others))
     with progress(total, "runs") as bar:
         done = [0]

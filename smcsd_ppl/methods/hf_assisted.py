@@ -175,7 +175,7 @@ def _generate_one(target: PreTrainedModel, prompt: Sequence[int], settings: dict
 
 
 def _run(ctx: RunContext, *, assisted: bool) -> MethodOutput:
-    draft = ctx.draft_model
+    target, draft = ctx.built_models("hf_assisted" if assisted else "hf_prompt_lookup")
     if assisted and getattr(draft.model, "reads_hidden", False):
         raise ValueError(
             f"hf_assisted needs a standalone draft model; {draft.name!r} reads the target's hidden "
@@ -183,7 +183,7 @@ def _run(ctx: RunContext, *, assisted: bool) -> MethodOutput:
         )
     cfg = ctx.config
     tokens = hf_speculative(
-        ctx.target_model.model,
+        target.model,
         ctx.prompts,
         assistant=draft.model if assisted else None,
         block_size=cfg.block_size,

@@ -59,6 +59,20 @@ class RunContext:
         """A row store over both backends, for one run."""
         return self.make_rows()
 
+    def built_models(self, method: str) -> tuple[LoadedModel, LoadedModel]:
+        """Target and draft as PyTorch models, for a method that runs them outside the backends.
+
+        Raises:
+            ValueError: the pair was loaded for vLLM only (its models live in their engines).
+        """
+        target, draft = self.target_model, self.draft_model
+        if target is None or draft is None or target.model is None or draft.model is None:
+            raise ValueError(
+                f"{method} runs the models in PyTorch, outside the backends, and this pair has none "
+                "built (a vLLM pair loads its models into its engines only): use the HF backend"
+            )
+        return target, draft
+
 
 @dataclass
 class MethodOutput:

@@ -68,7 +68,27 @@ def draft_modules(draft: nn.Module) -> dict[str, nn.Module]:
 
 def fingerprint(model: transformers.PreTrainedModel) -> dict:
     """The target properties a distilled draft depends on."""
-    return {key: getattr(model.config, key, None) for key in _FINGERPRINT_KEYS}
+    return config_fingerprint(model.config)
+
+
+def config_fingerprint(config: transformers.PretrainedConfig) -> dict:
+    """``fingerprint`` of a model from its config alone."""
+    return {key: getattr(config, key, None) for key in _FINGERPRINT_KEYS}
+
+
+def read_manifest(directory: str | os.PathLike, fingerprint_now: dict, target_name: str) -> dict:
+    """A distilled draft's manifest, checked against its target's fingerprint (a ValueError if not its)."""
+    path = pathlib.Path(directory)
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{str(path)!r} does not hold a readable distilled draft: {err}") from err
+    if manifest.get("fingerprint") != fingerprint_now:
+        raise ValueError(
+            f"draft {str(path)!r} was distilled for {manifest.get('target')!r} "
+            f"({manifest.get('fingerprint')}), not for {target_name!r} ({fingerprint_now})"
+        )
+    return manifest
 
 
 def save_draft(draft: nn.Module, directory: str | os.PathLike, manifest: dict) -> None:
@@ -116,16 +136,11 @@ def load_draft(directory: str | os.PathLike, target: LoadedModel) -> LoadedModel
 
     """
     path = pathlib.Path(directory)
+    manifest = read_manifest(path, fingerprint(target.model), target.name)
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
         tensors = load_file(path / WEIGHTS)
     except (OSError, ValueError) as err:
         raise ValueError(f"{str(path)!r} does not hold a readable distilled draft: {err}") from err
-    if manifest.get("fingerprint") != fingerprint(target.model):
-        raise ValueError(
-            f"draft {str(path)!r} was distilled for {manifest.get('target')!r} "
-            f"({manifest.get('fingerprint')}), not for {target.name!r} ({fingerprint(target.model)})"
-        )
     kind = manifest.get("kind", "layers")
     if kind == "features":
         model = feature_student(target.model, manifest["source_layers"])
@@ -138,12 +153,21 @@ def load_draft(directory: str | os.PathLike, target: LoadedModel) -> LoadedModel
         module.load_state_dict(state)  # strict: a missing or extra tensor is an error
         module.to(device=target.model.device, dtype=target.model.dtype)
     model.eval().requires_grad_(False)
+    return LoadedModel(model, target.tokenizer, draft_name(path), draft_source(path, manifest))
+
+
+def draft_name(path: pathlib.Path) -> str:
+    """How a distilled draft is named in outputs and records."""
+    return "default distilled draft" if path.resolve() == SHIPPED_DRAFT.resolve() else str(path)
+
+
+def draft_source(path: pathlib.Path, manifest: dict) -> str:
+    """Where a distilled draft came from, its shape and its target, in words."""
+    kind = manifest.get("kind", "layers")
     shape = f"{len(manifest['source_layers'])} layers" + (
         ", reading the target's hidden states" if kind == "features" else ""
     )
-    source = f"distilled draft {path} ({shape}, for {manifest['target']})"
-    name = "default distilled draft" if path.resolve() == SHIPPED_DRAFT.resolve() else str(path)
-    return LoadedModel(model, target.tokenizer, name, source)
+    return f"distilled draft {path} ({shape}, for {manifest['target']})"
 
 
 def resolve_draft(

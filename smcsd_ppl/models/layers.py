@@ -21,16 +21,24 @@ def decoder_layers(full: transformers.PreTrainedModel) -> nn.ModuleList:
     return layers
 
 
-def assemble(
-    full: transformers.PreTrainedModel, indices: Sequence[int], layers: nn.ModuleList, norm: nn.Module | None
-) -> transformers.PreTrainedModel:
-    """A model of ``full``'s class with the given decoder layers; everything else is shared."""
-    config = copy.deepcopy(full.config)
+def layer_config(
+    config: transformers.PretrainedConfig, indices: Sequence[int]
+) -> transformers.PretrainedConfig:
+    """A copy of ``config`` for a model of the decoder layers ``indices`` (in that order)."""
+    config = copy.deepcopy(config)
     # Per-layer lists (e.g. `layer_types`) must match the new depth or config validation fails.
     for key, value in list(vars(config).items()):
         if isinstance(value, (list, tuple)) and len(value) == config.num_hidden_layers:
             setattr(config, key, type(value)(value[i] for i in indices))
     config.num_hidden_layers = len(indices)
+    return config
+
+
+def assemble(
+    full: transformers.PreTrainedModel, indices: Sequence[int], layers: nn.ModuleList, norm: nn.Module | None
+) -> transformers.PreTrainedModel:
+    """A model of ``full``'s class with the given decoder layers; everything else is shared."""
+    config = layer_config(full.config, indices)
     # Meta device: build only the skeleton; every tensor is replaced below.
     with torch.device("meta"):
         draft = type(full)(config)

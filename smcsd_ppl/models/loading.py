@@ -48,22 +48,27 @@ class LoadedModel:
     """A causal LM ready for inference, with its tokenizer.
 
     Attributes:
-        model: The model, in eval mode with gradients off, on the requested device/dtype.
+        model: The model, in eval mode with gradients off, on the requested device/dtype; None
+            where it is not built in PyTorch (a vLLM pair's: ``models.checkpoint``).
         tokenizer: Its tokenizer.
         name: What the user asked for.
         source: Human-readable description of where the weights came from.
         is_slice: True if the model is a layer slice sharing another model's weights.
         path: where another engine can load the same weights from (a directory or hub id);
             None for a model built in memory (a layer slice, a distilled draft).
+        dtype: a model not built: the dtype its engine runs in (else None: the model's own).
+        device: a model not built: where its LM head lives (else None: the model's own).
 
     """
 
-    model: transformers.PreTrainedModel
+    model: transformers.PreTrainedModel | None
     tokenizer: transformers.PreTrainedTokenizerBase
     name: str
     source: str
     is_slice: bool = False
     path: str | None = None
+    dtype: torch.dtype | None = None
+    device: torch.device | None = None
 
 
 def _parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -251,7 +256,13 @@ def _answers(host: str, port: int, timeout: float) -> bool:
 def eos_ids(model: LoadedModel) -> list[int]:
     """End-of-sequence ids from the tokenizer and the generation config."""
     ids = {model.tokenizer.eos_token_id}
-    gen = getattr(model.model, "generation_config", None)
+    if model.model is not None:
+        gen = getattr(model.model, "generation_config", None)
+    else:  # read from its directory, as the model would have been built with it
+        try:
+            gen = transformers.GenerationConfig.from_pretrained(model.path)
+        except OSError:
+            gen = None
     extra = getattr(gen, "eos_token_id", None)
     ids |= set(extra) if isinstance(extra, (list, tuple)) else {extra}
     ids.discard(None)

@@ -33,7 +33,7 @@ class TokenLMs:
 
     def get(self, ctx: RunContext):
         """The context's target as (``AsyncTransformer``, ``CachedCausalLM``); no hub is read."""
-        model = ctx.target_model.model
+        model = ctx.built_models("a token-level steering method")[0].model
         if model not in self.built:
             from genlm.backend.llm import AsyncTransformer
             from llamppl import CachedCausalLM
