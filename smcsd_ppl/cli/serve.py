@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from . import serve_ray
 from .loading import load_pair
 from .options import model_args, smc_args, smc_config
 from .util import check_threads, err
@@ -23,6 +24,7 @@ def add_parser(sub) -> None:
         "resampling, ESS threshold, selection and token level hold for every request.",
     )
     server_args(serve)
+    serve_ray.ray_server_args(serve)
     model_args(serve)
     smc_args(serve, seed=False)  # a request without a seed gets a fresh one
     serve.set_defaults(run=run)
@@ -62,6 +64,9 @@ def run(args: argparse.Namespace) -> int:
     config = smc_config(args)
     check_threads(args.threads)
     check_server_args(args)
+    serve_ray.check_ray_args(args)
+    if args.ray:
+        return serve_ray.run(args)
     sock = bind(args.host, args.port)  # a port in use fails before the models load
     pair = load_pair(args)
     app = serving_app(pair, config, args)
