@@ -21,7 +21,7 @@ from ray import serve  # noqa: E402
 from smcsd_ppl.cli import build_parser, serve_ray  # noqa: E402
 from smcsd_ppl.cli.loading import load_pair  # noqa: E402
 from smcsd_ppl.cli.options import smc_config  # noqa: E402
-from smcsd_ppl.cli.serve import serving_app  # noqa: E402
+from smcsd_ppl.cli.server import serving_app  # noqa: E402
 from smcsd_ppl.serving.server import BackgroundServer  # noqa: E402
 
 REQUESTS = 16

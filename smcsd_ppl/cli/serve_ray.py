@@ -65,7 +65,7 @@ def replica_builder(options: dict):
     def build():
         from .loading import load_pair
         from .options import smc_config
-        from .serve import serving_app
+        from .server import serving_app
 
         args = argparse.Namespace(**options)
         pair = load_pair(args)
