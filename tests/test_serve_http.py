@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from smcsd_ppl.config import SMCConfig
-from smcsd_ppl.serving.app import build_app
+from smcsd_ppl.serving.app import DISCONNECT_POLL_SECONDS, build_app
 from smcsd_ppl.serving.scheduler import Scheduler, SchedulerClosed, ServeRequest
 from smcsd_ppl.serving.server import BackgroundServer
 
@@ -249,17 +249,20 @@ def test_a_client_gone_mid_stream_is_cancelled_and_its_rows_freed(tiny_smcsd):
             assert time.monotonic() < deadline, "the request was not cancelled"
             time.sleep(0.05)
         wait_idle(client)
-        # a client that gives up waiting for a whole answer is cancelled too: it leaves once its
-        # request runs (a client timeout could fire before the server had read the request)
+        # a client that gives up waiting for a whole answer is cancelled too. Its request is held
+        # in the queue (the scheduler is taken) until the client has left, so that it cannot
+        # finish first on a fast machine, nor the client leave before the server read it.
         body = json.dumps(ask | {"stream": False}).encode()
         head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         head += f"Content-Length: {len(body)}\r\n\r\n"
-        with socket.create_connection((client.base_url.host, client.base_url.port)) as sock:
-            sock.sendall(head.encode() + body)
-            deadline = time.monotonic() + 30
-            while gauge(client, "smcsd_requests_running") < 1:
-                assert time.monotonic() < deadline, "the waiting request never ran"
-                time.sleep(0.01)
+        with tiny_smcsd.scheduler.exclusive():
+            with socket.create_connection((client.base_url.host, client.base_url.port)) as sock:
+                sock.sendall(head.encode() + body)
+                deadline = time.monotonic() + 30
+                while gauge(client, "smcsd_queue_depth") < 1:
+                    assert time.monotonic() < deadline, "the waiting request never reached the queue"
+                    time.sleep(0.01)
+            time.sleep(8 * DISCONNECT_POLL_SECONDS)  # the server notices the client has gone
         deadline = time.monotonic() + 30
         while counter(client, "smcsd_requests_total", 'outcome="cancelled"') < 2:
             assert time.monotonic() < deadline, "the waiting request was not cancelled"
