@@ -22,14 +22,24 @@ def weights_dir(model, cache_root: pathlib.Path) -> str:
     digest = hashlib.sha256(model.source.encode())
     for p in model.model.parameters():
         digest.update(f"{p.shape}{p.dtype}{float(p.sum(dtype=torch.float32)):.6e}".encode())  # no fp32 copy
-    final = cache_root / "vllm" / digest.hexdigest()[:16]
+    return write_once(
+        cache_root / "vllm" / digest.hexdigest()[:16],
+        lambda tmp: (model.model.save_pretrained(tmp), model.tokenizer.save_pretrained(tmp)),
+    )
+
+
+def write_once(final: pathlib.Path, write) -> str:
+    """``final``, a model directory made by ``write(tmp)`` unless it is there already.
+
+    Written in a temporary directory beside it, then renamed: a reader never sees half a model,
+    and of two processes writing at once, one wins and the other keeps its result.
+    """
     if (final / "config.json").is_file():
         return str(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=".tmp-", dir=final.parent))
     try:
-        model.model.save_pretrained(tmp)
-        model.tokenizer.save_pretrained(tmp)
+        write(tmp)
         try:
             tmp.rename(final)
         except OSError:

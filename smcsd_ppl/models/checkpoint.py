@@ -15,8 +15,6 @@ import json
 import logging
 import pathlib
 import re
-import shutil
-import tempfile
 
 import torch
 from safetensors import safe_open
@@ -24,6 +22,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoTokenizer
 
 from ..backends.vllm import EngineParts
+from ..backends.vllm_export import write_once
 from .drafts import (
     DEFAULT_DRAFT_LAYERS,
     SHIPPED_DRAFT,
@@ -165,22 +164,15 @@ def _write_layers(
     if (final / "config.json").is_file():
         return str(final)
     tensors = _layer_tensors(files, indices, own, target.dtype)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=".tmp-", dir=final.parent))
-    try:
+
+    def write(tmp: pathlib.Path) -> None:
         save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
         config = layer_config(AutoConfig.from_pretrained(target.path), indices)
         config.dtype = target.dtype  # what its tensors are in
         config.save_pretrained(tmp)
         target.tokenizer.save_pretrained(tmp)
-        try:
-            tmp.rename(final)
-        except OSError:
-            if not (final / "config.json").is_file():  # another process wrote it first otherwise
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return str(final)
+
+    return write_once(final, write)
 
 
 def _layer_tensors(
