@@ -10,6 +10,7 @@ any batch draw the same numbers. Hashes of distinct keys behave as independent u
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -34,7 +35,12 @@ def row_key(seed: int, cycle: int, slot: int, context: int) -> int:
 
 def uniform(key: int, purpose: int) -> float:
     """The uniform in [0, 1) of ``key`` for ``purpose`` (53 bits, as a float64 holds)."""
-    return (mix64(key ^ mix64(purpose)) >> 11) / float(1 << 53)
+    return (mix64(key ^ _purpose_key(purpose)) >> 11) / float(1 << 53)
+
+
+@functools.cache
+def _purpose_key(purpose: int) -> int:
+    return mix64(purpose)
 
 
 @dataclass(frozen=True)
@@ -61,10 +67,13 @@ class RowStreams:
         not asked are zeros. Each asked row's count of services moves on.
         """
         u = torch.zeros(n_rows, width, dtype=torch.float64)
+        purposes = [LEAD, *(DRAFT + j for j in range(width - 2)), BONUS]
+        table = []
         for r in rows:
             n = self.served.get(r, 0)
             self.served[r] = n + 1
             key = mix64(self.plans[r].key ^ n)
-            purposes = [LEAD, *(DRAFT + j for j in range(width - 2)), BONUS]
-            u[r] = torch.tensor([uniform(key, p) for p in purposes], dtype=torch.float64)
+            table.append([uniform(key, p) for p in purposes])
+        if rows:
+            u[list(rows)] = torch.tensor(table, dtype=torch.float64)
         return u
