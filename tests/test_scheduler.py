@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from helpers import EOS, config, exact_target, mock_pair, total_variation
+from helpers import EOS, config, exact_target, marginal_tv, mock_pair, total_variation
 
 from smcsd_ppl.config import DraftRecord, SMCConfig
 from smcsd_ppl.inference.rows import RowStore
@@ -266,3 +266,36 @@ def test_a_stream_of_one_particle_can_be_taken_back(monkeypatch):
     monkeypatch.setattr(module, "settled_tokens", lambda pop: tuple(pop.particles[0].token_ids))
     runs = streamed_runs(stream=True)
     assert any(text != gen.text for text, gen in runs)
+
+
+def returned_through_scheduler(**cfg) -> list[tuple[str, object]]:
+    """2000 streamed requests (plain programs, cut 0.3, N = 16) joining one scheduler: stream and result."""
+    base = config(n_particles=16, block_size=4, cut=0.3, max_new_tokens=4, seed=0, **cfg)
+
+    async def one(sched, seed):
+        ticket = sched.submit(ServeRequest([1, 2], replace(base, seed=seed)))
+        pieces = [p async for p in ticket.stream()]
+        return "".join(pieces), await ticket.result()
+
+    async def all_of(sched):
+        return await asyncio.gather(*(one(sched, s) for s in range(2000)))
+
+    with Scheduler(MockPair(), base, max_queue=2000) as sched:
+        return asyncio.run(all_of(sched))
+
+
+def test_returned_outputs_of_streamed_requests_follow_the_target():
+    """Enumeration on what the user gets back: the returned outputs' marginals against the target."""
+    runs = returned_through_scheduler()
+    assert all(text == gen.text for text, gen in runs)
+    target, _ = mock_pair(rare_eos=True)
+    exact, _ = exact_target(target, [1, 2], 4)
+    assert marginal_tv([gen.token_ids for _, gen in runs], exact, 4) < 0.05
+
+
+def test_returning_the_heaviest_particle_fails_that_check():
+    """The check above can fail: the heaviest particle, not one drawn by weight, is biased."""
+    runs = returned_through_scheduler(selection="argmax")
+    target, _ = mock_pair(rare_eos=True)
+    exact, _ = exact_target(target, [1, 2], 4)
+    assert marginal_tv([gen.token_ids for _, gen in runs], exact, 4) >= 0.05
