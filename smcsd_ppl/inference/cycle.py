@@ -18,6 +18,7 @@ import torch
 from ..backends.base import to_device
 from ..config import SMCConfig
 from ..ends import row_ends
+from ..proposals.blocks import RowProposal
 from ..verification import BlockBatch, draw_restricted, verify_blocks
 from . import constrained
 from .blocks import (
@@ -41,11 +42,13 @@ def serve(
     eos: Container[int],
     limits: Mapping[int, int],
     g: torch.Generator,
+    proposals: Mapping[int, RowProposal] | None = None,
 ) -> list[CycleAnswer]:
     """Answer one flush's requests, in order.
 
     Each ``TokenRequest`` gets its row's next-token log-probabilities ``[V]`` (on the host),
-    each ``BlockRequest`` its ``ScoredBlock``; ``limits[row]`` is a row's draft length.
+    each ``BlockRequest`` its ``ScoredBlock``; ``limits[row]`` is a row's draft length,
+    ``proposals[row]`` what draws its block (absent: the draft).
     """
     out: list[CycleAnswer | None] = [None] * len(requests)
     tokens = [i for i, r in enumerate(requests) if isinstance(r, TokenRequest)]
@@ -56,7 +59,10 @@ def serve(
     if blocks:
         asked = [requests[i] for i in blocks]
         lengths = [limits[r.row] for r in asked]
-        for i, b in zip(blocks, run_blocks(store, asked, config=config, eos=eos, limits=lengths, g=g)):
+        props = [(proposals or {}).get(r.row) for r in asked]
+        for i, b in zip(
+            blocks, run_blocks(store, asked, config=config, eos=eos, limits=lengths, g=g, proposals=props)
+        ):
             out[i] = b
     return out
 
@@ -82,6 +88,7 @@ def run_blocks(
     eos: set[int],
     limits: Sequence[int],
     g: torch.Generator,
+    proposals: Sequence[RowProposal | None] | None = None,
 ) -> list[ScoredBlock]:
     """SMC-SD blocks for ``requests`` (one per row), ``limits[i]`` drafted tokens at most each.
 
@@ -98,7 +105,10 @@ def run_blocks(
         store.queue({requests[i].row: [leads[i].token] for i in go if i in leads})
         asked = [_after_lead(requests[i], leads.get(i)) for i in go]
         lead_log_w = [leads[i].log_w if i in leads else 0.0 for i in go]
-        blocks = _blocks(store, asked, [limits[i] for i in go], lead_log_w, config, eos, g)
+        props = None
+        if proposals is not None:  # a row's retrieval reads what it sent and its lead too
+            props = [_then(proposals[i], requests[i].unsent, leads.get(i)) for i in go]
+        blocks = _blocks(store, asked, [limits[i] for i in go], lead_log_w, config, eos, g, props)
         for i, b in zip(go, blocks):
             out[i] = replace(b, lead=leads[i].token) if i in leads else b
     return [out[i] for i in range(len(requests))]
@@ -154,7 +164,13 @@ def _after_lead(request: BlockRequest, lead: Lead | None) -> BlockRequest:
     return replace(request, budget=request.budget - 1, constraint=constraint, unsent=(), mask=None)
 
 
-def _blocks(store, requests, limits, lead_log_w, c: SMCConfig, eos, g) -> list[ScoredBlock]:
+def _then(proposal: RowProposal | None, unsent: Sequence[int], lead: Lead | None) -> RowProposal | None:
+    if proposal is None:
+        return None
+    return proposal.then([*unsent, *([] if lead is None else [lead.token])])
+
+
+def _blocks(store, requests, limits, lead_log_w, c: SMCConfig, eos, g, proposals=None) -> list[ScoredBlock]:
     """Draft, score in one fused forward, verify and commit the blocks of rows with a token queued."""
     drafted = draft_blocks(
         store,
@@ -165,12 +181,13 @@ def _blocks(store, requests, limits, lead_log_w, c: SMCConfig, eos, g) -> list[S
         g=g,
         limits=limits,
         keep_probs=c.cut is not None,
+        proposals=proposals,
     )
     k = block_length(drafted)  # one length for all: they are verified together
     rows = [b.row for b in drafted]
     logits, hidden = store.score(rows, [b.tokens for b in drafted])
     logits = logits.div_(c.target_temperature)  # [n, k+1, V]
-    batch = block_batch(drafted, lead_log_w, logits.shape[-1], logits.device, c.cut is not None and k > 0)
+    batch = block_batch(drafted, lead_log_w, logits.shape[-1], logits.device, k > 0)
     verdict = verify_blocks(
         logits, batch, g, alpha=c.alpha, cut=c.cut if k else None, divergence=c.cut_divergence
     )
@@ -192,9 +209,14 @@ def _blocks(store, requests, limits, lead_log_w, c: SMCConfig, eos, g) -> list[S
 
 
 def block_batch(
-    drafted: Sequence[DraftedBlock], lead_log_w: Sequence[float], vocab: int, device: torch.device, cut: bool
+    drafted: Sequence[DraftedBlock],
+    lead_log_w: Sequence[float],
+    vocab: int,
+    device: torch.device,
+    drawn: bool,
 ) -> BlockBatch:
-    """The drafted blocks as verification reads them, on the logits' device."""
+    """The drafted blocks as verification reads them, on the logits' device (``drawn``: k > 0)."""
+    probs = drawn and drafted[0].draft_probs is not None  # kept for the cut or a retrieval row
     n, k = len(drafted), len(drafted[0].tokens)
     limit, stops, dead = torch.tensor([[b.limit, b.stops, b.dead] for b in drafted], dtype=torch.long).unbind(
         1
@@ -206,7 +228,19 @@ def block_batch(
         stops=to_device(stops.bool(), device),
         dead=to_device(dead.bool(), device),
         lead_log_w=to_device(torch.tensor(lead_log_w, dtype=torch.float32), device),
-        draft_probs=torch.stack([b.draft_probs for b in drafted]).to(device) if cut else None,
+        draft_probs=torch.stack([b.draft_probs for b in drafted]).to(device) if probs else None,
         log_factor=constrained.proposal_factors(drafted, vocab, device),
         critic_allowed=constrained.critic_masks(drafted, vocab, device),
+        **_retrieval_fields(drafted, device),
+    )
+
+
+def _retrieval_fields(drafted: Sequence[DraftedBlock], device: torch.device) -> dict:
+    """``target_share`` and ``stopped_at`` of the batch, when a row was drawn by retrieval."""
+    if not any(b.target_share for b in drafted):
+        return {}
+    share = torch.tensor([b.target_share for b in drafted], dtype=torch.float32)
+    return dict(
+        target_share=to_device(share, device),
+        stopped_at=to_device(torch.tensor([b.stopped_at for b in drafted], dtype=torch.long), device),
     )

@@ -22,6 +22,14 @@ same call gives the same output whatever ran before; a finished request's eviden
 folded into a new record (``learned``) by a caller who wants requests to learn.
 Once a record says the draft does not pay, requests decode alone from their first token
 without even prefilling the draft.
+
+Proposals (``proposals.blocks``): the schedule may choose among several (``candidates``),
+each with its own recent pass rate and cost per drafted position (retrieval runs no draft
+forward: only the verify's extra positions). Each cycle it runs the one with the most expected
+tokens per unit of cost, or the target alone when none pays; proposals it knows nothing of yet
+are probed side by side, the particles split among them. Retrieval is only tried where it knows
+a continuation of some particle's context (a look that costs nothing), and its evidence fades
+while it is not used, so a request probes it again later.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from ..config import DraftRecord
+from ..proposals.blocks import USES_DRAFT
 
 PRIOR_POSITIONS = 8.0  # how many drafted positions a record counts for in a new request
 MEMORY = 0.8  # a learned record keeps this share of its older evidence
@@ -38,6 +47,13 @@ MEMORY = 0.8  # a learned record keeps this share of its older evidence
 # where the fused forward is memory-bound, larger on a CPU (docs/algorithm.md, the quality cut).
 VERIFY_POSITION_COST = {"cpu": 0.1}
 DEFAULT_POSITION_COST = 0.02
+RECENT = 0.7  # a retrieval or mixture pass rate keeps this share of its evidence per cycle
+PROBE_BELOW = 1.0  # evidence (in positions) under which a proposal other than the draft is probed
+
+
+def retrieval_step_cost(device_type: str) -> float:
+    """Cost of one retrieved position relative to one target step: its verified position only."""
+    return VERIFY_POSITION_COST.get(device_type, DEFAULT_POSITION_COST)
 
 
 def draft_step_cost(draft_params: int | None, target_params: int | None, device_type: str) -> float:
@@ -60,21 +76,49 @@ def best_length(pass_rate: float, cost: float, longest: int) -> int:
     return max(range(longest + 1), key=value)
 
 
+def _scaled(passed: float, failed: float) -> tuple[float, float]:
+    seen = passed + failed
+    scale = min(1.0, PRIOR_POSITIONS / seen) if seen else 0.0
+    return passed * scale, failed * scale
+
+
 def schedule_from(
-    record: DraftRecord, block_size: int, particles: int, plain: bool, cost: float
+    record: DraftRecord,
+    block_size: int,
+    particles: int,
+    plain: bool,
+    cost: float,
+    candidates: tuple[str, ...] = ("draft",),
+    retrieval_cost: float = DEFAULT_POSITION_COST,
 ) -> DraftSchedule:
     """A new request's schedule, starting from ``record`` (probing when it is empty)."""
-    seen = record.passed + record.failed
-    scale = min(1.0, PRIOR_POSITIONS / seen) if seen else 0.0
-    passed, failed = record.passed * scale, record.failed * scale
-    return DraftSchedule(block_size, particles, plain, cost, passed, failed, passed, failed)
+    passed, failed = _scaled(record.passed, record.failed)
+    others = tuple((k, *_scaled(*record.rate_of(k))) for k in candidates if k != "draft")
+    return DraftSchedule(
+        block_size,
+        particles,
+        plain,
+        cost,
+        passed,
+        failed,
+        passed,
+        failed,
+        candidates=candidates,
+        others=others,
+        retrieval_cost=retrieval_cost,
+    )
 
 
 def learned(record: DraftRecord, schedule: DraftSchedule) -> DraftRecord:
     """``record`` with a finished request's own evidence added, older evidence fading."""
+    rates = dict(record.rates)
+    for kind, passed, failed in schedule.others:  # recent rates: the request's last word
+        old = record.rate_of(kind)
+        rates[kind] = (MEMORY * old[0] + passed, MEMORY * old[1] + failed)
     return DraftRecord(
         MEMORY * record.passed + schedule.passed - schedule.prior_passed,
         MEMORY * record.failed + schedule.failed - schedule.prior_failed,
+        tuple(sorted((k, p, f) for k, (p, f) in rates.items())),
     )
 
 
@@ -93,6 +137,12 @@ class DraftSchedule:
         prior_passed: the record's share of ``passed``.
         prior_failed: the record's share of ``failed``.
         lengths: the draft length of each cycle run (0: the target alone).
+        candidates: the proposals the request may use (``proposals.blocks.KINDS``).
+        others: (kind, passed, failed) of each candidate but the draft, recent evidence.
+        retrieval_cost: one retrieved position's cost relative to one target step.
+        plan: this cycle's (proposal, draft length) per particle group (particle i runs
+            ``plan[i % len(plan)]``); ``("target", 0)``: the target alone.
+        kinds: each cycle's proposals.
     """
 
     block_size: int
@@ -104,10 +154,16 @@ class DraftSchedule:
     prior_passed: float = 0.0
     prior_failed: float = 0.0
     lengths: tuple[int, ...] = ()
+    candidates: tuple[str, ...] = ("draft",)
+    others: tuple[tuple[str, float, float], ...] = ()
+    retrieval_cost: float = DEFAULT_POSITION_COST
+    plan: tuple[tuple[str, int], ...] = ()
+    kinds: tuple[tuple[str, ...], ...] = ()
+    draft_off: bool = False
 
     @property
     def alone(self) -> bool:
-        """The request decodes with the target alone from now on (drafting did not pay)."""
+        """The request decodes with the target alone this cycle (the draft did not pay)."""
         return bool(self.lengths) and self.lengths[-1] == 0
 
     @property
@@ -116,26 +172,79 @@ class DraftSchedule:
         return self.passed + self.failed == 0
 
     def planned_length(self) -> int:
-        """The draft length the evidence so far calls for."""
-        if self.alone:  # no drafting, no new evidence: stay
+        """The draft model's length the evidence so far calls for (0 once it stopped paying)."""
+        if self.draft_off:  # no drafting, no new evidence: stay
             return 0
         if self.probing:
             return max(1, self.block_size // 2)
         return best_length(self.passed / (self.passed + self.failed), self.cost, self.block_size)
 
-    def advanced(self) -> DraftSchedule:
-        """The schedule with the next cycle's draft length decided."""
-        return replace(self, lengths=(*self.lengths, self.planned_length()))
+    def _options(self, retrievable: bool) -> tuple[list[str], list[tuple[float, str, int]]]:
+        """Proposals to probe, and (expected tokens per cost, proposal, length) of the others."""
+        probes, known = [], []
+        draft_off = self.draft_off or self.planned_length() == 0
+        for kind in self.candidates:
+            if (USES_DRAFT[kind] and draft_off) or (kind != "draft" and not retrievable):
+                continue
+            if kind == "draft":
+                length, rate, cost = self.planned_length(), None, self.cost
+                if self.probing:
+                    probes.append(kind)
+                    continue
+                rate = self.passed / (self.passed + self.failed)
+            else:
+                _, passed, failed = next(o for o in self.others if o[0] == kind)
+                cost = self.retrieval_cost if not USES_DRAFT[kind] else self.cost
+                if passed + failed < PROBE_BELOW:
+                    probes.append(kind)
+                    continue
+                rate = passed / (passed + failed)
+                length = best_length(rate, cost, self.block_size)
+            known.append((sum(rate**j for j in range(length + 1)) / (1 + cost * length), kind, length))
+        return probes, known
+
+    def advanced(self, retrievable: bool = False) -> DraftSchedule:
+        """The schedule with the next cycle's proposals and lengths decided.
+
+        ``retrievable``: retrieval knows a continuation of some particle's context now.
+        """
+        probes, known = self._options(retrievable)
+        if probes:  # the particles split among what is not known yet
+            plan = tuple(
+                (k, self.block_size if k == "retrieval" else max(1, self.block_size // 2)) for k in probes
+            )
+        else:
+            best = max(known, default=(1.0, "target", 0), key=lambda o: o[0])
+            plan = (("target", 0),) if best[2] == 0 else ((best[1], best[2]),)
+        off = self.draft_off or ("draft" in self.candidates and self.planned_length() == 0)
+        return replace(
+            self,
+            lengths=(*self.lengths, max(n for _, n in plan)),
+            plan=plan,
+            kinds=(*self.kinds, tuple(k for k, _ in plan)),
+            draft_off=off,
+            others=tuple((k, RECENT * p, RECENT * f) for k, p, f in self.others),  # fading
+        )
 
     @property
     def length(self) -> int:
-        """The current cycle's draft length."""
+        """The current cycle's longest draft length."""
         return self.lengths[-1]
 
     def n_particles(self) -> int:
         """How many particles the current cycle runs."""
-        return 1 if self.plain and self.alone else self.particles
+        return 1 if self.plain and self.plan == (("target", 0),) else self.particles
 
     def observed(self, kept: Sequence[int], diverged: Sequence[bool]) -> DraftSchedule:
         """The schedule after one cycle's drafted blocks: tokens kept by the cut, and whether it fired."""
         return replace(self, passed=self.passed + sum(kept), failed=self.failed + sum(diverged))
+
+    def observed_kind(self, kind: str, kept: Sequence[int], short: Sequence[bool]) -> DraftSchedule:
+        """A retrieval or mixture cycle's evidence: tokens kept and blocks that ended short, per block."""
+        if not kept:
+            return self
+        n = len(kept)
+        others = tuple(
+            (k, p + sum(kept) / n, f + sum(short) / n) if k == kind else (k, p, f) for k, p, f in self.others
+        )
+        return replace(self, others=others)

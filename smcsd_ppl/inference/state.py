@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .. import smc
+from ..proposals.blocks import RequestIndex
 from .program import Runtime, SMCSDModel
 from .schedule import DraftSchedule
 
@@ -41,6 +42,8 @@ class Population:
         n_resamples: resampling rounds.
         schedule: the request's draft schedule (None without the quality cut).
         ancestors: the slots each particle was drawn from at the latest reshape (empty: none yet).
+        retrieval: the request's retrieval index (None: no proposal retrieves); like the row
+            store, a step feeds it.
     """
 
     particles: tuple[SMCSDModel, ...]
@@ -53,6 +56,7 @@ class Population:
     n_resamples: int = 0
     schedule: DraftSchedule | None = None
     ancestors: tuple[int, ...] = ()
+    retrieval: RequestIndex | None = None
 
     def __post_init__(self) -> None:
         assert len(self.particles) == len(self.weights) == len(self.rows), "one weight and row set a particle"

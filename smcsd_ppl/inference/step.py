@@ -22,11 +22,12 @@ import torch
 from .. import smc
 from ..config import DraftRecord, SMCConfig
 from ..ends import row_ends
+from . import proposing
 from .blocks import CycleAnswer, CycleRequest, ScoredBlock
 from .cycle import serve
 from .program import CycleBarrier, Runtime, SMCSDModel, unawaited_calls
 from .rows import RowStore
-from .schedule import DraftSchedule, draft_step_cost, schedule_from
+from .schedule import DraftSchedule, draft_step_cost, retrieval_step_cost, schedule_from
 from .state import Population, SMCState, StepInfo, resampled
 
 MAX_IDLE_CYCLES = 64  # cycles in a row in which no particle did anything: a step that never extends
@@ -71,6 +72,7 @@ class SMCSDKernel:
         self.draft_cost = draft_step_cost(
             getattr(store.draft, "n_params", None), getattr(store.target, "n_params", None), store.device.type
         )
+        self.proposals = proposing.candidates(config, store.reads_hidden)
 
     def plain(self, program: SMCSDModel) -> bool:
         """The request may decode alone with one particle: the plain program at alpha = 1."""
@@ -86,19 +88,23 @@ class SMCSDKernel:
         until they step.
         """
         c = self.config
-        schedules = [
-            schedule_from(record, c.block_size, c.n_particles, self.plain(p), self.draft_cost).advanced()
-            if c.cut is not None and not c.token_level
-            else None
-            for p in programs
-        ]
-        counts = [c.n_particles if s is None else s.n_particles() for s in schedules]
+        kinds, cost = self.proposals, retrieval_step_cost(self.store.device.type)
         copies = [copy.deepcopy(p) for p in programs]
         prompts: list[list[int]] = []  # distinct prompts, each request's contexts in order
         for program in copies:
             for ctx in program.contexts():
                 ctx.prompt_ids = _prompt_ids(ctx, encode)
                 prompts.append(ctx.prompt_ids)
+        indices = [proposing.new_index(p, kinds) for p in copies]
+        schedules = [
+            schedule_from(
+                record, c.block_size, c.n_particles, self.plain(p), self.draft_cost, kinds, cost
+            ).advanced(proposing.continues(index, p))
+            if c.cut is not None and not c.token_level
+            else None
+            for p, index in zip(copies, indices)
+        ]
+        counts = [c.n_particles if s is None else s.n_particles() for s in schedules]
         pops, sources, first = [], [], 0  # sources: each row's prompt; first: a request's first prompt
         for i, (program, count, schedule) in enumerate(zip(copies, counts, schedules)):
             width = len(program.contexts())
@@ -108,8 +114,16 @@ class SMCSDKernel:
             sources += [first + j for _ in range(count) for j in range(width)]
             first += width
             seed = request_seed(c.seed, i)
-            pops.append(Population((program,) * count, (0.0,) * count, slots, seed, schedule=schedule))
-        drafting = not c.token_level and any(s is None or s.length != 0 for s in schedules)
+            pops.append(
+                Population(
+                    (program,) * count, (0.0,) * count, slots, seed, schedule=schedule, retrieval=indices[i]
+                )
+            )
+        drafting = (
+            not c.token_level
+            and proposing.uses_draft(kinds)
+            and any(s is None or not s.draft_off for s in schedules)
+        )
         self.store.start(prompts, sources, draft=drafting)
         return SMCState(tuple(pops))
 
@@ -123,17 +137,28 @@ class SMCSDKernel:
         runtime = Runtime(CycleBarrier(), self.config.max_new_tokens, self.decode, self.eos, g_draws)
         bound = [pop.bound(runtime) for pop in state.populations]
         live = [p for pop in bound for p in pop.particles if not p.done_stepping()]
-        limits = {
-            ctx.row: self._draft_length(pop)
-            for pop in bound
-            for p in pop.particles
-            if not p.done_stepping()
-            for ctx in p.contexts()
-        }
+        plans, limits, proposals = {}, {}, {}
+        for pop in bound:
+            for slot, p in enumerate(pop.particles):
+                if p.done_stepping():
+                    continue
+                kind, length = proposing.particle_plan(pop, slot, self.config)
+                for ctx in p.contexts():
+                    plans[ctx.row], limits[ctx.row] = (kind, length), length
+                    if (rp := proposing.row_proposal(pop, kind, ctx)) is not None:
+                        proposals[ctx.row] = rp
         blocks: dict[int, list[ScoredBlock]] = {}
 
         def handler(requests: list[CycleRequest]) -> list[CycleAnswer]:
-            out = serve(self.store, requests, config=self.config, eos=self.eos, limits=limits, g=g_tokens)
+            out = serve(
+                self.store,
+                requests,
+                config=self.config,
+                eos=self.eos,
+                limits=limits,
+                g=g_tokens,
+                proposals=proposals,
+            )
             for b in out:
                 if isinstance(b, ScoredBlock):
                     blocks.setdefault(b.row, []).append(b)
@@ -145,8 +170,10 @@ class SMCSDKernel:
         idle = self._idle(state, live, before, runtime.barrier)
         cycle, new, ess, did = state.cycle + 1, [], [], []
         for pop, old in zip(bound, state.populations):
-            pop = self._observed(
-                pop.stepped(old), [b for rs in pop.rows for r in rs for b in blocks.get(r, [])]
+            pop = pop.stepped(old)
+            proposing.fed(pop, old)
+            pop = proposing.observed(
+                pop, [(plans[r], b) for rs in pop.rows for r in rs for b in blocks.get(r, [])]
             )
             g = host_generator(step_key(pop.seed, cycle))
             pop, e, r = self._maybe_resample(pop, g)
@@ -159,12 +186,6 @@ class SMCSDKernel:
         longest = max(len(p.token_ids) for p in every)
         info = StepInfo(cycle, live_after, longest, tuple(ess), tuple(did), out.populations)
         return out, info
-
-    def _draft_length(self, pop: Population) -> int:
-        """How many tokens a request's rows draft this cycle (0: the target alone)."""
-        if self.config.token_level:
-            return 0
-        return pop.schedule.length if pop.schedule is not None else self.config.block_size
 
     def _settle(self, live: list[SMCSDModel]) -> None:
         """After the programs stepped: no primitive left un-awaited; a context out of budget ends."""
@@ -195,15 +216,6 @@ class SMCSDKernel:
             )
         return state.idle + 1
 
-    def _observed(self, pop: Population, blocks: list[ScoredBlock]) -> Population:
-        """The schedule after the blocks this cycle drafted (undrafted ones teach nothing)."""
-        if pop.schedule is None:
-            return pop
-        drafted = [b for b in blocks if b.drafted]
-        return replace(
-            pop, schedule=pop.schedule.observed([b.kept for b in drafted], [b.diverged for b in drafted])
-        )
-
     def _maybe_resample(self, pop: Population, g: torch.Generator) -> tuple[Population, float, bool]:
         """Resample a request whose ESS fell under ``ess_threshold * N``; returns its ESS and whether."""
         c, log_w, n = self.config, pop.log_weights(), len(pop.particles)
@@ -222,10 +234,10 @@ class SMCSDKernel:
         return replace(pop, n_resamples=pop.n_resamples + 1), e, True
 
     def _resized(self, pop: Population, g: torch.Generator) -> Population:
-        """Decide the next draft length; draw the particle count the schedule asks for (one, alone)."""
+        """Decide the next plan; draw the particle count the schedule asks for (one, alone)."""
         if pop.schedule is None or not pop.stepping:
             return pop
-        schedule: DraftSchedule = pop.schedule.advanced()
+        schedule: DraftSchedule = pop.schedule.advanced(proposing.retrievable(pop))
         pop = replace(pop, schedule=schedule)
         want = schedule.n_particles()
         return pop if want == len(pop.particles) else resampled(pop, self.config.resampling, g, want)

@@ -1,0 +1,155 @@
+"""Speed where answers reuse their prompts: per category, SMC-SD against AR, SD and retrieval peers.
+
+Spec-Bench's summarization, RAG and translation prompts (read from the user's copy of its
+``question.jsonl``) and our editing prompts (``bench.editing``); every method runs on every
+prompt in turn, repeat after repeat (interleaved, so machine noise spreads evenly), each
+run emitting exactly ``max_new_tokens`` tokens. Reported per method and category: median
+tokens/s, its ratio to AR's on the same category, median tokens per target call, and the
+target's mean log p per output token (scored after the timed runs, at temperature 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config import SMCConfig
+from .datasets import load_prompts
+from .editing import editing_prompts
+from .prompt import Prompt
+from .quality import target_loglik_per_token
+from .report import finish_plot
+
+COPY_CATEGORIES = ("summarization", "rag", "translation")
+COPY_METHODS = ("ar", "sd", "racer_sampling", "hf_prompt_lookup", "smcsd")
+
+
+def copy_prompts(spec_bench: str | Path, per_category: int, editing: int) -> list[Prompt]:
+    """``per_category`` prompts of each copying category of Spec-Bench, then ``editing`` of ours."""
+    if editing < 0 or editing > len(editing_prompts()):
+        raise ValueError(f"editing must be between 0 and {len(editing_prompts())}, got {editing}")
+    spec = [p for p in load_prompts(spec_bench) if p.category in COPY_CATEGORIES]
+    missing = set(COPY_CATEGORIES) - {p.category for p in spec}
+    if missing:
+        raise ValueError(
+            f"{spec_bench} has no prompts of {sorted(missing)}: is it Spec-Bench's question.jsonl?"
+        )
+    chosen = [p for c in COPY_CATEGORIES for p in [q for q in spec if q.category == c][:per_category]]
+    return chosen + editing_prompts()[:editing]
+
+
+@dataclass(frozen=True)
+class CategoryRow:
+    """Medians over one category's prompts x repeats of one method."""
+
+    method: str
+    category: str
+    tokens_per_second: float
+    speedup_vs_ar: float
+    tokens_per_target_call: float
+    target_logp_per_token: float
+    runs: int
+
+
+def compare_by_category(
+    pair,
+    prompts: Sequence[Prompt],
+    config: SMCConfig,
+    *,
+    repeats: int = 3,
+    methods: Sequence[str] = COPY_METHODS,
+    on_run: Callable[[str], None] | None = None,
+) -> list[CategoryRow]:
+    """Run every method on every prompt ``repeats`` times, interleaved; medians per category.
+
+    The pair's draft record is calibrated on the first prompt first (as ``compare_speed``
+    does), and each method runs once untimed, so no timed run pays for lazy set-up.
+    """
+    config = dataclasses.replace(config, ignore_eos=True)
+    warm = dataclasses.replace(config, max_new_tokens=8)
+    pair.calibrate(prompts[0].text, warm)
+    for method in methods:
+        pair.generate(prompts[0].text, method=method, config=warm)
+    runs: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+    encoded = [pair.encode(p.text) for p in prompts]
+    for rep in range(repeats):
+        for prompt, ids in zip(prompts, encoded):
+            for method in methods:
+                cfg = dataclasses.replace(config, seed=config.seed + rep)
+                (out,) = pair.generate_ids([ids], method=method, config=cfg)
+                logp = target_loglik_per_token(pair, ids, out.token_ids)
+                runs.setdefault((method, prompt.category), []).append(
+                    (out.stats.tokens_per_second, out.stats.tokens_per_target_call, logp)
+                )
+                if on_run is not None:
+                    on_run(method)
+    return _rows(runs)
+
+
+def _rows(runs: dict[tuple[str, str], list[tuple[float, float, float]]]) -> list[CategoryRow]:
+    rows = []
+    for (method, category), samples in runs.items():
+        tps = statistics.median(s[0] for s in samples)
+        ar = runs.get(("ar", category))
+        base = statistics.median(s[0] for s in ar) if ar else float("nan")
+        rows.append(
+            CategoryRow(
+                method,
+                category,
+                tps,
+                tps / base,
+                statistics.median(s[1] for s in samples),
+                statistics.median(s[2] for s in samples),
+                len(samples),
+            )
+        )
+    return sorted(rows, key=lambda r: (r.category, r.method))
+
+
+def markdown_table(rows: Sequence[CategoryRow]) -> str:
+    """One line per method and category."""
+    lines = [
+        "| category | method | tokens/s | x AR | tokens/target call | target log p/token | runs |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.category} | {r.method} | {r.tokens_per_second:.1f} | {r.speedup_vs_ar:.2f}x | "
+            f"{r.tokens_per_target_call:.2f} | {r.target_logp_per_token:.3f} | {r.runs} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: Sequence[CategoryRow], path: str | Path) -> Path:
+    """Speed (x AR) against tokens per target call: one point per method and category."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    markers = dict(zip(sorted({r.category for r in rows}), "osD^vP*X"))
+    for i, method in enumerate(sorted({r.method for r in rows})):
+        for r in (r for r in rows if r.method == method):
+            ax.scatter(
+                r.tokens_per_target_call,
+                r.speedup_vs_ar,
+                color=f"C{i}",
+                marker=markers[r.category],
+                label=f"{method} ({r.category})",
+            )
+    top = max((r.speedup_vs_ar for r in rows if r.speedup_vs_ar == r.speedup_vs_ar), default=1.0)
+    finish_plot(
+        fig,
+        ax,
+        path,
+        xlabel="tokens per target call",
+        ylabel="tokens/s, x autoregressive",
+        ylim=(0, 1.15 * top),
+        legend="upper left",
+    )
+    plt.close(fig)
+    return Path(path)
