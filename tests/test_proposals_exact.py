@@ -17,9 +17,11 @@ Mutants, each run at N = 32 with the cut on and off (largest marginal TV, limit 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
-from helpers import exact_target, marginal_tv, mock_pair, smc
+from helpers import distribution_marginal_tv, exact_target, marginal_tv, mock_pair, smc
 
 from smcsd_ppl.inference import proposing
 from smcsd_ppl.inference.program import SMCSDModel
@@ -34,30 +36,33 @@ def report(case: str, tv: float) -> float:
     return tv
 
 
-def returned(program, **cfg) -> list[list[int]]:
+def run(program, **cfg):
     target, draft = mock_pair(rare_eos=True)
     base = dict(block_size=4, max_new_tokens=H, draft_temperature=1.0, seed=3)
-    return [r.token_ids for r in smc(target, draft, [program() for _ in range(RUNS)], **(base | cfg))]
+    return smc(target, draft, [program() for _ in range(RUNS)], **(base | cfg))
 
 
 def exact():
     target, _ = mock_pair(rare_eos=True)
-    return exact_target(target, PROMPT, H)[0]
+    return exact_target(target, PROMPT, H)
 
 
-def check(case: str, outs, n: int, weights=None) -> None:
-    tv = report(f"{case}, N={n}", marginal_tv(outs, weights or exact(), H))
-    assert tv < TV_LIMIT if n > 1 else tv > 2 * TV_LIMIT, tv
+def returned_tv(case: str, results, weights=None) -> float:
+    """The largest marginal TV of the outputs ``generate`` returned."""
+    return report(case, marginal_tv([r.token_ids for r in results], weights or exact()[0], H))
 
 
-CASES = [(0.3, 32), (None, 32), (0.3, 1)]  # the cut on and off, and the one-particle control
-
-
-@pytest.mark.parametrize(("cut", "n"), CASES)
-@pytest.mark.parametrize("proposal", ["retrieval", "mixture"])
-def test_a_retrieval_proposal_returns_target_outputs(proposal, cut, n):
-    outs = returned(lambda: SMCSDModel(PROMPT), n_particles=n, cut=cut, proposal=proposal)
-    check(f"{proposal}, cut {cut}", outs, n)
+def pooled_tv(case: str, results) -> float:
+    """Z-pooled particles (right for any N): log Z unbiased, and their marginal TV."""
+    weights, z = exact()
+    zs = torch.tensor([math.exp(r.info.log_z) for r in results], dtype=torch.float64)
+    assert abs(float(zs.mean()) - z) < 4 * float(zs.std() / math.sqrt(len(zs))), float(zs.mean())
+    pooled: dict = {}
+    for r, zr in zip(results, zs.tolist()):
+        w = torch.softmax(torch.tensor([p.log_weight for p in r.info.particles], dtype=torch.float64), 0)
+        for p, wi in zip(r.info.particles, w.tolist()):
+            pooled[tuple(p.token_ids)] = pooled.get(tuple(p.token_ids), 0.0) + zr * wi / float(zs.sum())
+    return report(case, distribution_marginal_tv(pooled, weights, H))
 
 
 class Extend(SMCSDModel):
@@ -70,17 +75,47 @@ class Extend(SMCSDModel):
 PLANS = [("draft", 3), ("retrieval", 4), ("mixture", 2), ("target", 0)]
 
 
-@pytest.mark.parametrize(("cut", "n"), CASES)
-def test_particles_of_one_request_on_different_proposals_return_target_outputs(cut, n, monkeypatch):
-    # Each particle is weighed by its own proposal: slot i drafts with PLANS[i % 4] every cycle.
-    monkeypatch.setattr(proposing, "particle_plan", lambda pop, slot, config: PLANS[slot % len(PLANS)])
-    outs = returned(lambda: Extend(PROMPT), n_particles=n, cut=cut, proposal="mixture")
-    check(f"per-particle proposals, cut {cut}", outs, n)
+def runs_of(case: str, monkeypatch, **cfg):
+    """Runs of one case: a proposal for every particle, or (``mixed``) each slot its own plan."""
+    if case == "mixed":  # slot i drafts with PLANS[i % 4] every cycle
+        monkeypatch.setattr(proposing, "particle_plan", lambda pop, slot, config: PLANS[slot % len(PLANS)])
+        return run(lambda: Extend(PROMPT), proposal="mixture", **cfg)
+    return run(lambda: SMCSDModel(PROMPT), proposal=case, **cfg)
+
+
+CASES = ["retrieval", "mixture", "mixed"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_returned_outputs_follow_the_target_with_the_cut(case, monkeypatch):
+    assert (
+        returned_tv(f"{case}, cut 0.3, N=32", runs_of(case, monkeypatch, n_particles=32, cut=0.3)) < TV_LIMIT
+    )
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_pooled_particles_follow_the_target_without_the_cut(case, monkeypatch):
+    # Whole blocks: the returned outputs' own bias at small N is larger, Z-pooled particles are
+    # right for any N (as in test_outputs_exact's paper-mode check).
+    assert (
+        pooled_tv(f"{case}, cut off, N=8, pooled", runs_of(case, monkeypatch, n_particles=8, cut=None))
+        < TV_LIMIT
+    )
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_one_particle_returns_proposal_samples_that_fail_the_check(case, monkeypatch):
+    assert (
+        returned_tv(f"{case}, cut off, N=1", runs_of(case, monkeypatch, n_particles=1, cut=None))
+        > 2 * TV_LIMIT
+    )
 
 
 def test_auto_probes_both_proposals_side_by_side_and_returns_target_outputs():
-    outs = returned(lambda: SMCSDModel(PROMPT), n_particles=32, cut=0.3)
-    check("auto, cut 0.3", outs, 32)
+    assert (
+        returned_tv("auto, cut 0.3, N=32", run(lambda: SMCSDModel(PROMPT), n_particles=32, cut=0.3))
+        < TV_LIMIT
+    )
 
 
 class NoTwo(Constraint):
@@ -93,8 +128,7 @@ class NoTwo(Constraint):
 
 
 def test_masks_apply_to_retrieved_tokens():
-    cut = 0.3
-    weights = {y: w for y, w in exact().items() if 2 not in y}
-    outs = returned(lambda: SMCSDModel(PROMPT, NoTwo()), n_particles=32, cut=cut, proposal="retrieval")
-    assert not any(2 in o for o in outs)
-    check(f"retrieval under a mask, cut {cut}", outs, 32, weights)
+    weights = {y: w for y, w in exact()[0].items() if 2 not in y}
+    results = run(lambda: SMCSDModel(PROMPT, NoTwo()), n_particles=32, cut=0.3, proposal="retrieval")
+    assert not any(2 in r.token_ids for r in results)
+    assert returned_tv("retrieval under a mask, cut 0.3, N=32", results, weights) < TV_LIMIT

@@ -111,7 +111,7 @@ def schedule_from(
 
 def learned(record: DraftRecord, schedule: DraftSchedule) -> DraftRecord:
     """``record`` with a finished request's own evidence added, older evidence fading."""
-    rates = dict(record.rates)
+    rates = {k: (p, f) for k, p, f in record.rates}
     for kind, passed, failed in schedule.others:  # recent rates: the request's last word
         old = record.rate_of(kind)
         rates[kind] = (MEMORY * old[0] + passed, MEMORY * old[1] + failed)
