@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from helpers import mock_pair, smc
@@ -116,3 +118,41 @@ def test_the_copy_benchmark_reads_spec_bench_categories_and_our_edits(tmp_path):
     rows = [CategoryRow(m, "rag", 2.0, x, c, -0.5, 3) for m, x, c in (("ar", 1.0, 1.0), ("smcsd", 1.4, 3.2))]
     assert "| rag | smcsd | 2.0 | 1.40x | 3.20 |" in markdown_table(rows)
     assert plot(rows, tmp_path / "p.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("stop", [False, True])
+def test_a_retrieval_rows_weight_divides_by_the_mixture_with_the_target(stop):
+    # The weight formula itself, at alpha = 2: kept tokens and a bonus after a stop for the target
+    # weigh p^alpha / ((1 - s) r + s p~); a bonus after the block's length weighs log Z. Mutants:
+    # log q taken as log r fails both cases, the stop's bonus weighed as log Z fails the second.
+    from smcsd_ppl.verification import BlockBatch, verify_blocks
+
+    alpha, s, k = 2.0, 1 / 16, 2
+    logits = torch.randn(1, k + 1, 4, generator=torch.Generator().manual_seed(5))
+    r = torch.tensor([[[0.5, 0.5, 0.0, 0.0], [0.0, 0.25, 0.75, 0.0]]])
+    tokens = torch.tensor([[1, 2]])
+    batch = BlockBatch(
+        tokens=tokens,
+        draft_logq=r[0, [0, 1], [1, 2]].log()[None],
+        limit=torch.tensor([1 if stop else k]),
+        stops=torch.tensor([False]),
+        dead=torch.tensor([False]),
+        lead_log_w=torch.zeros(1),
+        draft_probs=r,
+        target_share=torch.tensor([s]),
+        stopped_at=torch.tensor([1 if stop else -1]),
+    )
+    verdict = verify_blocks(logits, batch, torch.Generator().manual_seed(0), alpha=alpha)
+    tilted = alpha * torch.log_softmax(logits[0], -1)  # [k+1, V]
+    p = torch.softmax(tilted, -1)  # the normalized power p~
+
+    def term(j, x):
+        rx = float(r[0, j, x]) if j < k else 0.0
+        return float(tilted[j, x]) - math.log((1 - s) * rx + s * float(p[j, x]))
+
+    kept = 1 if stop else k
+    bonus = int(verdict.bonus[0])
+    expect = sum(term(j, int(tokens[0, j])) for j in range(kept))
+    expect += term(kept, bonus) if stop else float(torch.logsumexp(tilted[kept], -1))
+    assert int(verdict.kept[0]) == kept and bool(verdict.has_bonus[0])
+    assert float(verdict.log_w[0]) == pytest.approx(expect, abs=1e-5)

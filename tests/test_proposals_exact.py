@@ -1,18 +1,23 @@
 """Retrieval, the retrieval-draft mixture, and particles of one request on different proposals:
 the outputs ``generate`` returns follow the target (exact enumeration of their token marginals).
 
-As in ``test_outputs_exact``: N = 32 particles, 2000 runs, the largest marginal TV under 0.05;
-a control with one particle (the output is then a proposal sample) must fail the same check.
-The prompt repeats itself, so retrieval knows continuations from the first block on, and what
-the particles write is indexed as they go.
+As in ``test_outputs_exact``: with the cut (whole blocks cut where D(p || q) > 0.3), the
+outputs returned at N = 32 from 2000 runs, largest marginal TV under 0.05; without it (the
+paper's whole blocks, whose returned outputs carry SMC's own bias at small N), Z-pooled
+particles at N = 8, whose mean Z must be unbiased. A control with one particle (the output is
+then a proposal sample) fails the returned-output check. The prompt repeats itself, so
+retrieval knows continuations from the first block on; what particles write is indexed too.
 
-Mutants, each run at N = 32 with the cut on and off (largest marginal TV, limit 0.05):
-- the retrieval rows' log q taken as log r (the target's share of the mixture dropped):
-  retrieval 0.21 (cut 0.3) / 0.25 (cut off);
-- the bonus after a stop for the target weighed as an ordinary bonus (log Z): retrieval
-  0.083 / 0.088;
-- the mixture's log q taken as the draft's (the mixture weight ignored): mixture 0.13 / 0.19;
-- per-particle plans with the retrieval rows' log q taken as log r: 0.093 / 0.12.
+Mutants (run by hand, recorded here; largest marginal TV, limit 0.05):
+- the mixture's log q taken as the draft's (the mixture weight ignored): 0.334 with the cut;
+  without it the mean of Z is 3.9 against 1 (biased);
+- the bonus after a stop for the target weighed as an ordinary bonus (log Z): without the
+  cut the mean of Z is 0.61 (biased); with the cut 0.010 (the cut keeps r close to p, so the
+  mutant moves little: ``test_proposals`` checks that weight exactly);
+- a retrieval row's log q taken as log r (the target's share of the mixture dropped): 0.012
+  with the cut, 0.017 pooled (the share is 1/16, a small change of each weight), and 0.033 /
+  0.016 for per-particle plans: not seen at this size; ``test_proposals`` checks the weight
+  formula itself, which this mutant fails.
 """
 
 from __future__ import annotations
