@@ -9,6 +9,7 @@ from dataclasses import dataclass
 RESAMPLING_SCHEMES = ("systematic", "multinomial", "stratified", "residual")
 SELECTIONS = ("sample", "argmax")
 DIVERGENCE_NAMES = ("tv", "renyi2", "kl")  # see verification.DIVERGENCES
+PROPOSAL_NAMES = ("auto", "draft", "retrieval", "mixture")  # see proposals.blocks
 # Below this, tempered log-probabilities (log p / T) grow past what float weights resolve: the ESS
 # and the resampling of near-greedy particles stop meaning anything. Use selection="argmax" or
 # the "ar" method at a low temperature instead.
@@ -49,6 +50,11 @@ class SMCConfig:
         token_level: draft nothing: every block is one token drawn from the target (with its
             weight), which makes a program token-level SMC with the target as proposal, the
             baseline its blocks are measured against.
+        proposal: what draws the blocks: ``"draft"`` (the draft model), ``"retrieval"``
+            (n-grams of the prompt and of the output so far, mixed with the target: no draft
+            forward), ``"mixture"`` (retrieval mixed with the draft model), or ``"auto"``: the
+            draft schedule picks draft or retrieval per request and cycle by their recent pass
+            rates (with ``cut=None``, the paper's algorithm, ``auto`` is the draft).
     """
 
     n_particles: int = 8
@@ -65,6 +71,7 @@ class SMCConfig:
     cut: float | None = 0.3
     cut_divergence: str = "tv"
     token_level: bool = False
+    proposal: str = "auto"
 
     def __post_init__(self) -> None:
         _check_int("n_particles", self.n_particles, 1)
@@ -92,6 +99,8 @@ class SMCConfig:
                 raise ValueError(
                     f"cut must be in (0, 1] for the tv divergence (it never exceeds 1), got {self.cut!r}"
                 )
+        if self.proposal not in PROPOSAL_NAMES:
+            raise ValueError(f"proposal must be one of {PROPOSAL_NAMES}, got {self.proposal!r}")
         if self.selection not in SELECTIONS:
             raise ValueError(f"selection must be one of {SELECTIONS}, got {self.selection!r}")
 
@@ -131,13 +140,24 @@ class DraftRecord:
     Attributes:
         passed: drafted positions the quality cut kept.
         failed: cuts that fired.
+        rates: ``(proposal, passed, failed)`` of the other proposals (``"retrieval"``,
+            ``"mixture"``): positions kept and blocks that ended short, per particle.
     """
 
     passed: float = 0.0
     failed: float = 0.0
+    rates: tuple[tuple[str, float, float], ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("passed", "failed"):
-            value = getattr(self, name)
+        counts = [("passed", self.passed), ("failed", self.failed)]
+        for kind, p, f in self.rates:
+            if kind not in PROPOSAL_NAMES[2:]:
+                raise ValueError(f"DraftRecord.rates names a proposal of {PROPOSAL_NAMES[2:]}, got {kind!r}")
+            counts += [(f"rates[{kind}].passed", p), (f"rates[{kind}].failed", f)]
+        for name, value in counts:
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"DraftRecord.{name} must be a finite count >= 0, got {value!r}")
+
+    def rate_of(self, proposal: str) -> tuple[float, float]:
+        """(passed, failed) of a proposal other than the draft; (0, 0) if unknown."""
+        return next(((p, f) for k, p, f in self.rates if k == proposal), (0.0, 0.0))

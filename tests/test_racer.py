@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from collections import Counter
 
 import pytest
@@ -16,7 +15,7 @@ from smcsd_ppl.backends.mock import MockLM
 from smcsd_ppl.config import SMCConfig
 from smcsd_ppl.methods.ar import autoregressive
 from smcsd_ppl.methods.racer import racer_generate
-from smcsd_ppl.proposals.retrieval import NGramIndex, RetrievalDrafter, propose_block
+from smcsd_ppl.proposals.retrieval import NGramIndex, RetrievalDrafter
 
 
 def greedy(lm, prompts, **kw):
@@ -173,58 +172,6 @@ def test_racer_sampling_reproduces_the_target():
     exact, z = exact_target(target, [1, 2], horizon)
     assert z == pytest.approx(1.0)
     assert chi_square_pvalue(Counter(map(tuple, out.token_ids)), exact) > 1e-3
-
-
-def seeded_drafter():
-    d = RetrievalDrafter(4, n=4)
-    d.index.feed([], [1, 2, 0, 1, 2, 2, 0, 1, 1])
-    d.cues.table[3] = torch.tensor([2, 0, 1, 3])
-    return d
-
-
-def propose(ctx, rows, k, *, forced=None, draft_weight=0.25, seed=0):
-    draft = MockLM(4, seed=1)
-    draft.prefill([ctx[:-1]] * rows)
-    pending = torch.full((rows, 1), ctx[-1])
-    tokens, log_q = propose_block(
-        seeded_drafter(),
-        [ctx] * rows,
-        draft,
-        pending,
-        k,
-        torch.Generator().manual_seed(seed),
-        draft_weight=draft_weight,
-        forced=forced,
-    )
-    return tokens, log_q, draft
-
-
-@pytest.mark.parametrize("draft_weight", [0.25, 1.0])
-@pytest.mark.parametrize("ctx", [[0, 1], [2, 3], [3, 3]])  # retrieval match, cues only, neither at first
-def test_block_proposal_is_a_normalized_distribution(ctx, draft_weight):
-    k = 3
-    blocks = torch.tensor(list(itertools.product(range(4), repeat=k)))
-    _, log_q, draft = propose(ctx, len(blocks), k, forced=blocks, draft_weight=draft_weight)
-    assert float(log_q.sum(1).exp().sum()) == pytest.approx(1.0, abs=1e-5)
-    assert bool(torch.isfinite(log_q).all())  # full support
-    if draft_weight == 1.0:  # q is then the draft model itself
-        expect = [
-            sum(float(torch.log_softmax(draft.next_logits(ctx + b[:j]), -1)[b[j]]) for j in range(k))
-            for b in blocks.tolist()
-        ]
-        torch.testing.assert_close(log_q.sum(1), torch.tensor(expect), atol=1e-5, rtol=0)
-
-
-def test_block_proposal_samples_follow_their_log_q():
-    ctx, k = [0, 1], 2
-    blocks = torch.tensor(list(itertools.product(range(4), repeat=k)))
-    _, exact_lq, _ = propose(ctx, len(blocks), k, forced=blocks)
-    exact = dict(zip(map(tuple, blocks.tolist()), exact_lq.sum(1).exp().tolist()))
-    tokens, log_q, _ = propose(ctx, 4000, k, seed=3)
-    sampled = list(map(tuple, tokens.tolist()))
-    for b, lq in zip(sampled[:50], log_q.sum(1).tolist()):
-        assert lq == pytest.approx(float(torch.tensor(exact[b]).log()), abs=1e-5)
-    assert chi_square_pvalue(Counter(sampled), exact) > 1e-3
 
 
 def test_racer_is_registered_and_runs_through_generate():

@@ -64,6 +64,7 @@ def test_requests_known_to_decode_alone_skip_the_draft_entirely():
         block_size=2,
         cut=0.25,
         record=DraftRecord(0.0, 50.0),
+        proposal="draft",  # retrieval needs no draft either, but runs N particles
     )
     assert draft.stats.calls == before  # not even prefilled
     assert any(r.info.draft_lengths for r in results) and not any(any(r.info.draft_lengths) for r in results)
@@ -86,6 +87,7 @@ def test_with_the_target_as_draft_the_cut_never_fires_and_target_calls_match_the
             cut=cut,
             seed=1,
             record=DraftRecord(passed=8.0),  # the pair has seen this draft before
+            proposal="draft",  # the draft's cut, not what retrieval adds
         )
         calls[cut] = target.stats.calls
         if cut is not None:

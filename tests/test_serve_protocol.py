@@ -52,6 +52,9 @@ def test_settings_map_onto_the_config():
     assert (own_draft.target_temperature, own_draft.draft_temperature) == (0.7, 0.3)
     greedy = parse_chat(body | {"temperature": 0}, BASE).config
     assert greedy.target_temperature == greedy.draft_temperature == MIN_TEMPERATURE
+    assert parse_chat(body | {"proposal": "retrieval"}, BASE).config.proposal == "retrieval"
+    with pytest.raises(APIError, match="proposal"):
+        parse_chat(body | {"proposal": "beam"}, BASE)
 
 
 def test_a_request_without_a_seed_gets_a_fresh_one():

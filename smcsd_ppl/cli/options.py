@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from ..config import DIVERGENCE_NAMES, RESAMPLING_SCHEMES, SELECTIONS, SMCConfig
+from ..config import DIVERGENCE_NAMES, PROPOSAL_NAMES, RESAMPLING_SCHEMES, SELECTIONS, SMCConfig
 from .util import cut_value
 
 SMC_DEFAULTS = SMCConfig()  # one set of defaults for the API and the command line
@@ -72,6 +72,13 @@ def smc_args(p: argparse.ArgumentParser, *, seed: bool = True) -> None:
         choices=DIVERGENCE_NAMES,
         default=d.cut_divergence,
         help="the divergence --cut bounds",
+    )
+    g.add_argument(
+        "--proposal",
+        choices=PROPOSAL_NAMES,
+        default=d.proposal,
+        help="what draws the blocks: the draft model, retrieval from the prompt and the output so far "
+        "(no draft forward), their mixture, or auto (the schedule picks draft or retrieval by pass rate)",
     )
     g.add_argument(
         "--ess-threshold", type=float, default=d.ess_threshold, help="resample when ESS < this x N"

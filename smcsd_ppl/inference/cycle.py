@@ -18,6 +18,7 @@ import torch
 from ..backends.base import to_device
 from ..config import SMCConfig
 from ..ends import row_ends
+from ..proposals.blocks import RowProposal
 from ..verification import BlockBatch, draw_restricted, verify_blocks
 from . import constrained
 from .blocks import (
@@ -46,7 +47,7 @@ def serve(
 
     Each ``TokenRequest`` gets its row's next-token log-probabilities ``[V]`` (on the host),
     each ``BlockRequest`` its ``ScoredBlock``. ``streams`` holds each row's plan (its draft
-    length and temperatures) and its random numbers.
+    length, its proposal, its temperatures) and its random numbers.
     """
     out: list[CycleAnswer | None] = [None] * len(requests)
     tokens = [i for i, r in enumerate(requests) if isinstance(r, TokenRequest)]
@@ -99,7 +100,10 @@ def run_blocks(
         store.queue({requests[i].row: [leads[i].token] for i in go if i in leads})
         asked = [_after_lead(requests[i], leads.get(i)) for i in go]
         lead_log_w = [leads[i].log_w if i in leads else 0.0 for i in go]
-        blocks = _blocks(store, asked, [flush.limits[i] for i in go], lead_log_w, config, eos, flush)
+        # A row's retrieval reads what it sent and its lead too.
+        proposals = [_then(flush.proposals[i], requests[i].unsent, leads.get(i)) for i in go]
+        limits = [flush.limits[i] for i in go]
+        blocks = _blocks(store, asked, limits, proposals, lead_log_w, config, eos, flush)
         for i, b in zip(go, blocks):
             out[i] = replace(b, lead=leads[i].token) if i in leads else b
     return [out[i] for i in range(len(requests))]
@@ -122,6 +126,7 @@ class Flush:
     target_t: torch.Tensor
     draft_t: torch.Tensor
     limits: list[int]  # by request
+    proposals: list[RowProposal | None]  # by request: what draws its block (None: the draft)
 
     @classmethod
     def of(cls, store: RowStore, requests: Sequence[BlockRequest], k: int, streams: RowStreams) -> Flush:
@@ -132,7 +137,8 @@ class Flush:
             plan = streams.plans[r]
             temps[0, r], temps[1, r] = plan.target_temperature, plan.draft_temperature
         u = streams.table(store.n_rows, rows, k + 2)
-        return cls(u, temps[0], temps[1], [streams.plans[r].limit for r in rows])
+        plans = [streams.plans[r] for r in rows]
+        return cls(u, temps[0], temps[1], [p.limit for p in plans], [p.proposal for p in plans])
 
 
 def _leads(store, requests, c: SMCConfig, eos, flush: Flush) -> dict[int, Lead]:
@@ -177,7 +183,15 @@ def _after_lead(request: BlockRequest, lead: Lead | None) -> BlockRequest:
     return replace(request, budget=request.budget - 1, constraint=constraint, unsent=(), mask=None)
 
 
-def _blocks(store, requests, limits, lead_log_w, c: SMCConfig, eos, flush: Flush) -> list[ScoredBlock]:
+def _then(proposal: RowProposal | None, unsent: Sequence[int], lead: Lead | None) -> RowProposal | None:
+    if proposal is None:
+        return None
+    return proposal.then([*unsent, *([] if lead is None else [lead.token])])
+
+
+def _blocks(
+    store, requests, limits, proposals, lead_log_w, c: SMCConfig, eos, flush: Flush
+) -> list[ScoredBlock]:
     """Draft, score in one fused forward, verify and commit the blocks of rows with a token queued."""
     u = flush.uniforms.to(store.device)
     drafted = draft_blocks(
@@ -189,12 +203,13 @@ def _blocks(store, requests, limits, lead_log_w, c: SMCConfig, eos, flush: Flush
         draws=lambda j: u[:, 1 + j],
         limits=limits,
         keep_probs=c.cut is not None,
+        proposals=proposals,
     )
     k = block_length(drafted)  # one length for all: they are verified together
     rows = [b.row for b in drafted]
     logits, hidden = store.score(rows, [b.tokens for b in drafted])
     logits = logits.div_(flush.target_t[rows, None, None].to(logits.device))  # [n, k+1, V]
-    batch = block_batch(drafted, lead_log_w, logits.shape[-1], logits.device, c.cut is not None and k > 0)
+    batch = block_batch(drafted, lead_log_w, logits.shape[-1], logits.device, k > 0)
     verdict = verify_blocks(
         logits, batch, u[rows, -1], alpha=c.alpha, cut=c.cut if k else None, divergence=c.cut_divergence
     )
@@ -216,9 +231,14 @@ def _blocks(store, requests, limits, lead_log_w, c: SMCConfig, eos, flush: Flush
 
 
 def block_batch(
-    drafted: Sequence[DraftedBlock], lead_log_w: Sequence[float], vocab: int, device: torch.device, cut: bool
+    drafted: Sequence[DraftedBlock],
+    lead_log_w: Sequence[float],
+    vocab: int,
+    device: torch.device,
+    drawn: bool,
 ) -> BlockBatch:
-    """The drafted blocks as verification reads them, on the logits' device."""
+    """The drafted blocks as verification reads them, on the logits' device (``drawn``: k > 0)."""
+    probs = drawn and drafted[0].draft_probs is not None  # kept for the cut or a retrieval row
     n, k = len(drafted), len(drafted[0].tokens)
     limit, stops, dead = torch.tensor([[b.limit, b.stops, b.dead] for b in drafted], dtype=torch.long).unbind(
         1
@@ -230,7 +250,19 @@ def block_batch(
         stops=to_device(stops.bool(), device),
         dead=to_device(dead.bool(), device),
         lead_log_w=to_device(torch.tensor(lead_log_w, dtype=torch.float32), device),
-        draft_probs=torch.stack([b.draft_probs for b in drafted]).to(device) if cut else None,
+        draft_probs=torch.stack([b.draft_probs for b in drafted]).to(device) if probs else None,
         log_factor=constrained.proposal_factors(drafted, vocab, device),
         critic_allowed=constrained.critic_masks(drafted, vocab, device),
+        **_retrieval_fields(drafted, device),
+    )
+
+
+def _retrieval_fields(drafted: Sequence[DraftedBlock], device: torch.device) -> dict:
+    """``target_share`` and ``stopped_at`` of the batch, when a row was drawn by retrieval."""
+    if not any(b.target_share for b in drafted):
+        return {}
+    share = torch.tensor([b.target_share for b in drafted], dtype=torch.float32)
+    return dict(
+        target_share=to_device(share, device),
+        stopped_at=to_device(torch.tensor([b.stopped_at for b in drafted], dtype=torch.long), device),
     )

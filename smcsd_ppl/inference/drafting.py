@@ -16,6 +16,7 @@ import torch
 
 from ..backends.base import BatchedLM
 from ..ends import first_end
+from ..proposals.blocks import TARGET_SHARE, Retrieval, RowProposal
 from ..verification import inverse_cdf
 from . import constrained
 from .blocks import BlockRequest, DraftedBlock
@@ -40,6 +41,7 @@ def draft_blocks(
     draws: Draws,
     limits: Sequence[int] | None = None,
     keep_probs: bool = False,
+    proposals: Sequence[RowProposal | None] | None = None,
 ) -> list[DraftedBlock]:
     """Up to ``block_size`` batched draft forwards over all rows; rows not asked for are fed holes.
 
@@ -55,32 +57,52 @@ def draft_blocks(
     Where a constraint leaves every drafting row one allowed token, q is a point mass
     whatever the draft says: that step skips its forward and the token is fed with the
     next one. Where every drafting row is constrained to a few tokens, the draft computes
-    the logits of those tokens only.
+    the logits of those tokens only. ``proposals[i]`` says what draws request i's block
+    (None: the draft); retrieval rows run no draft forward and leave their queued tokens
+    for the draft to read when it next drafts them.
     """
     rows = [r.row for r in requests]
     limits = [block_size] * len(rows) if limits is None else [min(block_size, n) for n in limits]
     if not any(limits):  # nobody drafts: the target alone decodes this cycle
         return [_ended(r, [], torch.zeros(0), eos) for r in requests]
+    proposals = [None] * len(rows) if proposals is None else list(proposals)
+    retrieval = None
+    if any(p is not None and p.kind != "draft" for p in proposals):
+        retrieval = Retrieval(proposals, rows, store.draft.vocab_size)
+        keep_probs = keep_probs or bool(retrieval.requests("retrieval"))  # r where a row stops
     settings = dict(
         block_size=block_size, temperature=temperature, eos=eos, draws=draws, keep_probs=keep_probs
     )
-    run = _start(store, requests, limits, **settings)
+    run = _start(store, requests, limits, proposals, retrieval, **settings)
     for j in range(block_size):
         run.step(j)
         if run.finished(j):
             break
     if run.pending_fed:  # else the draft has read nothing yet: the pending tokens stay queued
-        store.draft_read([r for r, n in zip(rows, limits) if n])
+        store.draft_read([r for r, a in enumerate(run.asked.tolist()) if a])
     return _blocks(run, requests, limits, eos)
 
 
-def _start(store: RowStore, requests, limits, *, block_size, temperature, eos, draws, keep_probs) -> Drafting:
+def _start(
+    store: RowStore,
+    requests,
+    limits,
+    proposals,
+    retrieval,
+    *,
+    block_size,
+    temperature,
+    eos,
+    draws,
+    keep_probs,
+) -> Drafting:
     """The drafting state: each asked row's queued tokens are the first input."""
     rows = [r.row for r in requests]
     caps = [min(r.budget, n) for r, n in zip(requests, limits)]
-    asked = [False] * store.n_rows
-    for r, n in zip(rows, limits):
-        asked[r] = n > 0
+    asked, retrieving = [False] * store.n_rows, [False] * store.n_rows
+    for r, n, p in zip(rows, limits, proposals):
+        asked[r] = n > 0 and (p is None or p.uses_draft)
+        retrieving[r] = n > 0 and not asked[r]
     ids, valid, hidden = store.draft_input(asked)
     budget = torch.full((store.n_rows,), block_size, device=store.device)
     budget[rows] = torch.tensor(caps, device=store.device)
@@ -94,6 +116,8 @@ def _start(store: RowStore, requests, limits, *, block_size, temperature, eos, d
         valid=valid,
         hidden=hidden,
         asked=torch.tensor(asked, device=store.device),
+        retrieving=torch.tensor(retrieving, device=store.device),
+        retrieval=retrieval,
         budget=budget,
         eos=torch.tensor(sorted(eos), dtype=torch.long, device=store.device),
         longest=max(caps),
@@ -109,6 +133,8 @@ def _blocks(run: Drafting, requests, limits, eos) -> list[DraftedBlock]:
     tokens, logq, q_all = run.drawn()
     critic = constrained.Masking(run.rows, [r.constraint for r in requests], "critic")
     dead_at = run.masking.dead_at | critic.first_impossible(tokens)  # request -> position
+    ends = run.retrieval.ended_at | run.retrieval.stopped_at if run.retrieval is not None else {}
+    asked = run.asked.tolist()
     blocks = []
     for i, (req, n) in enumerate(zip(requests, limits)):
         r = req.row
@@ -117,11 +143,13 @@ def _blocks(run: Drafting, requests, limits, eos) -> list[DraftedBlock]:
             tokens[r].tolist(),
             logq[r],
             eos,
-            limit=min(n, run.masking.cut_at.get(i, n)),
+            limit=min(n, run.masking.cut_at.get(i, n), ends.get(i, n)),
             dead_at=dead_at.get(i),
             probs=q_all[r] if run.keep_probs else None,
         )
-        block.fed, block.allowed = (run.fed if n else 0), run.masking.history.get(i, [])
+        block.fed, block.allowed = (run.fed if asked[r] else 0), run.masking.history.get(i, [])
+        if run.retrieval is not None and run.retrieval.kinds.get(i) == "retrieval":
+            block.target_share, block.stopped_at = TARGET_SHARE, run.retrieval.stopped_at.get(i, -1)
         blocks.append(block)
     return blocks
 
@@ -159,7 +187,9 @@ class Drafting:
         masking: the proposal-mode constraints of the requests.
         ids, valid: the draft's next input ``[R, T]``, holes where ``valid`` is False.
         hidden: a feature draft's input states ``[R, T, H]`` (None for a token draft).
-        asked: ``[R]`` rows that draft (the others are fed holes).
+        asked: ``[R]`` rows the draft model drafts (the others are fed holes).
+        retrieving: ``[R]`` rows whose blocks retrieval draws (no draft forward).
+        retrieval: the walks of the retrieval and mixture rows (None: none).
         budget: ``[R]`` tokens each row may still draft in this block.
         eos: the end-of-sequence token ids.
         longest: the most tokens any row may draft: drafting stops there.
@@ -176,6 +206,8 @@ class Drafting:
     valid: torch.Tensor
     hidden: torch.Tensor | None
     asked: torch.Tensor
+    retrieving: torch.Tensor
+    retrieval: Retrieval | None
     budget: torch.Tensor
     eos: torch.Tensor
     longest: int
@@ -187,9 +219,11 @@ class Drafting:
     probs: list[torch.Tensor] = field(default_factory=list)  # [R, V] q at each, if kept
     fed: int = 0  # drafted tokens the draft has read: it holds [pending, d_1..d_fed]
     pending_fed: bool = False  # a forward has read the rows' queued tokens
+    uniforms: dict[int, torch.Tensor] = field(default_factory=dict)  # position -> its draws [R]
 
     def __post_init__(self) -> None:
-        self.ended = ~self.asked
+        self.ended = ~(self.asked | self.retrieving)
+        self.any_asked = bool(self.asked.any())
         self.reads_hidden = self.hidden is not None
         self.device = self.asked.device
         self.n_rows = len(self.asked)
@@ -198,10 +232,27 @@ class Drafting:
         """Draw position ``j`` of every row's block: forced where constraints leave one token."""
         allowed = self.masking.next_masks(self.drafts)  # proposal-mode rows sample allowed tokens only
         self._end_dead_rows()
-        masks = constrained.live_masks(allowed, self.rows, self.ended)  # None: some row samples freely
-        # A feature draft never skips: its next input is the state this forward predicts.
-        d = None if masks is None or self.reads_hidden else constrained.forced_tokens(masks, self.n_rows)
-        d, q = self._forced_step(d.to(self.device)) if d is not None else self._draft_step(masks, allowed)
+        retrieved = set(self.retrieval.requests("retrieval")) if self.retrieval is not None else set()
+        by_draft = {i: m for i, m in allowed.items() if i not in retrieved}
+        if self._model_drafts():
+            masks = constrained.live_masks(by_draft, self.rows, self.ended | self.retrieving)  # None: free
+            # A feature draft never skips: its next input is the state this forward predicts.
+            d = None if masks is None or self.reads_hidden else constrained.forced_tokens(masks, self.n_rows)
+            d, q = (
+                self._forced_step(d.to(self.device)) if d is not None else self._draft_step(masks, by_draft)
+            )
+        else:  # only retrieval rows draft: no forward
+            d = torch.zeros(self.n_rows, dtype=torch.long, device=self.device)
+            q = (
+                torch.zeros(self.n_rows, self.draft.vocab_size, device=self.device)
+                if self.keep_probs
+                else None
+            )
+            self.logqs.append(torch.zeros(self.n_rows, device=self.device))
+        if retrieved:
+            self._retrieve(j, d, q, {i: m for i, m in allowed.items() if i in retrieved})
+        if self.retrieval is not None:
+            self.retrieval.advance(d.tolist())
         self.drafts.append(d)
         if self.keep_probs:
             self.probs.append(q)
@@ -217,6 +268,38 @@ class Drafting:
         tokens = torch.stack(self.drafts, 1).cpu()
         logq = torch.stack(self.logqs, 1).cpu()
         return tokens, logq, torch.stack(self.probs, 1) if self.probs else None
+
+    def _model_drafts(self) -> bool:
+        """Whether a row the draft model drafts may still count (on a CPU: checked on the device)."""
+        if not self.any_asked:
+            return False
+        return not (self.retrieval is not None and self.host_checks) or bool((self.asked & ~self.ended).any())
+
+    def _retrieve(self, j: int, d: torch.Tensor, q: torch.Tensor | None, allowed: dict) -> None:
+        """Retrieval rows' tokens at position ``j``, written into ``d``, q and log q (a host read)."""
+        items, r = self.retrieval.retrieved(j, (~self.ended).tolist(), self.device)
+        if items:
+            probs = torch.zeros(self.n_rows, self.draft.vocab_size, device=self.device)
+            rows = torch.tensor([self.rows[i] for i in items], device=self.device)
+            probs[rows] = r
+            self.masking.restrict(probs, {i: allowed[i] for i in items if i in allowed})
+            keep = [n for n, i in enumerate(items) if i not in self.masking.cut_at]
+            items, rows = [items[n] for n in keep], rows[keep]
+            tokens, log_r = self.retrieval.draw(j, items, probs[rows], self._uniforms(j)[rows])
+            if items:
+                d[rows] = torch.tensor(tokens, device=self.device)
+                self.logqs[-1][rows] = torch.tensor(log_r, device=self.device)
+                if q is not None:
+                    q[rows] = probs[rows]
+        ends = self.retrieval.ended_at | self.retrieval.stopped_at
+        if ends:
+            self.ended[[self.rows[i] for i in ends]] = True
+
+    def _uniforms(self, j: int) -> torch.Tensor:
+        """Position ``j``'s uniforms ``[R]``, the same for the draft's rows and retrieval's."""
+        if j not in self.uniforms:
+            self.uniforms[j] = self.draws(j).to(self.device)
+        return self.uniforms[j]
 
     def _end_dead_rows(self) -> None:
         ended = self.masking.ended_at()
@@ -246,8 +329,10 @@ class Drafting:
         q = torch.softmax(logits[:, -1].div_(self.temperature), -1)  # [R, V], or [R, U] over vocab
         if vocab is not None:
             q = q.new_zeros(len(q), vocab_size).index_copy_(1, vocab.to(q.device), q)
+        if self.retrieval is not None:
+            self.retrieval.mix_into(q)
         self.masking.restrict(q, allowed)
-        d = inverse_cdf(q, self.draws(len(self.drafts)).to(q.device))
+        d = inverse_cdf(q, self._uniforms(len(self.drafts)))
         self.logqs.append(q.gather(-1, d[:, None])[:, 0].log())
         self.ids, self.valid = d[:, None], self.asked[:, None]
         if self.reads_hidden:  # the draft's own predicted state goes with its next token

@@ -23,6 +23,7 @@ import torch
 
 from .. import smc
 from ..config import SMCConfig
+from ..proposals.blocks import RequestIndex
 from .program import Runtime, SMCSDModel
 from .schedule import DraftSchedule
 
@@ -43,6 +44,8 @@ class Population:
         schedule: the request's draft schedule (None without the quality cut).
         ancestors: the slots each particle was drawn from at the latest reshape (empty: none yet).
         config: the request's own settings (None: the run's).
+        retrieval: the request's retrieval index (None: no proposal retrieves); like the row
+            store, a step feeds it.
     """
 
     particles: tuple[SMCSDModel, ...]
@@ -56,6 +59,7 @@ class Population:
     schedule: DraftSchedule | None = None
     ancestors: tuple[int, ...] = ()
     config: SMCConfig | None = None
+    retrieval: RequestIndex | None = None
 
     def __post_init__(self) -> None:
         assert len(self.particles) == len(self.weights) == len(self.rows), "one weight and row set a particle"

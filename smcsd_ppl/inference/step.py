@@ -5,9 +5,10 @@ draft-and-verify call per barrier flush), then, per request: feeds the draft sch
 the cycle's blocks saw, resamples when the ESS is low, and resizes the population to what
 the schedule asks (one particle for a plain request decoding alone). Finally the row store
 keeps the live particles' rows, in order. A step steps copies of the programs and builds a
-new state: the state it was given is not written, and the row store is the one thing it
-changes. Every draw of a request (tokens, resampling, token-level steps) comes from its own
-seed (``streams``), so its output does not depend on which requests share its cycles.
+new state: the state it was given is not written; the row store and the requests'
+retrieval indices (which only grow, fed between cycles) are the things it changes. Every
+draw of a request (tokens, resampling, token-level steps) comes from its own seed
+(``streams``), so its output does not depend on which requests share its cycles.
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ import torch
 from .. import smc
 from ..config import DraftRecord, SMCConfig
 from ..ends import row_ends
+from ..proposals.blocks import RequestIndex
+from . import proposing
 from .blocks import CycleAnswer, CycleRequest, ScoredBlock
 from .cycle import serve
 from .program import CycleBarrier, Runtime, SMCSDModel, unawaited_calls
 from .rows import RowStore
-from .schedule import DraftSchedule, draft_step_cost, schedule_from
+from .schedule import DraftSchedule, draft_step_cost, row_position_cost, schedule_from
 from .state import Population, SMCState, StepInfo, resampled
 from .streams import RowPlan, RowStreams, mix64, row_key
 
@@ -66,8 +69,9 @@ class SMCSDKernel:
     def __init__(self, store: RowStore, config: SMCConfig, eos: Sequence[int], decode: Callable) -> None:
         self.store, self.config, self.eos, self.decode = store, config, frozenset(int(e) for e in eos), decode
         self.draft_cost = draft_step_cost(
-            getattr(store.draft, "n_params", None), getattr(store.target, "n_params", None), store.device.type
+            getattr(store.draft, "n_params", None), getattr(store.target, "n_params", None)
         )
+        self.row_cost = row_position_cost(store.device.type)
 
     def settings(self, pop: Population) -> SMCConfig:
         """A request's own settings (the run's unless it was admitted with others)."""
@@ -111,7 +115,8 @@ class SMCSDKernel:
         base = self.store.n_rows if joining else 0
         pops, sources, first = [], [], 0  # sources: each row's prompt; first: a request's first prompt
         for i, (program, c) in enumerate(zip(copies, configs)):
-            schedule = self._schedule(program, c, record)
+            index = proposing.new_index(program, self._candidates(c))
+            schedule = self._schedule(program, c, record, index)
             count = c.n_particles if schedule is None else schedule.n_particles()
             width = len(program.contexts())
             at = base + len(sources)
@@ -122,9 +127,17 @@ class SMCSDKernel:
             config = c if own else None
             weights = (0.0,) * count
             pops.append(
-                Population((program,) * count, weights, slots, seed, schedule=schedule, config=config)
+                Population(
+                    (program,) * count,
+                    weights,
+                    slots,
+                    seed,
+                    schedule=schedule,
+                    config=config,
+                    retrieval=index,
+                )
             )
-        drafting = any(_drafts(self.settings(p), p.schedule) for p in pops)
+        drafting = any(self._drafts(self.settings(p), p.schedule) for p in pops)
         if joining:
             self.store.append(prompts, sources)
         else:
@@ -133,19 +146,38 @@ class SMCSDKernel:
 
     def needs_draft(self, program: SMCSDModel, config: SMCConfig, record: DraftRecord) -> bool:
         """Whether a request would draft from its first cycle (so its rows need the draft's)."""
-        return _drafts(config, self._schedule(program, config, record))
+        kinds = self._candidates(config)
+        schedule = self._schedule(program, config, record, proposing.new_index(program, kinds))
+        return self._drafts(config, schedule)
 
-    def _schedule(self, program: SMCSDModel, c: SMCConfig, record: DraftRecord) -> DraftSchedule | None:
+    def _drafts(self, c: SMCConfig, schedule: DraftSchedule | None) -> bool:
+        """Whether a request may run the draft model (a schedule that turned the draft off stays so)."""
+        return (
+            not c.token_level
+            and proposing.uses_draft(self._candidates(c))
+            and not (schedule and schedule.draft_off)
+        )
+
+    def _candidates(self, c: SMCConfig) -> tuple[str, ...]:
+        """The proposals a request with these settings may draft from."""
+        return proposing.candidates(c, self.store.reads_hidden)
+
+    def _schedule(
+        self, program: SMCSDModel, c: SMCConfig, record: DraftRecord, index: RequestIndex | None
+    ) -> DraftSchedule | None:
         """A request's first draft schedule (None without the quality cut, or drafting nothing)."""
         if c.cut is None or c.token_level:
             return None
-        schedule = schedule_from(record, c.block_size, c.n_particles, self.plain(program, c), self.draft_cost)
-        return schedule.advanced()
+        kinds, plain = self._candidates(c), self.plain(program, c)
+        schedule = schedule_from(
+            record, c.block_size, c.n_particles, plain, self.draft_cost, kinds, self.row_cost
+        )
+        return schedule.advanced(proposing.continues(index, program))
 
     async def step(self, state: SMCState) -> tuple[SMCState, StepInfo]:
         """One cycle of every request: step copies of the programs, then reweigh, resample, resize, pack.
 
-        ``state`` is not written; the row store is the one thing a step changes. Every draw
+        ``state`` is not written; the row store and the retrieval indices are what a step changes. Every draw
         of a request comes from its own seed and the cycle.
         """
         barrier = CycleBarrier()
@@ -156,7 +188,7 @@ class SMCSDKernel:
         starting = {id(p) for pop in bound if pop.cycles == 0 for p in pop.particles}
         streams = RowStreams(
             {
-                ctx.row: self._plan(pop, slot, c)
+                ctx.row: self._plan(pop, slot, c, ctx)
                 for pop in bound
                 for slot, p in enumerate(pop.particles)
                 if not p.done_stepping()
@@ -178,9 +210,10 @@ class SMCSDKernel:
         idle = self._idle(state, live, before, barrier)
         cycle, new, ess, did = state.cycle + 1, [], [], []
         for pop, old in zip(bound, state.populations):
-            pop = self._observed(
-                pop.stepped(old), [b for rs in pop.rows for r in rs for b in blocks.get(r, [])]
-            )
+            pop = pop.stepped(old)
+            proposing.fed(pop, old)
+            plans = [(streams.plans[r], b) for rs in pop.rows for r in rs for b in blocks.get(r, [])]
+            pop = proposing.observed(pop, [((plan.kind, plan.limit), b) for plan, b in plans])
             g = host_generator(step_key(pop.seed, pop.cycles + 1))
             pop, e, r = self._maybe_resample(pop, g)
             new.append(self._resized(pop, g))
@@ -198,18 +231,13 @@ class SMCSDKernel:
         generator = host_generator(mix64(step_key(pop.seed, pop.cycles + 1)) >> 1)
         return Runtime(barrier, self.settings(pop).max_new_tokens, self.decode, self.eos, generator)
 
-    def _plan(self, pop: Population, slot: int, context: int) -> RowPlan:
-        """A live row's plan for the step: its draft length, its draws' key, its temperatures."""
+    def _plan(self, pop: Population, slot: int, context: int, ctx) -> RowPlan:
+        """A live row's plan for the step: its draft length and proposal, its draws' key, temperatures."""
         c = self.settings(pop)
         key = row_key(pop.seed, pop.cycles + 1, slot, context)
-        return RowPlan(self._draft_length(pop), key, c.target_temperature, c.draft_temperature)
-
-    def _draft_length(self, pop: Population) -> int:
-        """How many tokens a request's rows draft this cycle (0: the target alone)."""
-        c = self.settings(pop)
-        if c.token_level:
-            return 0
-        return pop.schedule.length if pop.schedule is not None else c.block_size
+        kind, length = proposing.particle_plan(pop, slot, c)
+        proposal = proposing.row_proposal(pop, kind, ctx)
+        return RowPlan(length, key, c.target_temperature, c.draft_temperature, kind, proposal)
 
     def _settle(self, live: list[tuple[SMCSDModel, int]]) -> None:
         """After the programs stepped (with their budgets): nothing left un-awaited; out of budget ends."""
@@ -239,15 +267,6 @@ class SMCSDKernel:
             )
         return state.idle + 1
 
-    def _observed(self, pop: Population, blocks: list[ScoredBlock]) -> Population:
-        """The schedule after the blocks this cycle drafted (undrafted ones teach nothing)."""
-        if pop.schedule is None:
-            return pop
-        drafted = [b for b in blocks if b.drafted]
-        return replace(
-            pop, schedule=pop.schedule.observed([b.kept for b in drafted], [b.diverged for b in drafted])
-        )
-
     def _maybe_resample(self, pop: Population, g: torch.Generator) -> tuple[Population, float, bool]:
         """Resample a request whose ESS fell under ``ess_threshold * N``; returns its ESS and whether."""
         c, log_w, n = self.settings(pop), pop.log_weights(), len(pop.particles)
@@ -266,10 +285,10 @@ class SMCSDKernel:
         return replace(pop, n_resamples=pop.n_resamples + 1), e, True
 
     def _resized(self, pop: Population, g: torch.Generator) -> Population:
-        """Decide the next draft length; draw the particle count the schedule asks for (one, alone)."""
+        """Decide the next plan; draw the particle count the schedule asks for (one, alone)."""
         if pop.schedule is None or not pop.stepping:
             return pop
-        schedule: DraftSchedule = pop.schedule.advanced()
+        schedule: DraftSchedule = pop.schedule.advanced(proposing.retrievable(pop))
         pop = replace(pop, schedule=schedule)
         want = schedule.n_particles()
         return pop if want == len(pop.particles) else resampled(pop, self.settings(pop).resampling, g, want)
@@ -310,11 +329,6 @@ async def _step_programs(
     errors = [o for o in outcomes if isinstance(o, BaseException)]
     if errors:
         raise errors[0]
-
-
-def _drafts(config: SMCConfig, schedule: DraftSchedule | None) -> bool:
-    """Whether a request with these settings and first schedule drafts (a schedule at 0 stays there)."""
-    return not config.token_level and (schedule is None or schedule.length != 0)
 
 
 def _progress(p: SMCSDModel) -> tuple:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..proposals.blocks import RowProposal
+
 MASK64 = (1 << 64) - 1
 LEAD, BONUS, DRAFT = 1, 2, 3  # purposes; DRAFT + j is draft position j
 
@@ -45,12 +47,18 @@ def _purpose_key(purpose: int) -> int:
 
 @dataclass(frozen=True)
 class RowPlan:
-    """What a step decided for one row: its draft length, its draws' key, its temperatures."""
+    """What a step decided for one row: its draft length, its draws' key, its temperatures, its proposal.
+
+    ``kind``: what the row's particle drafts from this cycle (``"target"``: nothing);
+    ``proposal``: a retrieval or mixture row's ``RowProposal`` (None: the draft model's).
+    """
 
     limit: int
     key: int
     target_temperature: float
     draft_temperature: float
+    kind: str = "draft"
+    proposal: RowProposal | None = None
 
 
 class RowStreams:

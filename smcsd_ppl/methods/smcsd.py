@@ -51,5 +51,5 @@ def _smcsd(ctx: RunContext) -> MethodOutput:
 
 @register("smcsd_paper", particles=True)
 def _smcsd_paper(ctx: RunContext) -> MethodOutput:
-    ctx = dataclasses.replace(ctx, config=dataclasses.replace(ctx.config, cut=None))
+    ctx = dataclasses.replace(ctx, config=dataclasses.replace(ctx.config, cut=None, proposal="draft"))
     return run_programs(ctx, [SMCSDModel(i) for i in ctx.prompts])

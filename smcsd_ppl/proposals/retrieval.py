@@ -12,8 +12,8 @@ cannot delete states, so it could not stay capped across requests.
 
 ``LogitCues`` is the vocab x k table of the top-k target predictions last seen
 after each token. ``RetrievalDrafter.build_draft_tree`` merges both into one
-token tree per step; ``propose_block`` turns them into a proper K-token proposal
-for SMC-SD particles.
+token tree per step. SMC-SD's retrieval proposals (``proposals.blocks``) walk the same
+index, one per request.
 """
 
 from __future__ import annotations
@@ -24,9 +24,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-
-from ..backends.base import BatchedLM
-from ..verification import sample_probs
 
 
 class _Node:
@@ -121,6 +118,17 @@ class NGramIndex:
             out.append(node)
             node = node.fail
         return out
+
+    def continuations(self, node: _Node, min_depth: int = 2) -> dict[int, float] | None:
+        """What followed the longest suffix (>= ``min_depth`` tokens) of ``node`` that has continuations.
+
+        Token -> share of its occurrences; ``None`` when no such suffix was ever continued.
+        """
+        for border in self.suffixes(node, min_depth):
+            if border.children:
+                total = sum(c.count for c in border.children.values())
+                return {t: c.count / total for t, c in border.children.items()}
+        return None
 
 
 class LogitCues:
@@ -245,10 +253,9 @@ class RetrievalDrafter:
         Counts of the longest matching suffix that has continuations; else the
         logit cues after ``last`` with weights 2^-rank; ``None`` if neither exists.
         """
-        for border in self.index.suffixes(node, self.min_match):
-            if border.children:
-                total = sum(c.count for c in border.children.values())
-                return {t: c.count / total for t, c in border.children.items()}
+        found = self.index.continuations(node, self.min_match)
+        if found is not None:
+            return found
         cues = self.cues.row(last)
         if not cues:
             return None
@@ -257,54 +264,3 @@ class RetrievalDrafter:
             weights[t] = weights.get(t, 0.0) + 2.0**-rank
         total = sum(weights.values())
         return {t: w / total for t, w in weights.items()}
-
-
-@torch.inference_mode()
-def propose_block(
-    drafter: RetrievalDrafter,
-    contexts: Sequence[Sequence[int]],
-    draft: BatchedLM,
-    pending: torch.Tensor,  # [R, P] tokens the draft has not seen yet (the last is contexts[r][-1])
-    k: int,
-    g: torch.Generator,
-    *,
-    temperature: float = 1.0,
-    draft_weight: float = 0.25,
-    pending_valid: torch.Tensor | None = None,  # [R, P]
-    forced: torch.Tensor | None = None,  # [R, K] score these tokens instead of sampling
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A K-token block per row from retrieval, mixed with the draft model; ``(tokens, log_q)`` ``[R, K]``.
-
-    At each position q = (1 - w) r + w q_draft, where r is ``next_token_probs`` of
-    the row's context extended by the block so far and q_draft = softmax(draft / T_d);
-    rows where retrieval knows nothing use q_draft alone. Weighting requirement for
-    SMC-SD: the importance weight alpha log p - log q is only proper if q is a
-    normalized distribution whose support covers the target's; retrieval alone is a
-    handful of tokens (zero mass elsewhere would bias the estimate and make log q
-    -inf), hence the mixture with weight ``draft_weight`` > 0. Drafting feeds the
-    draft model like ``inference.drafting.draft_blocks``: the pending tokens, then d_1..d_{K-1}.
-    """
-    if not 0.0 < draft_weight <= 1.0:
-        raise ValueError(f"draft_weight must be in (0, 1] for a full-support proposal, got {draft_weight}")
-    index = drafter.index
-    nodes = [index.match(c) for c in contexts]
-    last = [int(c[-1]) for c in contexts]
-    ids, valid = pending, pending_valid
-    tokens, log_q = [], []
-    for j in range(k):
-        q = torch.softmax(draft.extend(ids, valid)[:, -1].float() / temperature, -1)  # [R, V]
-        r = torch.zeros_like(q)
-        has = torch.zeros(q.shape[0], 1, dtype=torch.bool, device=q.device)
-        for i, (node, t) in enumerate(zip(nodes, last)):
-            probs = drafter.next_token_probs(node, t)
-            if probs:
-                r[i, list(probs)] = torch.tensor(list(probs.values()), device=q.device)
-                has[i] = True
-        mix = torch.where(has, (1.0 - draft_weight) * r + draft_weight * q, q)
-        d = sample_probs(mix, g) if forced is None else forced[:, j].to(q.device)
-        log_q.append(mix.gather(1, d[:, None])[:, 0].log())
-        tokens.append(d)
-        last = d.tolist()
-        nodes = [index.step(node, t) for node, t in zip(nodes, last)]
-        ids, valid = d[:, None], None
-    return torch.stack(tokens, 1), torch.stack(log_q, 1)

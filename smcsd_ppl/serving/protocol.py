@@ -23,6 +23,7 @@ EXTRA_FIELDS = {
     "block_size": "block_size",
     "draft_temperature": "draft_temperature",
     "ignore_eos": "ignore_eos",
+    "proposal": "proposal",
 }
 CONSTRAINT_FIELDS = ("regex", "grammar")  # extra fields: the constraint's text
 MAX_CHOICES = 32  # prompts x n of one HTTP request

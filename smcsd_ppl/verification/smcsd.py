@@ -101,6 +101,10 @@ class BlockBatch:
             not allowed; the lead's, the kept tokens' and the bonus's); None: no row has one.
         critic_allowed: ``[R, k+1, V]`` bool, what a critic's hard constraint allows at each
             position: a bonus drawn from the whole target outside it vetoes the block; None: none.
+        target_share: ``[R]`` the share s of the target in a retrieval row's proposal
+            m = (1 - s) r + s p (0 for other rows; ``draft_logq`` then holds log r and
+            ``draft_probs`` r); None: no such row.
+        stopped_at: ``[R]`` the position where a retrieval row stopped for the target (-1: none).
     """
 
     tokens: torch.Tensor
@@ -112,6 +116,43 @@ class BlockBatch:
     draft_probs: torch.Tensor | None = None
     log_factor: torch.Tensor | None = None
     critic_allowed: torch.Tensor | None = None
+    target_share: torch.Tensor | None = None
+    stopped_at: torch.Tensor | None = None
+
+
+def mixed_with_target(
+    tilted: torch.Tensor,  # [R, k+1, V] alpha l / T_t plus a constraint's log factor
+    batch: BlockBatch,
+    kept: torch.Tensor,  # [R]
+    cut_at: torch.Tensor,  # [R] where the quality cut falls (k: nowhere)
+    bonus: torch.Tensor,  # [R]
+    bonus_log_z: torch.Tensor,  # [R]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log q of the drafted tokens and the bonus's log-weight, for rows mixed with the target.
+
+    A retrieval row draws each token from m = (1 - s) r + s p~ (p~: the normalized, restricted
+    target power), the p~ part by stopping and drawing the bonus there: the weight of every
+    token so drawn, kept or bonus, is p^alpha / m. A bonus after any other end (the cut, an
+    end retrieval saw coming) was drawn from p~ alone and keeps its weight log Z.
+    """
+    k = batch.tokens.shape[1]
+    share = batch.target_share[:, None]
+    log_pt = tilted - torch.logsumexp(tilted, -1, keepdim=True)  # log p~ [R, k+1, V]
+
+    def log_mix(log_r: torch.Tensor, log_p: torch.Tensor) -> torch.Tensor:
+        return torch.logaddexp(torch.log1p(-share) + log_r, share.log() + log_p)
+
+    drafted = torch.where(
+        share > 0, log_mix(batch.draft_logq, pick(log_pt[:, :k], batch.tokens)), batch.draft_logq
+    )
+    rows = torch.arange(len(kept), device=kept.device)
+    at = kept.clamp(max=max(k - 1, 0))
+    r_bonus = (
+        batch.draft_probs[rows, at, bonus].float().log() if k else torch.full_like(bonus_log_z, -torch.inf)
+    )
+    mixed = log_mix(r_bonus[:, None], log_pt[rows, kept, bonus][:, None])[:, 0]
+    stopped = (batch.target_share > 0) & (batch.stopped_at == kept) & (cut_at > kept)
+    return drafted, torch.where(stopped, tilted[rows, kept, bonus] - mixed, bonus_log_z)
 
 
 @dataclass(frozen=True)
@@ -163,6 +204,7 @@ def verify_blocks(
     tokens, log_factor = batch.tokens, batch.log_factor
     r, k = tokens.shape
     kept, diverged, stops, dead = batch.limit, torch.zeros_like(batch.stops), batch.stops, batch.dead
+    at = torch.full_like(kept, k)
     if cut is not None and k:
         factor = log_factor[:, :k] if log_factor is not None else None
         at = first_cut(cut_divergence(logits[:, :k], batch.draft_probs, alpha, divergence, factor), cut)
@@ -179,9 +221,12 @@ def verify_blocks(
     if batch.critic_allowed is not None:
         vetoed = has_bonus & ~batch.critic_allowed[rows, kept, bonus]
     drafted_factor = pick(log_factor[:, :k], tokens) if log_factor is not None else None
-    log_w = block_log_weights(
-        target_logp, batch.draft_logq, kept, bonus_log_z, has_bonus, alpha, drafted_factor
-    )
+    draft_logq, bonus_log_w = batch.draft_logq, bonus_log_z
+    if batch.target_share is not None:
+        tilted = alpha * torch.log_softmax(logits.float(), -1)
+        tilted = tilted if log_factor is None else tilted + log_factor
+        draft_logq, bonus_log_w = mixed_with_target(tilted, batch, kept, at, bonus, bonus_log_z)
+    log_w = block_log_weights(target_logp, draft_logq, kept, bonus_log_w, has_bonus, alpha, drafted_factor)
     log_w = (log_w + batch.lead_log_w).masked_fill(dead | (~stops & ~has_bonus) | vetoed, -torch.inf)
     has_bonus = has_bonus & ~vetoed
     return Verdict(kept, diverged, stops, dead, target_logp, bonus, has_bonus, bonus_log_z, log_w)
