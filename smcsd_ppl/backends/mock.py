@@ -49,6 +49,7 @@ class MockLM(TreeOps):
         self.stats = ForwardStats()
         self.device = torch.device("cpu")
         self.n_params = None  # unknown: the engine prices a mock draft step as a third of the target
+        self.row_position_cost = 0.0  # a table lookup: more rows cost nothing
         self.bytes_per_token = 9  # a token id and its hole flag per position
         self.max_cache_bytes = 2**40  # no real budget: max_length bounds every row
         self.reads_hidden = False  # an n-gram table has no hidden states, read or kept

@@ -58,9 +58,12 @@ RECENT = 0.85  # a retrieval or mixture pass rate keeps this share of its eviden
 PROBE_BELOW = 1.0  # evidence (in positions) under which a proposal other than the draft is probed
 
 
-def row_position_cost(device_type: str) -> float:
-    """r: one verified position of one row relative to a one-token target step, on this device."""
-    return ROW_POSITION_COST.get(device_type, DEFAULT_ROW_POSITION_COST)
+def row_position_cost(device_type: str, declared: float | None = None) -> float:
+    """r: one verified position of one row relative to a one-token target step.
+
+    ``declared``: the target backend's own figure, which wins; else the device's.
+    """
+    return declared if declared is not None else ROW_POSITION_COST.get(device_type, DEFAULT_ROW_POSITION_COST)
 
 
 def draft_step_cost(draft_params: int | None, target_params: int | None) -> float:

@@ -71,7 +71,7 @@ class SMCSDKernel:
         self.draft_cost = draft_step_cost(
             getattr(store.draft, "n_params", None), getattr(store.target, "n_params", None)
         )
-        self.row_cost = row_position_cost(store.device.type)
+        self.row_cost = row_position_cost(store.device.type, getattr(store.target, "row_position_cost", None))
 
     def settings(self, pop: Population) -> SMCConfig:
         """A request's own settings (the run's unless it was admitted with others)."""
