@@ -6,8 +6,8 @@ outputs returned at N = 32 from 2000 runs (4000 for the mixture), largest margin
 0.05; without it (the paper's whole blocks, whose returned outputs carry SMC's own bias at
 small N), Z-pooled particles at N = 8, whose mean Z must be unbiased. A control with one
 particle (the output is then a proposal sample) fails the returned-output check. The prompt
-repeats itself, so
-retrieval knows continuations from the first block on; what particles write is indexed too.
+repeats itself, so retrieval knows continuations from the first block on; what particles
+write is indexed too.
 
 Mutants (run by hand, recorded here; largest marginal TV, limit 0.05; figures from the
 per-request random streams, earlier ones in brackets):
