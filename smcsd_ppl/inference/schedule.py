@@ -48,11 +48,11 @@ from ..proposals.blocks import USES_DRAFT
 PRIOR_POSITIONS = 8.0  # how many drafted positions a record counts for in a new request
 MEMORY = 0.8  # a learned record keeps this share of its older evidence
 
-# r: one verified position of one row relative to a one-token target step. On a CPU a cycle
-# of 8 rows verifying L tokens took 1.6 + 0.71 L steps (docs/benchmarks.md, "What a cycle
-# costs"): about 0.09 per row-position, the fused forward and the verify's vocabulary-wide
-# work together. On an accelerator the forward is memory-bound and rows come almost free.
-ROW_POSITION_COST = {"cpu": 0.09}
+# r: one verified position of one row relative to a one-token target step. On a 2-core CPU
+# (the embedded pair, bf16) a cycle of 8 rows verifying L = 0, 2, 4, 8 tokens took 1.35,
+# 2.25, 3.19, 3.76 steps (docs/benchmarks.md, "What a cycle costs"): about 0.05 per
+# row-position. On an accelerator the forward is memory-bound and rows come almost free.
+ROW_POSITION_COST = {"cpu": 0.05}
 DEFAULT_ROW_POSITION_COST = 0.0025
 RECENT = 0.85  # a retrieval or mixture pass rate keeps this share of its evidence per cycle
 PROBE_BELOW = 1.0  # evidence (in positions) under which a proposal other than the draft is probed
