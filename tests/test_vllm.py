@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import os
 from functools import partial
 
@@ -132,6 +133,18 @@ def test_seeded_smcsd_request_is_well_formed(vllm16):
     assert all(torch.isfinite(torch.tensor([p.log_weight for p in paper.smc.particles])))
     assert paper.token_ids and paper.text == vllm16.decode(paper.token_ids)
     assert vllm16.target_lm.stats.calls > 0 and vllm16.draft_lm.stats.calls > 0
+
+
+@pytest.mark.parametrize("proposal", ["retrieval", "mixture"])
+def test_proposals_run_on_vllm(vllm16, proposal):
+    """Retrieval rows skip the draft's forwards and leave their tokens queued for it: on vLLM's
+    rows too, blocks drawn from the prompt come out whole and weighed."""
+    prompt = "Repeat this text exactly: " + "the cat sat on the mat and looked at the dog. " * 6
+    config = SMCConfig(seed=0, max_new_tokens=24, ignore_eos=True, proposal=proposal, cut=None)
+    out = vllm16.generate(prompt, config=config)
+    assert len(out.token_ids) == 24 and out.text == vllm16.decode(out.token_ids)
+    assert all(math.isfinite(p.log_weight) for p in out.smc.particles)
+    assert out.stats.tokens_per_target_call > 1.5  # the text copies its prompt: blocks are kept
 
 
 @pytest.mark.parametrize("method", ["ar", "sd"])
