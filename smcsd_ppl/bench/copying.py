@@ -47,7 +47,10 @@ def copy_prompts(spec_bench: str | Path, per_category: int, editing: int, contro
     chosen = [p for c in COPY_CATEGORIES for p in [q for q in spec if q.category == c][:per_category]]
     chosen += editing_prompts()[:editing]
     if controls:
-        chosen += load_prompts("short_answer")[:controls]
+        # The task's own categories (capitals, arithmetic, ...) are one control here.
+        chosen += [
+            dataclasses.replace(p, category="short_answer") for p in load_prompts("short_answer")[:controls]
+        ]
         chosen += [p for p in spec if p.category == "mt_bench"][:controls]
     return chosen
 
@@ -86,26 +89,37 @@ def compare_by_category(
     pair.calibrate(prompts[0].text, warm)
     for method in methods:
         pair.generate(prompts[0].text, method=method, config=warm)
-    runs: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+    records = []
     encoded = [pair.encode(p.text) for p in prompts]
     for rep in range(repeats):
         for prompt, ids in zip(prompts, encoded):
             for method in methods:
                 cfg = dataclasses.replace(config, seed=config.seed + rep)
                 (out,) = pair.generate_ids([ids], method=method, config=cfg)
-                logp = target_loglik_per_token(pair, ids, out.token_ids)
-                sample = (out.stats.tokens_per_second, out.stats.tokens_per_target_call, logp)
-                runs.setdefault((method, prompt.category), []).append(sample)
-                if prompt.category not in CONTROL_CATEGORIES:
-                    runs.setdefault((method, COPYING), []).append(sample)
+                records.append(
+                    dict(
+                        method=method,
+                        category=prompt.category,
+                        prompt=prompt.id,
+                        repeat=rep,
+                        tokens_per_second=out.stats.tokens_per_second,
+                        tokens_per_target_call=out.stats.tokens_per_target_call,
+                        target_logp_per_token=target_loglik_per_token(pair, ids, out.token_ids),
+                    )
+                )
                 if on_run is not None:
-                    keys = ("tokens_per_second", "tokens_per_target_call", "target_logp_per_token")
-                    record = dict(method=method, category=prompt.category, prompt=prompt.id, repeat=rep)
-                    on_run(record | dict(zip(keys, sample)))
-    return _rows(runs)
+                    on_run(records[-1])
+    return summarized(records)
 
 
-def _rows(runs: dict[tuple[str, str], list[tuple[float, float, float]]]) -> list[CategoryRow]:
+def summarized(records: Sequence[dict]) -> list[CategoryRow]:
+    """Per method and category (and over all copying prompts), the medians of a run's records."""
+    runs: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+    for r in records:
+        sample = (r["tokens_per_second"], r["tokens_per_target_call"], r["target_logp_per_token"])
+        runs.setdefault((r["method"], r["category"]), []).append(sample)
+        if r["category"] not in CONTROL_CATEGORIES:
+            runs.setdefault((r["method"], COPYING), []).append(sample)
     rows = []
     for (method, category), samples in runs.items():
         tps = statistics.median(s[0] for s in samples)

@@ -21,7 +21,10 @@ def add_parser(sub) -> None:
     )
     smc_args(p)
     p.set_defaults(max_new_tokens=96)
-    p.add_argument("--spec-bench", required=True, help="Spec-Bench's question.jsonl (read, never copied)")
+    p.add_argument("--spec-bench", help="Spec-Bench's question.jsonl (read, never copied)")
+    p.add_argument(
+        "--report", metavar="JSONL", help="no runs: the table and plot of an earlier run's copy_speed.jsonl"
+    )
     p.add_argument("--per-category", type=int, default=7, help="Spec-Bench prompts per category")
     p.add_argument("--editing", type=int, default=20, help="how many of our editing prompts (at most 22)")
     p.add_argument(
@@ -43,7 +46,35 @@ def add_parser(sub) -> None:
 
 
 def _copy_speed(args: argparse.Namespace) -> int:
-    from ..bench.copying import compare_by_category, copy_prompts, markdown_table, plot, verdicts
+    from ..bench.copying import markdown_table, plot, summarized, verdicts
+
+    out = Path(args.out)
+    if args.report:
+        records = [json.loads(line) for line in Path(args.report).read_text(encoding="utf-8").splitlines()]
+        rows, header = summarized(records), f"{len(records)} runs of {args.report}"
+    elif not args.spec_bench:
+        raise ValueError("--spec-bench is required (Spec-Bench's question.jsonl), unless --report is given")
+    else:
+        rows, header = _run(args, out)
+    table = (
+        header
+        + "\n\n"
+        + markdown_table(rows)
+        + "\n\n"
+        + "\n".join(f"- {line}" for line in verdicts(rows))
+        + "\n"
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "copy_speed.md").write_text(table, encoding="utf-8")
+    path = plot(rows, out / "copy_speed.png")
+    print(table)
+    print(f"plot: {path}")
+    return 0
+
+
+def _run(args: argparse.Namespace, out: Path) -> tuple[list, str]:
+    """Every method on every prompt, interleaved; each run's record to copy_speed.jsonl as it ends."""
+    from ..bench.copying import compare_by_category, copy_prompts
     from ..methods import METHODS
 
     config = smc_config(args)
@@ -57,7 +88,6 @@ def _copy_speed(args: argparse.Namespace) -> int:
     if args.controls < 0:
         raise ValueError(f"--controls must be >= 0, got {args.controls}")
     prompts = copy_prompts(args.spec_bench, args.per_category, args.editing, args.controls)
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     pair = load_pair(args)
     total = args.repeats * len(prompts) * len(methods)
@@ -72,19 +102,11 @@ def _copy_speed(args: argparse.Namespace) -> int:
             bar(done[0])
 
         rows = compare_by_category(pair, prompts, config, repeats=args.repeats, methods=methods, on_run=tick)
-    table = (
+    header = (
         f"{config.max_new_tokens} tokens per run (EOS ignored), "
         f"N={config.n_particles}, K={config.block_size}, "
         f"proposal={config.proposal}, cut={config.cut}, T_d={config.draft_temperature}, "
         f"T_t={config.target_temperature}, {args.dtype} on {args.device}; medians of {args.repeats} repeats "
-        f"x {len(prompts)} prompts, interleaved\n\n"
-        + markdown_table(rows)
-        + "\n\n"
-        + "\n".join(f"- {line}" for line in verdicts(rows))
-        + "\n"
+        f"x {len(prompts)} prompts, interleaved"
     )
-    (out / "copy_speed.md").write_text(table, encoding="utf-8")
-    path = plot(rows, out / "copy_speed.png")
-    print(table)
-    print(f"plot: {path}")
-    return 0
+    return rows, header
