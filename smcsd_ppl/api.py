@@ -13,7 +13,6 @@ from . import methods
 from .backends.base import call_clock, call_stats
 from .backends.hf import DEFAULT_CACHE_BUDGET
 from .config import DraftRecord, SMCConfig
-from .inference import proposing
 from .inference.program import SMCSDModel
 from .inference.rows import RowStore
 from .inference.state import StepInfo
@@ -246,7 +245,6 @@ class SMCSD:
                 )
         self._check_token_prompts([p.prompt for p in programs if not isinstance(p.prompt, str)])
         config = config or SMCConfig()
-        self._check_proposal(config)
         if on_cycle is None and self._joins_batch(config):
             return self._batched(programs, config, "smcsd", None)
         context = self.context(config)  # the programs hold the prompts
@@ -256,14 +254,9 @@ class SMCSD:
             return self._generations("smcsd", out, start)
 
     def check_request(self, ids: list[int], config: SMCConfig) -> None:
-        """Refuse, in one line, a bad token-id prompt or a proposal this pair cannot run."""
+        """Refuse, in one line, a token-id prompt that is empty, off the vocabulary or past the context."""
         self._check_token_prompts([ids])
         self.check_fits([ids], config, methods.get("smcsd"))
-        self._check_proposal(config)
-
-    def _check_proposal(self, config: SMCConfig) -> None:
-        """Refuse a proposal this pair's draft cannot serve (retrieval beside a feature draft)."""
-        proposing.candidates(config, bool(getattr(self.draft_lm, "reads_hidden", False)))
 
     def _check_token_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
         """Refuse a token-id prompt that is empty or holds ids outside the target's vocabulary."""
@@ -282,8 +275,6 @@ class SMCSD:
         """Run ``method`` on token-id prompts and build each request's ``Generation``."""
         method.check(config)
         self.check_fits(ids, config, method)
-        if method.name == "smcsd":
-            self._check_proposal(config)
         if method.name in BATCHED and self._joins_batch(effective := BATCHED[method.name](config)):
             return self._batched([SMCSDModel(i) for i in ids], effective, method.name, on_progress)
         context = self.context(config, ids, on_progress)

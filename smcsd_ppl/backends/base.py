@@ -72,9 +72,6 @@ class BatchedLM(Protocol):
     max_length: int  # its context: no row may hold more tokens
     stats: ForwardStats  # its forwards so far
     n_params: int | None  # parameters one forward reads (None: unknown); prices a draft step
-    # What one more verified row-position costs, in one-token forwards (None: the device's
-    # measured figure, ``inference.schedule.ROW_POSITION_COST``); prices a cycle's rows.
-    row_position_cost: float | None = None
     max_cache_bytes: int  # the KV-cache budget it refuses to pass
     bytes_per_token: int  # what one row's cache grows by per position
     reads_hidden: bool  # prefill and extend take the target's hidden states with the tokens

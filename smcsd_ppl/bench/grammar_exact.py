@@ -137,6 +137,8 @@ def returned_outputs(
             "target_temperature": 1.0,
             "max_new_tokens": HORIZON,
             "seed": seed,
+            # Alone means the target alone: no retrieval either, only a draft the record turns off.
+            **({"proposal": "draft"} if alone else {}),
             **cfg,
         }
     )

@@ -154,7 +154,9 @@ def run_method(
         call = config if method == "smcsd" else dataclasses.replace(config, cut=None)
         text, tokens = _smcsd(pair, constraint, prompt(task, item.text), call, None)
     elif method == "ar_masked":  # one particle, the target alone from the first token
-        alone = dataclasses.replace(config, n_particles=1, cut=config.cut if config.cut is not None else 0.3)
+        # The target alone: one particle, no retrieval, and a record that turns the draft off.
+        cut = config.cut if config.cut is not None else 0.3
+        alone = dataclasses.replace(config, n_particles=1, cut=cut, proposal="draft")
         text, tokens = _smcsd(pair, constraint, prompt(task, item.text), alone, DraftRecord(0, 50))
     elif method == "genlm_awrs":
         rec = steering.genlm_smc(
