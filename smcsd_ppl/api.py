@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import threading
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -13,6 +12,9 @@ from . import methods
 from .backends.base import call_clock, call_stats
 from .backends.hf import DEFAULT_CACHE_BUDGET
 from .config import DraftRecord, SMCConfig
+from .engine.client import Engine
+from .engine.pair import PairCore
+from .engine.worker import torch_thread
 from .inference.program import SMCSDModel
 from .inference.rows import RowStore
 from .inference.state import StepInfo
@@ -22,11 +24,10 @@ from .models.batched import batched_pair
 from .models.checkpoint import draft_files, load_files
 from .models.drafts import resolve_draft
 from .models.loading import cache_root
-from .models.threads import choose_threads
+from .models.threads import BusyCPUWarning, LoadWatch, chosen_by_user, set_threads
 from .proposals.retrieval import RetrievalDrafter
-from .results import Generation, RunStats, SMCInfo, SpeculativeInfo
-from .serving.scheduler import Scheduler
-from .text import check_token_ids, encode_prompt
+from .results import Generation, RunStats
+from .text import encode_prompt
 
 BACKENDS = ("hf", "vllm")
 # The methods whose requests join the running batch, and the settings each runs with.
@@ -37,9 +38,10 @@ class SMCSD:
     """A target and a draft model sharing a tokenizer, with batched backends.
 
     Calls are reproducible and safe to share: the same call with the same seed returns the
-    same output whatever ran before or alongside. SMC-SD calls from several threads (or
-    asyncio tasks, with ``agenerate``) join one running batch (``scheduler``), each returning
-    what it would have returned alone; other methods and settings take the pair in turn.
+    same output whatever ran before or alongside. Every call's model work runs on the
+    process's one torch thread (``engine.worker``): SMC-SD calls from several threads (or
+    asyncio tasks, with ``agenerate``) join one running batch (``engine``), each returning
+    what it would have returned alone; other methods take the pair's rows in turn.
 
     Args:
         target: the target model, loaded (see ``smcsd_ppl.models``).
@@ -72,21 +74,30 @@ class SMCSD:
                 f"draft {draft.name!r} and target {target.name!r} use different tokenizers; "
                 "SMC-SD and speculative sampling need the same vocabulary"
             )
-        self.target, self.draft, self.chat = target, draft, chat
-        self.tokenizer = target.tokenizer
-        self.backend = backend
-        self.target_lm, self.draft_lm = batched_pair(
-            target, draft, backend=backend, max_cache_bytes=max_cache_bytes, vllm_options=vllm_options
+        target_lm, draft_lm = torch_thread().run(
+            functools.partial(
+                batched_pair,
+                target,
+                draft,
+                backend=backend,
+                max_cache_bytes=max_cache_bytes,
+                vllm_options=vllm_options,
+            )
         )
-        self.eos_token_ids = eos_ids(target)
-        # What SMC-SD's adaptive drafting knows of this draft before a request: a value each
-        # request starts from and none changes (assign a learned one to change it).
-        self.draft_record = DraftRecord()
+        self.core = PairCore(
+            target_lm,
+            draft_lm,
+            tokenizer=target.tokenizer,
+            eos_token_ids=eos_ids(target),
+            chat=chat,
+            target=target,
+            draft=draft,
+            backend=backend,
+        )
         # RACER's index and cues, kept across calls only if the caller sets one (as the RACER
         # reference does): faster on repeated content, but later outputs depend on earlier calls.
         self.retrieval_memory: RetrievalDrafter | None = None
-        self._scheduler: Scheduler | None = None  # owns the backends' rows once started
-        self._starting = threading.Lock()
+        self._engine: Engine | None = None
 
     @classmethod
     def load(
@@ -103,16 +114,22 @@ class SMCSD:
 
         ``draft`` may also be ``"layers:N"``, the target's first N layers (a weak draft). With
         ``backend="vllm"`` no model is built in PyTorch: each engine loads its model, and only
-        the tokenizer and the LM heads are read here (``models.checkpoint``).
-        ``threads`` sets torch's CPU threads; by default a busy machine's CPU runs as many as
-        its load leaves free (see ``models.threads``), and one warning says so.
+        the tokenizer and the LM heads are read here (``models.checkpoint``). ``threads`` sets
+        torch's CPU threads (default: torch's own, one per core, or ``OMP_NUM_THREADS``); when
+        other processes keep the CPU busy while the models load, one warning says so.
+        Loading runs on the process's torch thread, as every later call does.
         """
-        choice = choose_threads(threads) if threads is not None or str(device).startswith("cpu") else None
-        if choice is not None:
-            warnings.warn(
-                f"{choice.describe()}; pass threads=N to SMCSD.load, or set OMP_NUM_THREADS, to choose",
-                stacklevel=2,
-            )
+        set_threads(threads)
+        watch = LoadWatch()
+        pair = torch_thread().run(functools.partial(cls._built, target, draft, device, dtype, kwargs))
+        load = watch.stop() if str(device).startswith("cpu") and not chosen_by_user(threads) else None
+        if load is not None and load.busy:
+            note = f"{load.describe()}; pass threads=N to SMCSD.load, or set OMP_NUM_THREADS, to choose"
+            warnings.warn(note, BusyCPUWarning, stacklevel=2)
+        return pair
+
+    @classmethod
+    def _built(cls, target, draft, device, dtype, kwargs) -> SMCSD:
         if kwargs.get("backend") == "vllm":  # not installed: say so before loading anything
             from .backends.vllm import import_vllm
 
@@ -122,6 +139,25 @@ class SMCSD:
         t = load_model(target, device=device, dtype=dtype)
         return cls(t, resolve_draft(draft, t, device=device, dtype=dtype), **kwargs)
 
+    # The pair core's parts, by their familiar names.
+    target = property(lambda self: self.core.target, doc="The loaded target.")
+    draft = property(lambda self: self.core.draft, doc="The loaded draft.")
+    target_lm = property(lambda self: self.core.target_lm, doc="The target's batched backend.")
+    draft_lm = property(lambda self: self.core.draft_lm, doc="The draft's batched backend.")
+    tokenizer = property(lambda self: self.core.tokenizer, doc="The shared tokenizer.")
+    chat = property(lambda self: self.core.chat, doc="Whether text prompts get the chat template.")
+    eos_token_ids = property(lambda self: self.core.eos_token_ids, doc="The target's EOS ids.")
+    backend = property(lambda self: self.core.backend, doc="What runs the models: ``hf`` or ``vllm``.")
+
+    @property
+    def draft_record(self) -> DraftRecord:
+        """What SMC-SD's adaptive drafting knows of this draft before a request (assign to change)."""
+        return self.core.draft_record
+
+    @draft_record.setter
+    def draft_record(self, record: DraftRecord) -> None:
+        self.core.draft_record = record
+
     def calibrate(self, prompt: str, config: SMCConfig | None = None) -> DraftRecord:
         """Learn from one request how far this draft pays, and start every later request from that.
 
@@ -130,7 +166,8 @@ class SMCSD:
         documented way; nothing else does.
         """
         config = config or SMCConfig()
-        with self.lock:
+
+        def learn() -> DraftRecord:
             record = DraftRecord()
             if config.cut is not None:
                 ids = [self.encode(prompt)]
@@ -140,48 +177,51 @@ class SMCSD:
             self.draft_record = record
             return record
 
+        return self.call(learn)
+
     def encode(self, prompt: str) -> list[int]:
         """Token ids of a text prompt (chat template applied for instruct models)."""
         return encode_prompt(self.tokenizer, prompt, chat=self.chat)
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of token ids (special tokens dropped)."""
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        return self.core.decode(ids)
 
     def rows(self) -> RowStore:
-        """A row store over this pair's backends, for custom loops (hold ``lock`` while using it)."""
-        return RowStore(self.target_lm, self.draft_lm)
+        """The pair's row store, for custom loops (run them with ``call``, or hold ``lock``)."""
+        return self.core.store
 
     @property
-    def scheduler(self) -> Scheduler:
-        """The scheduler that owns this pair's rows (started on first use; see ``use_scheduler``)."""
-        with self._starting:
-            if self._scheduler is None:
-                self._scheduler = Scheduler(self)
-            return self._scheduler
+    def engine(self) -> Engine:
+        """The engine that owns this pair's rows (made on first use; see ``use_engine``)."""
+        if self._engine is None:
+            self._engine = Engine(self.core)
+        return self._engine
 
-    def use_scheduler(self, scheduler: Scheduler) -> None:
-        """Make ``scheduler`` (built over this pair, e.g. with a server's limits) the pair's own."""
-        with self._starting:
-            if self._scheduler is not None and self._scheduler is not scheduler:
-                self._scheduler.close()
-            self._scheduler = scheduler
+    def use_engine(self, engine: Engine) -> None:
+        """Make ``engine`` (built over this pair's core, e.g. with a server's limits) the pair's own."""
+        if self._engine is not None and self._engine is not engine:
+            self._engine.close()
+        self._engine = engine
 
     def close(self) -> None:
-        """Finish the requests running and stop the scheduler (a later call starts a new one)."""
-        with self._starting:
-            sched, self._scheduler = self._scheduler, None
-        if sched is not None:
-            sched.close()
+        """Finish the requests running (a later call makes a new engine)."""
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.close()
+
+    def call(self, fn: Callable[[], object]) -> object:
+        """``fn()`` on the torch thread with the pair's rows to itself (the batch drains first)."""
+        return self.engine.call(fn)
 
     @property
     def lock(self):
-        """A context manager that has the backends' rows to itself while held (reentrant)."""
-        return self.scheduler.exclusive()
+        """A context manager that has the pair's rows to itself while held (prefer ``call``)."""
+        return self.engine.exclusive()
 
     def eos_for(self, config: SMCConfig) -> list[int]:
         """EOS ids in force under ``config`` (none with ``ignore_eos``)."""
-        return [] if config.ignore_eos else self.eos_token_ids
+        return self.core.eos_for(config)
 
     def generate(
         self,
@@ -210,7 +250,7 @@ class SMCSD:
         return outs[0] if single else outs
 
     async def agenerate(self, prompts: str | Sequence[str], **kwargs) -> Generation | list[Generation]:
-        """``generate`` from asyncio code: runs on a worker thread, so the event loop keeps going."""
+        """``generate`` from asyncio code: it waits on a worker thread, so the event loop keeps going."""
         return await asyncio.to_thread(self.generate, prompts, **kwargs)
 
     def generate_ids(
@@ -225,7 +265,7 @@ class SMCSD:
         chosen = methods.get(method)
         if not prompt_ids:
             raise ValueError("no prompts: give a non-empty list of token-id prompts")
-        self._check_token_prompts(prompt_ids)
+        self.core.check_token_prompts(prompt_ids)
         ids = [[int(t) for t in p] for p in prompt_ids]
         return self._generate(ids, chosen, config or SMCConfig(), on_progress)
 
@@ -235,7 +275,11 @@ class SMCSD:
         config: SMCConfig | None = None,
         on_cycle: Callable[[StepInfo], None] | None = None,
     ) -> list[Generation]:
-        """Run user programs (``SMCSDModel`` subclasses), one request each, in one batch."""
+        """Run user programs (``SMCSDModel`` subclasses), one request each, in one batch.
+
+        ``on_cycle`` is called after each cycle (on the torch thread) with the cycle's
+        ``StepInfo``, its populations those of these programs in order.
+        """
         programs = [programs] if isinstance(programs, SMCSDModel) else list(programs)
         for p in programs:
             if not isinstance(p, SMCSDModel):
@@ -243,27 +287,27 @@ class SMCSD:
                     f"run takes SMCSDModel programs, got a {type(p).__name__}: wrap a text as "
                     "SMCSDModel(prompt) (or SMCSDModel(prompt, constraint)), or call generate"
                 )
-        self._check_token_prompts([p.prompt for p in programs if not isinstance(p.prompt, str)])
+        self.core.check_token_prompts([p.prompt for p in programs if not isinstance(p.prompt, str)])
         config = config or SMCConfig()
-        if on_cycle is None and self._joins_batch(config):
-            return self._batched(programs, config, "smcsd", None)
+        if self._joins_batch():
+            return self._batched(programs, config, "smcsd", on_cycle=on_cycle)
         context = self.context(config)  # the programs hold the prompts
-        with self.lock:
+
+        def run() -> list[Generation]:
             start = self.start_clock()
-            out = methods.run_programs(context, list(programs), on_cycle)
-            return self._generations("smcsd", out, start)
+            out = methods.run_programs(context, programs, on_cycle)
+            return self._generations("smcsd", out, start, context)
+
+        return self.call(run)
 
     def check_request(self, ids: list[int], config: SMCConfig) -> None:
         """Refuse, in one line, a token-id prompt that is empty, off the vocabulary or past the context."""
-        self._check_token_prompts([ids])
-        self.check_fits([ids], config, methods.get("smcsd"))
+        self.core.check_request(ids, config)
 
-    def _check_token_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
-        """Refuse a token-id prompt that is empty or holds ids outside the target's vocabulary."""
-        model = self.target.model
-        vocab = self.target_lm.vocab_size if model is None else model.get_input_embeddings().num_embeddings
-        for p in prompts:
-            check_token_ids(p, vocab)
+    def check_fits(self, ids: list[list[int]], config: SMCConfig, method: methods.Method) -> None:
+        """Refuse up front what would fail mid-generation (context length, KV budget)."""
+        rows = len(ids) * (config.n_particles if method.particles else 1)
+        self.core.check_fits(ids, config, method.uses_draft, rows)
 
     def _generate(
         self,
@@ -275,40 +319,42 @@ class SMCSD:
         """Run ``method`` on token-id prompts and build each request's ``Generation``."""
         method.check(config)
         self.check_fits(ids, config, method)
-        if method.name in BATCHED and self._joins_batch(effective := BATCHED[method.name](config)):
-            return self._batched([SMCSDModel(i) for i in ids], effective, method.name, on_progress)
+        if method.name in BATCHED and self._joins_batch():
+            programs = [SMCSDModel(i) for i in ids]
+            return self._batched(programs, BATCHED[method.name](config), method.name, on_progress)
         context = self.context(config, ids, on_progress)
-        with self.lock:
-            start = self.start_clock()
-            return self._generations(method.name, method.run(context), start)
 
-    def _joins_batch(self, config: SMCConfig) -> bool:
-        """Whether a call with ``config`` joins the running batch (else it takes the pair in turn)."""
-        sched = self.scheduler
-        return self.retrieval_memory is None and sched.shares(config) and not sched.held_here
+        def run() -> list[Generation]:
+            start = self.start_clock()
+            return self._generations(method.name, method.run(context), start, context)
+
+        return self.call(run)
+
+    def _joins_batch(self) -> bool:
+        """Whether an SMC-SD call joins the batch (not from the torch thread, nor with RACER's memory)."""
+        return self.retrieval_memory is None and not torch_thread().here
 
     def _batched(
         self,
         programs: list[SMCSDModel],
         config: SMCConfig,
         name: str,
-        on_progress: Callable[[int], None] | None,
+        on_progress: Callable[[int], None] | None = None,
+        on_cycle: Callable[[StepInfo], None] | None = None,
     ) -> list[Generation]:
         """Each program as a request of the running batch (request i seeded as in a run of its own)."""
         start = self.start_clock()
-        longest = [0] * len(programs)
 
-        def progress(i: int, n: int) -> None:
-            longest[i] = n
-            on_progress(max(longest))
+        def observe(info: StepInfo) -> None:
+            if on_progress is not None:
+                on_progress(info.tokens)
+            if on_cycle is not None:
+                on_cycle(info)
 
+        observer = observe if on_progress or on_cycle else None
         tickets = [
-            self.scheduler.submit_program(
-                p,
-                config,
-                seed=request_seed(config.seed, i),
-                bounded=False,
-                on_progress=None if on_progress is None else functools.partial(progress, i),
+            self.engine.submit_program(
+                p, config, seed=request_seed(config.seed, i), bounded=False, observer=observer
             )
             for i, p in enumerate(programs)
         ]
@@ -324,72 +370,17 @@ class SMCSD:
         *,
         record: DraftRecord | None = None,
     ) -> methods.RunContext:
-        """What a runner gets of this pair: backends, a row-store factory, EOS ids, the models, text.
+        """What a runner gets of this pair (run the runner on the torch thread: ``call``).
 
-        Args:
-            config: the settings of the call (``SMCConfig()`` when None).
-            prompts: token-id prompts, one request each (none for SMC programs, which hold theirs).
-            on_progress: called with the length of the longest output so far.
-            record: the draft record SMC-SD starts from (``draft_record`` when None).
+        ``record``: the draft record SMC-SD starts from (``draft_record`` when None).
         """
         config = config or SMCConfig()
-        return methods.RunContext(
-            [list(p) for p in prompts],
-            config,
-            self.target_lm,
-            self.draft_lm,
-            self.eos_for(config),
-            self.rows,
-            on_progress,
-            target_model=self.target,
-            draft_model=self.draft,
-            encode=self.encode,
-            decode=self.decode,
-            draft_record=self.draft_record if record is None else record,
-            retrieval=self.retrieval_memory,
-        )
+        prompts = [list(p) for p in prompts]
+        return methods.RunContext(prompts, config, self.core, on_progress, record, self.retrieval_memory)
 
-    def _generations(self, name: str, out: methods.MethodOutput, start: tuple) -> list[Generation]:
-        """One ``Generation`` per request, sharing the call's stats; decoded unless the method gave texts."""
-        stats = self.stats(name, start, sum(len(t) for t in out.token_ids))
-        texts = out.texts if out.texts is not None else [self.decode(t) for t in out.token_ids]
-        info = list(out.info) or [None] * len(texts)
-        messages = list(out.messages) or [""] * len(texts)
-        return [
-            Generation(
-                text,
-                ids,
-                name,
-                stats,
-                message,
-                smc=x if isinstance(x, SMCInfo) else None,
-                speculative=x if isinstance(x, SpeculativeInfo) else None,
-            )
-            for text, ids, x, message in zip(texts, out.token_ids, info, messages)
-        ]
-
-    def check_fits(self, ids: list[list[int]], config: SMCConfig, method: methods.Method) -> None:
-        """Refuse up front what would fail mid-generation (context length, KV budget)."""
-        prompt = max(len(i) for i in ids)
-        if not method.uses_draft:  # the last sampled token is never fed
-            longest, extra, lms = prompt + config.max_new_tokens - 1, "", [self.target_lm]
-        else:  # a block may be drafted past the budget, then the bonus
-            longest = prompt + config.max_new_tokens + config.block_size + 1
-            extra, lms = f" + block ({config.block_size}) + 1", [self.target_lm, self.draft_lm]
-        limit = min(lm.max_length for lm in lms)
-        if longest > limit:
-            raise ValueError(
-                f"prompt ({prompt} tokens) + max_new_tokens ({config.max_new_tokens}){extra} "
-                f"exceeds the model context of {limit} tokens"
-            )
-        rows = len(ids) * (config.n_particles if method.particles else 1)
-        for lm in lms:
-            need = lm.bytes_per_token * rows * longest
-            if need > lm.max_cache_bytes:
-                raise ValueError(
-                    f"{lm.name} KV cache for {rows} rows x {longest} positions needs {need / 2**30:.2f} GiB, "
-                    f"over the budget of {lm.max_cache_bytes / 2**30:.2f} GiB (max_cache_bytes)"
-                )
+    def _generations(self, name: str, out: methods.MethodOutput, start: tuple, ctx) -> list[Generation]:
+        """One ``Generation`` per request of a method's run, sharing the call's stats."""
+        return out.generations(name, self.stats(name, start, sum(len(t) for t in out.token_ids)), ctx)
 
     def start_clock(self) -> tuple[float, ...]:
         """The time and the forward counters now, for ``stats`` (counters are never reset)."""

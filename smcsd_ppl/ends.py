@@ -1,8 +1,35 @@
-"""Where a row ends: the one rule every method applies to the tokens it emits."""
+"""Where an output ends, and why: the one rule every method applies to the tokens it emits."""
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Container, Sequence
+
+
+class FinishReason(str, enum.Enum):
+    """Why an output ended (its value is what records and the command line show).
+
+    ``STOP``: a stop string (the text ends before it), or the program ended it; ``EOS``: an
+    end-of-sequence token; ``LENGTH``: the ``max_new_tokens`` budget; ``CONSTRAINT``: the
+    constraint was complete (it allowed the end, or nothing more); ``CANCELLED``: its caller (or
+    a closing server) cancelled it; ``ERROR``: it failed, or no particle survived (the
+    ``message`` says why).
+    """
+
+    STOP = "stop"
+    EOS = "eos"
+    LENGTH = "length"
+    CONSTRAINT = "constraint"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def openai(self) -> str:
+        """The reason in OpenAI's vocabulary: ``"length"`` for the budget, else ``"stop"``."""
+        return "length" if self is FinishReason.LENGTH else "stop"
 
 
 def row_ends(token: int | None, emitted: int, budget: int, eos: Container[int]) -> bool:
@@ -23,3 +50,26 @@ def first_end(tokens: Sequence[int], emitted: int, budget: int, eos: Container[i
         (j + 1 for j, t in enumerate(tokens) if row_ends(t, emitted + j + 1, budget, eos)),
         None,
     )
+
+
+def before_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
+    """``text`` up to the first stop string (excluded), and whether one was found."""
+    cuts = [i for i in (text.find(s) for s in stop) if i >= 0]
+    return (text[: min(cuts)], True) if cuts else (text, False)
+
+
+def finish_reason(
+    ids: Sequence[int], budget: int, eos: Container[int], *, stopped: bool = False, constrained: bool = False
+) -> FinishReason:
+    """Why an output of token ids ended, by the rule above (a stop string, when ``stopped``, first).
+
+    Under a constraint, an end token (or no token left to draw) means the constraint was
+    complete. Short of the budget with neither, the program itself ended the output.
+    """
+    if stopped:
+        return FinishReason.STOP
+    if ids and ids[-1] in eos:
+        return FinishReason.CONSTRAINT if constrained else FinishReason.EOS
+    if len(ids) >= budget:
+        return FinishReason.LENGTH
+    return FinishReason.CONSTRAINT if constrained else FinishReason.STOP

@@ -27,6 +27,8 @@ programs. docs/from-llamppl.md lists what differs, name by name.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import types
 from collections.abc import Sequence
 
@@ -60,10 +62,12 @@ from llamppl import (
 
 from .api import SMCSD
 from .config import SMCConfig
+from .engine.run import final_populations
 from .inference.context import LMContext
 from .inference.program import SMCSDModel as Model
-from .inference.record import recorded_run, write_record
-from .inference.steer import steer
+from .inference.record import Recorder, write_record
+from .inference.state import final_particles
+from .inference.steer import Steering
 
 __all__ = [  # this library's five, then llamppl's own objects
     "CachedCausalLM",
@@ -164,8 +168,8 @@ class CachedCausalLM:
                 "lm.next_token_logprobs cannot run inside a program's step here: "
                 "use context.next_token() or context.mask_dist() (batched with the other particles)"
             )
-        with self.pair.lock:
-            logits = self.pair.target_lm.prefill([[int(t) for t in token_ids]])[0]
+        ids = [[int(t) for t in token_ids]]
+        logits = self.pair.call(lambda: self.pair.target_lm.prefill(ids)[0])
         return torch.log_softmax(logits.float(), -1).cpu().numpy()
 
     async def next_token_logprobs(self, token_ids: Sequence[int]) -> np.ndarray:
@@ -236,19 +240,39 @@ async def smc_standard(
         settings["resampling"] = settings.pop("resampling_method")
     lm = _lm_of(model)
     config = _config(n_particles, ess_threshold, settings)
-    pair, keep = lm.pair, json_file is not None or visualization_dir is not None
+    keep = json_file is not None or visualization_dir is not None
+    recorder = Recorder(config.n_particles) if keep else None
+    particles = await _run(lm, model, config, on_cycle=recorder)
+    if keep:
+        write_record(recorder.history, model, visualization_dir, json_file)
+    return particles
+
+
+async def _run(lm: CachedCausalLM, model: Model, config: SMCConfig, **kwargs) -> list[Model]:
+    """One program to the end on the pair's torch thread: its final particles, with their weights."""
+    pair = lm.pair
     eos = [] if config.ignore_eos else list(pair.eos_token_ids)
-    with pair.lock:
+
+    def run() -> list[Model]:
         lm.running = True
         try:
-            particles, history = await recorded_run(
-                model, pair.rows(), config, eos, pair.draft_record, lm.encode, pair.decode, keep
+            _, [pop] = asyncio.run(
+                final_populations(
+                    [model],
+                    pair.rows(),
+                    config,
+                    eos,
+                    record=pair.draft_record,
+                    encode=lm.encode,
+                    decode=pair.decode,
+                    **kwargs,
+                )
             )
         finally:
             lm.running = False
-    if keep:
-        write_record(history, model, visualization_dir, json_file)
-    return particles
+        return final_particles(pop)
+
+    return await asyncio.to_thread(pair.call, run)
 
 
 async def smc_steer(model: Model, n_particles: int, n_beam: int, **settings) -> list[Model]:
@@ -262,13 +286,5 @@ async def smc_steer(model: Model, n_particles: int, n_beam: int, **settings) -> 
     if n_particles < 1 or n_beam < 1:
         raise ValueError(f"smc_steer needs n_particles >= 1 and n_beam >= 1, got {n_particles}, {n_beam}")
     lm = _lm_of(model)
-    config = _config(n_particles, 0.0, settings)
-    pair = lm.pair
-    eos = [] if config.ignore_eos else list(pair.eos_token_ids)
-    with pair.lock:
-        lm.running = True
-        try:
-            store, record = pair.rows(), pair.draft_record
-            return await steer(model, n_beam, store, config, eos, record, lm.encode, pair.decode)
-        finally:
-            lm.running = False
+    config = dataclasses.replace(_config(n_particles, 0.0, settings), cut=None)
+    return await _run(lm, model, config, reshape=Steering(n_particles, n_beam, config.seed))

@@ -21,6 +21,9 @@ METHOD_SUMMARIES = {
 }
 """The generation methods (``smcsd_ppl.methods.METHODS``), each with its one-line summary."""
 
+INTERLEAVED_METHODS = ("smcsd", "ar", "sd", "hf_prompt_lookup", "racer_sampling")
+"""The methods ``smcsd interleaved`` runs by default, call by call (``bench.interleaved``)."""
+
 STEERING_METHODS = (
     "smcsd_proposal",
     "smcsd_critic",

@@ -67,7 +67,7 @@ class SMCInfo:
         mean_ess: the mean of ``ess_trace`` over the cycles that ran N >= 2 particles (the final
             weights' ESS when none did).
         n_resamples: resampling rounds.
-        collapsed: the ESS averaged under ``inference.loop.COLLAPSE_ESS_FRACTION`` of the
+        collapsed: the ESS averaged under ``inference.outcome.COLLAPSE_ESS_FRACTION`` of the
             particles, so the output follows the draft more than the target.
         draft_lengths: with a quality cut, the draft length of each cycle (0: the target alone).
         draft_record: the record the request started from, with its own evidence added:
@@ -111,6 +111,9 @@ class Generation:
             ``max_new_tokens``), if it is.
         smc: SMC-SD's report (log Z, particles, ESS), for the SMC-SD methods.
         speculative: the speculative baselines' report (acceptance).
+        finish_reason: why it ended: ``"stop"`` (a stop string), ``"eos"``, ``"length"`` (the
+            budget), ``"constraint"`` (the constraint was complete), ``"cancelled"`` or
+            ``"error"`` (``ends.FinishReason``).
     """
 
     text: str
@@ -120,10 +123,12 @@ class Generation:
     message: str = ""
     smc: SMCInfo | None = None
     speculative: SpeculativeInfo | None = None
+    finish_reason: str = ""
 
     def to_record(self) -> dict:
         """A JSON-ready dict: the text, its cost and the method's report (particles left out)."""
         record: dict = {"text": self.text, "method": self.method, "new_tokens": len(self.token_ids)}
+        record["finish_reason"] = str(self.finish_reason)
         s = self.stats
         if s is not None:
             record |= {
@@ -142,3 +147,25 @@ class Generation:
         if spec is not None:
             record["acceptance"] = round(spec.acceptance, 3)
         return record
+
+
+def generation(
+    method: str,
+    text: str,
+    token_ids: list[int],
+    stats: RunStats | None,
+    reason: str,
+    message: str = "",
+    info: SMCInfo | SpeculativeInfo | None = None,
+) -> Generation:
+    """The one way a ``Generation`` is built: a method family's report goes to its field."""
+    return Generation(
+        text,
+        list(token_ids),
+        method,
+        stats,
+        message,
+        smc=info if isinstance(info, SMCInfo) else None,
+        speculative=info if isinstance(info, SpeculativeInfo) else None,
+        finish_reason=str(reason),
+    )

@@ -19,7 +19,8 @@ from tiny import tokenizer
 
 from smcsd_ppl.backends.mock import MockLM
 from smcsd_ppl.config import DraftRecord, SMCConfig
-from smcsd_ppl.inference.loop import SMCResult, run_smc_sd
+from smcsd_ppl.engine.run import run_smc_sd
+from smcsd_ppl.inference.outcome import SMCResult
 from smcsd_ppl.inference.program import SMCSDModel
 from smcsd_ppl.inference.rows import RowStore
 from smcsd_ppl.methods.sd import AcceptRule, SpeculativeRun, exact_accept, speculative_sampling

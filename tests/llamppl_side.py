@@ -4,7 +4,6 @@ same mock target as LLaMPPL's language model, so one program can run on each."""
 from __future__ import annotations
 
 import asyncio
-import threading
 from types import SimpleNamespace
 
 import torch
@@ -47,10 +46,13 @@ class MockPair:
     def __init__(self, target, draft, strings):
         self.target_lm, self.draft_lm = target, draft
         self.tokenizer, self.eos_token_ids = MockTokenizer(strings), [EOS]
-        self.draft_record, self.lock = DraftRecord(), threading.RLock()
+        self.draft_record, self.store = DraftRecord(), RowStore(target, draft)
 
     def rows(self):
-        return RowStore(self.target_lm, self.draft_lm)
+        return self.store
+
+    def call(self, fn):
+        return fn()  # a mock's forwards are table lookups: the caller's thread does
 
     def decode(self, ids):
         return "".join(self.tokenizer.strings[i] for i in ids if i != EOS)

@@ -97,14 +97,14 @@ def shared_models(monkeypatch):
 def served_url():
     """The ``/v1`` URL of ``smcsd serve`` on its own embedded pair, on a free port, for the session."""
     from smcsd_ppl.config import SMCConfig
+    from smcsd_ppl.engine.client import Engine
     from smcsd_ppl.serving.app import build_app
-    from smcsd_ppl.serving.scheduler import Scheduler
     from smcsd_ppl.serving.server import BackgroundServer
 
     pair, config = _ORIGINAL_LOAD(), SMCConfig(n_particles=4, block_size=4)
-    scheduler = Scheduler(pair, config)
-    pair.use_scheduler(scheduler)
-    app = build_app(scheduler, pair, model_name=pair.target.name, defaults=config)
+    engine = Engine(pair.core, config)
+    pair.use_engine(engine)
+    app = build_app(engine, model_name=pair.target.name, defaults=config)
     with BackgroundServer(app) as server:
         yield server.url + "/v1"
 

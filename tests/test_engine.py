@@ -20,9 +20,9 @@ import smcsd_ppl.methods.sd as sd_module
 from smcsd_ppl.api import SMCSD
 from smcsd_ppl.backends.mock import MockLM
 from smcsd_ppl.config import SMCConfig
+from smcsd_ppl.engine.run import run_smc_sd
 from smcsd_ppl.inference.blocks import BlockRequest, RowConstraint
 from smcsd_ppl.inference.drafting import draft_blocks, generator_draws
-from smcsd_ppl.inference.loop import run_smc_sd
 from smcsd_ppl.inference.program import SMCSDModel
 from smcsd_ppl.inference.rows import RowStore
 from smcsd_ppl.potentials import Constraint

@@ -15,9 +15,9 @@ from smcsd_ppl import SMCSD, SMCConfig
 from smcsd_ppl.backends.hf import HFBatchedLM
 from smcsd_ppl.config import DraftRecord
 from smcsd_ppl.config import SMCConfig as Config
+from smcsd_ppl.engine.run import run_smc_sd
 from smcsd_ppl.inference.blocks import BlockRequest
 from smcsd_ppl.inference.drafting import draft_blocks, generator_draws
-from smcsd_ppl.inference.loop import run_smc_sd
 from smcsd_ppl.inference.program import SMCSDModel
 from smcsd_ppl.inference.rows import RowStore
 from smcsd_ppl.methods.sd import speculative_sampling

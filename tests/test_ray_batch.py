@@ -1,7 +1,9 @@
 """``smcsd batch --ray``: prompts over a pool of Ray actors give the one-process run's records.
 
-On a local Ray cluster started here (2 CPUs), each actor loading the real embedded pair. Skipped
-where Ray Data is not installed (``pip install '.[ray]'``; CI installs it).
+On a local Ray cluster started here (2 CPUs), each actor loading the real embedded pair in
+float32: an actor runs its share of the prompts as one batch, of other shapes than the
+one-process run's, which in float32 leaves every token as it was. Skipped where Ray Data is
+not installed (``pip install '.[ray]'``; CI installs it).
 """
 
 from __future__ import annotations
@@ -19,15 +21,16 @@ pytest.importorskip("ray.data")
 
 from smcsd_ppl.api import SMCSD  # noqa: E402
 from smcsd_ppl.bench import load_prompts  # noqa: E402
-from smcsd_ppl.bench.ray_batch import run_batch_on_ray  # noqa: E402
+from smcsd_ppl.bench.ray_batch import RayPool, run_batch_on_ray  # noqa: E402
 from smcsd_ppl.cli import main  # noqa: E402
 from smcsd_ppl.config import SMCConfig  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 ROOT = Path(__file__).resolve().parents[1]
+POOL = RayPool(workers=2, prompts_per_batch=1)
 TEXTS = ["The quick brown fox", "Once upon a time", "Name a color.", "Rain falls", "Say hi.", "The sun"]
-SETTINGS = ["-n", "2", "-k", "2", "--max-new-tokens", "4", "--threads", "1"]
+SETTINGS = ["-n", "2", "-k", "2", "--max-new-tokens", "4", "--threads", "1", "--dtype", "float32"]
 CONFIG = SMCConfig(n_particles=2, block_size=2, max_new_tokens=4)
 TIMINGS = ("seconds", "tokens_per_second", "overhead_fraction")
 
@@ -86,7 +89,7 @@ def test_two_workers_write_the_one_process_records(cluster, prompts_file, one_pr
 def test_a_killed_worker_and_an_interrupted_driver_lose_nothing(cluster, prompts_file, one_process, tmp_path):
     prompts = load_prompts(str(prompts_file))
     out = tmp_path / "ray.jsonl"
-    load = functools.partial(SMCSD.load, threads=1)
+    load = functools.partial(SMCSD.load, threads=1, dtype="float32")
     killed = []
 
     def kill_a_worker_then_stop(_record, done, _total):
@@ -96,11 +99,9 @@ def test_a_killed_worker_and_an_interrupted_driver_lose_nothing(cluster, prompts
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        run_batch_on_ray(
-            load, prompts, out, CONFIG, workers=2, prompts_per_batch=1, on_record=kill_a_worker_then_stop
-        )
+        run_batch_on_ray(load, prompts, out, CONFIG, pool=POOL, on_record=kill_a_worker_then_stop)
     assert killed and len(out.read_text().splitlines()) == 4  # Ray restarted the actor and reran its batch
-    summary = run_batch_on_ray(load, prompts, out, CONFIG, workers=2, prompts_per_batch=1)
+    summary = run_batch_on_ray(load, prompts, out, CONFIG, pool=POOL)
     assert summary.resumed == 4 and len(summary.records) == len(TEXTS)
     assert outputs(out) == one_process
 

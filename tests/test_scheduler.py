@@ -1,4 +1,4 @@
-"""The scheduler on the mock backend: requests join and leave a running batch, each on its own stream."""
+"""The engine on the mock backend: requests join and leave a running batch, each on its own stream."""
 
 from __future__ import annotations
 
@@ -13,37 +13,18 @@ import pytest
 import torch
 from helpers import EOS, config, exact_target, marginal_tv, mock_pair, total_variation
 
-from smcsd_ppl.config import DraftRecord, SMCConfig
-from smcsd_ppl.inference.rows import RowStore
+from smcsd_ppl.config import SMCConfig
+from smcsd_ppl.engine.client import Engine, EngineClosed, QueueFull, RequestCancelled, ServeRequest
+from smcsd_ppl.engine.pair import PairCore
 from smcsd_ppl.inference.streams import RowStreams
-from smcsd_ppl.serving.scheduler import QueueFull, Scheduler, SchedulerClosed, ServeRequest
-from smcsd_ppl.serving.ticket import RequestCancelled
 
 PROMPTS = ([0, 1], [2], [1, 1, 0], [2, 0])
 
 
-class MockPair:
-    """What a scheduler reads of a pair, over the mock target and draft (token ids as text)."""
-
-    def __init__(self) -> None:
-        self.target_lm, self.draft_lm = mock_pair(rare_eos=True)
-        self.draft_record, self.tokenizer = DraftRecord(), None
-        self.forwards = 0
-
-    def rows(self) -> RowStore:
-        return RowStore(self.target_lm, self.draft_lm)
-
-    def eos_for(self, config: SMCConfig) -> list[int]:
-        return [] if config.ignore_eos else [EOS]
-
-    def decode(self, ids) -> str:
-        return "".join("abcd"[t] for t in ids)
-
-    encode = None
-
-    def check_request(self, ids, config) -> None:
-        if not ids:
-            raise ValueError("the prompt is empty")
+def MockPair() -> PairCore:
+    """A pair core over the mock target and draft (token ids as letters)."""
+    target, draft = mock_pair(rare_eos=True)
+    return PairCore(target, draft, eos_token_ids=[EOS], decode=lambda ids: "".join("abcd"[t] for t in ids))
 
 
 def settings(seed: int, **kw) -> SMCConfig:
@@ -52,7 +33,7 @@ def settings(seed: int, **kw) -> SMCConfig:
 
 def served(pair, requests, *, stagger: float = 0.0, **kw) -> list:
     """Each request's generation, submitted (``stagger`` s apart) to one scheduler."""
-    with Scheduler(pair, settings(0), **kw) as sched:
+    with Engine(pair, settings(0), **kw) as sched:
         tickets = []
         for r in requests:
             tickets.append(sched.submit(r))
@@ -67,7 +48,7 @@ def test_a_request_returns_the_same_alone_as_in_any_batch(cut):
     base = replace(settings(0), cut=cut)
     alone = []
     for r in requests:
-        with Scheduler(MockPair(), base) as sched:
+        with Engine(MockPair(), base) as sched:
             alone.append(sched.submit(r).wait(timeout=60))
     for batch in (served_with(base, requests), served_with(base, requests, stagger=0.01)):
         for a, b in zip(alone, batch):
@@ -76,7 +57,7 @@ def test_a_request_returns_the_same_alone_as_in_any_batch(cut):
 
 
 def served_with(base, requests, stagger=0.0):
-    with Scheduler(MockPair(), base) as sched:
+    with Engine(MockPair(), base) as sched:
         tickets = []
         for r in requests:
             tickets.append(sched.submit(r))
@@ -102,7 +83,7 @@ def test_a_mutant_sharing_one_stream_across_requests_changes_outputs(monkeypatch
 def test_requests_join_mid_run_and_rows_are_reused():
     pair = MockPair()
     long = ServeRequest([0, 1], replace(settings(1), max_new_tokens=30, ignore_eos=False))
-    with Scheduler(pair, settings(0), max_rows=12) as sched:
+    with Engine(pair, settings(0), max_rows=12) as sched:
         first = sched.submit(long)
         while sched.stats().cycles_total < 2:
             time.sleep(0.001)
@@ -116,7 +97,7 @@ def test_requests_join_mid_run_and_rows_are_reused():
 
 
 def test_the_row_cap_holds_requests_back_until_rows_free():
-    with Scheduler(MockPair(), settings(0), max_rows=4) as sched:
+    with Engine(MockPair(), settings(0), max_rows=4) as sched:
         tickets = [sched.submit(ServeRequest(p, settings(i))) for i, p in enumerate(PROMPTS)]
         peak = 0
         while not all(t.done for t in tickets):
@@ -126,9 +107,9 @@ def test_the_row_cap_holds_requests_back_until_rows_free():
     assert peak <= 4
 
 
-def test_a_full_queue_refuses_and_a_closed_scheduler_too():
+def test_a_request_is_refused_only_beyond_the_rows_and_a_full_queue_and_a_closed_engine_too():
     gate = threading.Event()
-    sched = Scheduler(MockPair(), settings(0), max_queue=2)
+    sched = Engine(MockPair(), settings(0), max_queue=1, max_rows=4)  # each request holds 4 rows
 
     def hold():
         with sched.exclusive():
@@ -138,21 +119,21 @@ def test_a_full_queue_refuses_and_a_closed_scheduler_too():
     blocker.start()
     while sched.stats().queued:  # the blocking call has left the queue and runs
         time.sleep(0.001)
-    queued = [sched.submit(ServeRequest([0], settings(i))) for i in range(2)]
-    with pytest.raises(QueueFull, match="queue is full"):
+    queued = [sched.submit(ServeRequest([0], settings(i))) for i in range(2)]  # one fits, one waits
+    with pytest.raises(QueueFull, match="wait for them"):
         sched.submit(ServeRequest([0], settings(9)))
     gate.set()
     blocker.join()
     assert all(t.wait(timeout=60) for t in queued)
     assert sched.stats().requests_total["rejected"] == 1
     sched.close()
-    with pytest.raises(SchedulerClosed):
+    with pytest.raises(EngineClosed):
         sched.submit(ServeRequest([0], settings(0)))
 
 
 def test_a_cancelled_request_leaves_and_frees_its_rows():
     long = replace(settings(1), max_new_tokens=40, ignore_eos=True)
-    with Scheduler(MockPair(), replace(settings(0), ignore_eos=True)) as sched:
+    with Engine(MockPair(), replace(settings(0), ignore_eos=True)) as sched:
         doomed = sched.submit(ServeRequest([0, 1], long))
         other = sched.submit(ServeRequest([2], replace(long, max_new_tokens=12)))
         while sched.stats().cycles_total < 2:
@@ -166,9 +147,9 @@ def test_a_cancelled_request_leaves_and_frees_its_rows():
 
 
 def test_close_with_cancel_ends_every_request():
-    sched = Scheduler(MockPair(), replace(settings(0), ignore_eos=True))
+    sched = Engine(MockPair(), replace(settings(0), ignore_eos=True))
     tickets = [
-        sched.submit(ServeRequest([0], replace(settings(i), max_new_tokens=60, ignore_eos=True)))
+        sched.submit(ServeRequest([0], replace(settings(i), max_new_tokens=50, ignore_eos=True)))
         for i in range(3)
     ]
     sched.close(cancel=True)
@@ -194,10 +175,10 @@ def test_stop_strings_end_the_output_before_them():
 def test_other_settings_run_alone_between_batches():
     """A request whose shared settings differ runs on its own, with the same output as alone."""
     paper = ServeRequest([0, 1], replace(settings(3), cut=None))
-    with Scheduler(MockPair(), settings(0)) as sched:
+    with Engine(MockPair(), settings(0)) as sched:
         together = [sched.submit(ServeRequest([2], settings(4))), sched.submit(paper)]
         got = [t.wait(timeout=60) for t in together]
-    with Scheduler(MockPair(), replace(settings(0), cut=None)) as sched:
+    with Engine(MockPair(), replace(settings(0), cut=None)) as sched:
         assert sched.submit(paper).wait(timeout=60).token_ids == got[1].token_ids
 
 
@@ -211,7 +192,7 @@ def streamed(sched, request) -> tuple[str, object]:
 
 
 def test_streamed_text_joins_into_the_final_text():
-    with Scheduler(MockPair(), settings(0)) as sched:
+    with Engine(MockPair(), settings(0)) as sched:
         for s in range(20):
             text, gen = streamed(sched, ServeRequest([0, 1], replace(settings(s), max_new_tokens=10)))
             assert text == gen.text
@@ -234,7 +215,7 @@ def streamed_runs(stream: bool) -> list[tuple[str, object]]:
     async def all_of(sched):
         return await asyncio.gather(*(one(sched, s) for s in range(RUNS)))
 
-    with Scheduler(MockPair(), base, max_queue=RUNS) as sched:
+    with Engine(MockPair(), base, max_queue=RUNS) as sched:
         return asyncio.run(all_of(sched))
 
 
@@ -261,7 +242,7 @@ def test_streaming_shows_shared_text_only_and_changes_no_output():
 
 def test_a_stream_of_one_particle_can_be_taken_back(monkeypatch):
     """The test above can fail: stream the first particle's tokens instead of the shared ones."""
-    from smcsd_ppl.serving import scheduler as module
+    from smcsd_ppl.engine import core as module
 
     monkeypatch.setattr(module, "settled_tokens", lambda pop: tuple(pop.particles[0].token_ids))
     runs = streamed_runs(stream=True)
@@ -280,7 +261,7 @@ def returned_through_scheduler(**cfg) -> list[tuple[str, object]]:
     async def all_of(sched):
         return await asyncio.gather(*(one(sched, s) for s in range(2000)))
 
-    with Scheduler(MockPair(), base, max_queue=2000) as sched:
+    with Engine(MockPair(), base, max_queue=2000) as sched:
         return asyncio.run(all_of(sched))
 
 

@@ -18,8 +18,8 @@ import openai
 import pytest
 
 from smcsd_ppl.config import SMCConfig
+from smcsd_ppl.engine.client import Engine, EngineClosed, ServeRequest
 from smcsd_ppl.serving.app import DISCONNECT_POLL_SECONDS, build_app
-from smcsd_ppl.serving.scheduler import Scheduler, SchedulerClosed, ServeRequest
 from smcsd_ppl.serving.server import BackgroundServer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -35,20 +35,20 @@ MODEL = "tiny"
 @contextlib.contextmanager
 def served(pair, *, defaults=DEFAULTS, max_queue=16, max_rows=512, **app_options):
     """A live server of ``pair`` on a free port; yields an httpx client on it."""
-    with owned(pair, defaults, max_queue=max_queue, max_rows=max_rows) as scheduler:
+    with owned(pair, defaults, max_queue=max_queue, max_rows=max_rows) as engine:
         name = app_options.pop("model_name", MODEL)
-        app = build_app(scheduler, pair, model_name=name, defaults=defaults, **app_options)
+        app = build_app(engine, model_name=name, defaults=defaults, **app_options)
         with BackgroundServer(app) as server, httpx.Client(base_url=server.url, timeout=120) as client:
             yield client
 
 
 @contextlib.contextmanager
 def owned(pair, defaults, **limits):
-    """A scheduler made the pair's own, as ``smcsd serve`` makes it; after, the pair starts a new one."""
-    scheduler = Scheduler(pair, defaults, **limits)
-    pair.use_scheduler(scheduler)
+    """An engine made the pair's own, as ``smcsd serve`` makes it; after, the pair starts a new one."""
+    engine = Engine(pair.core, defaults, **limits)
+    pair.use_engine(engine)
     try:
-        yield scheduler
+        yield engine
     finally:
         pair.close()
 
@@ -250,12 +250,12 @@ def test_a_client_gone_mid_stream_is_cancelled_and_its_rows_freed(tiny_smcsd):
             time.sleep(0.05)
         wait_idle(client)
         # a client that gives up waiting for a whole answer is cancelled too. Its request is held
-        # in the queue (the scheduler is taken) until the client has left, so that it cannot
+        # in the queue (the engine is taken) until the client has left, so that it cannot
         # finish first on a fast machine, nor the client leave before the server read it.
         body = json.dumps(ask | {"stream": False}).encode()
         head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         head += f"Content-Length: {len(body)}\r\n\r\n"
-        with tiny_smcsd.scheduler.exclusive():
+        with tiny_smcsd.engine.exclusive():
             with socket.create_connection((client.base_url.host, client.base_url.port)) as sock:
                 sock.sendall(head.encode() + body)
                 deadline = time.monotonic() + 30
@@ -273,7 +273,8 @@ def test_a_client_gone_mid_stream_is_cancelled_and_its_rows_freed(tiny_smcsd):
 
 
 def test_api_key_body_size_full_queue_and_shutdown(tiny_smcsd):
-    with served(tiny_smcsd, defaults=UNENDING, api_key="sesame", max_body_bytes=2000, max_queue=1) as client:
+    limits = dict(max_body_bytes=2000, max_queue=1, max_rows=4)  # rows for one request, one more may wait
+    with served(tiny_smcsd, defaults=UNENDING, api_key="sesame", **limits) as client:
         assert (
             error_of(client.post("/v1/completions", json={"prompt": "Hi"}), 401)["code"] == "invalid_api_key"
         )
@@ -283,7 +284,7 @@ def test_api_key_body_size_full_queue_and_shutdown(tiny_smcsd):
         assert client.get("/v1/models", headers=key).status_code == 200
         assert client.get("/health").status_code == 200  # health and metrics stay open
         error_of(client.post("/v1/completions", json={"prompt": "x" * 3000}, headers=key), 413)
-        # one slot in the queue: of many at once, some are refused, the rest finish
+        # rows for one, one slot in the queue: of many at once, some are refused, the rest finish
         ask = {"prompt": "The sun", "max_tokens": 40}
         codes = []
 
@@ -298,11 +299,11 @@ def test_api_key_body_size_full_queue_and_shutdown(tiny_smcsd):
         assert 429 in codes and 200 in codes and set(codes) <= {200, 429}, codes
         assert counter(client, "smcsd_requests_total", 'outcome="rejected"') >= codes.count(429)
         wait_idle(client)
-    # after shutdown the scheduler refuses work
-    with owned(tiny_smcsd, DEFAULTS) as scheduler:
-        app = build_app(scheduler, tiny_smcsd, model_name=MODEL, defaults=DEFAULTS)
+    # after shutdown the engine refuses work
+    with owned(tiny_smcsd, DEFAULTS) as engine:
+        app = build_app(engine, model_name=MODEL, defaults=DEFAULTS)
         with BackgroundServer(app) as server, httpx.Client(base_url=server.url, timeout=60) as client:
-            scheduler.close()
+            engine.close()
             answer = client.post("/v1/completions", json={"prompt": "Hi"})
             assert error_of(answer, 503)["code"] == "shutting_down"
 
@@ -381,10 +382,10 @@ def test_faults_get_their_errors_while_a_running_request_finishes(tiny_smcsd):
         wait_idle(client)
 
 
-def test_shutdown_lets_a_running_request_finish_then_closes_the_scheduler(tiny_smcsd):
+def test_shutdown_lets_a_running_request_finish_then_closes_the_engine(tiny_smcsd):
     answers = []
-    with owned(tiny_smcsd, UNENDING) as scheduler:
-        app = build_app(scheduler, tiny_smcsd, model_name=MODEL, defaults=UNENDING)
+    with owned(tiny_smcsd, UNENDING) as engine:
+        app = build_app(engine, model_name=MODEL, defaults=UNENDING)
         with BackgroundServer(app) as server, httpx.Client(base_url=server.url, timeout=60) as client:
             ask = {"prompt": "Once", "seed": 2, "max_tokens": 80, "block_size": 1}
             call = lambda: answers.append(httpx.post(f"{server.url}/v1/completions", json=ask, timeout=60))  # noqa: E731
@@ -395,7 +396,7 @@ def test_shutdown_lets_a_running_request_finish_then_closes_the_scheduler(tiny_s
         running.join()
         [answer] = answers
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 80
-        stats = scheduler.stats()
+        stats = engine.stats()
         assert stats.rows_in_use == stats.running == stats.queued == 0
-        with pytest.raises(SchedulerClosed):
-            scheduler.submit(ServeRequest([5, 6], UNENDING))
+        with pytest.raises(EngineClosed):
+            engine.submit(ServeRequest([5, 6], UNENDING))

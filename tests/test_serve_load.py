@@ -65,7 +65,7 @@ def test_a_small_load_test_runs_end_to_end(tmp_path, capsys):
     args = ["load-test", "--out-dir", str(tmp_path), "--requests", "4", "--levels", "1,2"]
     assert main([*args, "--max-new-tokens", "8", "--threads", "1"]) == 0, capsys.readouterr().err
     table = capsys.readouterr().out
-    assert "| one pair.run | 4 |" in table and table.count("\n") == 5
+    assert "| one batch | 4 |" in table and table.count("\n") == 5
     rows = [json.loads(line) for line in (tmp_path / "load.jsonl").read_text().splitlines()]
     requests = [r for r in rows if r["kind"] == "request"]
     assert sorted((r["clients"], r["index"]) for r in requests) == [(c, i) for c in (1, 2) for i in range(4)]

@@ -1,87 +1,138 @@
-"""torch's CPU threads on a busy machine: the library lowers them (one warning), the CLI the same way."""
+"""torch's threads: the user's count or torch's own, never lowered behind their back; one thread works.
+
+Every thread that runs torch operations gets an OpenMP team of its own, and two busy teams on
+the same cores slow each other down; so every forward of every method runs on the process's
+one torch thread, whichever thread called, and no thread stays busy once a call returns.
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
+import threading
+import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from smcsd_ppl import api
+from smcsd_ppl import SMCConfig, api
 from smcsd_ppl.cli.loading import set_threads
+from smcsd_ppl.engine.worker import torch_thread
+from smcsd_ppl.methods import METHODS
 from smcsd_ppl.models import threads as th
 
 
 @pytest.fixture
-def machine(monkeypatch):
-    """A 4-core machine whose load average the test sets; torch at one thread per core."""
-    before = torch.get_num_threads()
+def busy(monkeypatch, tiny_models):
+    """Loads of the tiny pair on a machine whose load average is 9 and whose other processes use
+    ``load[0]`` cores while the pair loads; no thread count chosen by the environment."""
     load = [0.0]
-    monkeypatch.setattr(th, "available_cores", lambda: 4)
-    monkeypatch.setattr(th, "check_threads", lambda threads: None)
-    monkeypatch.setattr(os, "getloadavg", lambda: (load[0], 0.0, 0.0))
-    for name in th._THREAD_VARIABLES:
+
+    class Watch:
+        def stop(self):
+            return th.OtherLoad(load[0], 4)
+
+    target, draft = tiny_models
+    monkeypatch.setattr(api, "load_model", lambda *a, **k: target)
+    monkeypatch.setattr(api, "resolve_draft", lambda *a, **k: draft)
+    monkeypatch.setattr(api, "LoadWatch", Watch)
+    monkeypatch.setattr(os, "getloadavg", lambda: (9.0, 9.0, 9.0))
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         monkeypatch.delenv(name, raising=False)
-    torch.set_num_threads(4)
+    before = torch.get_num_threads()
     yield load
     torch.set_num_threads(before)
 
 
-def test_free_cores():
-    assert [th.free_cores(load, 4) for load in (0.0, 0.4, 1.6, 3.0, 9.0)] == [4, 4, 2, 1, 1]
+def test_a_load_average_left_behind_changes_nothing(busy):
+    """A load average of 9 (what a finished process leaves behind) neither pins nor warns."""
+    threads = torch.get_num_threads()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        api.SMCSD.load()
+    assert torch.get_num_threads() == threads
 
 
-def test_a_quiet_machine_keeps_torchs_threads(machine):
-    machine[0] = 0.3
-    assert th.choose_threads() is None and torch.get_num_threads() == 4
+def test_other_processes_busy_during_the_load_earn_one_warning_and_no_pin(busy):
+    threads = torch.get_num_threads()
+    busy[0] = 1.5
+    with pytest.warns(th.BusyCPUWarning, match=r"other processes kept 1\.5 of 4 CPU cores busy"):
+        api.SMCSD.load()
+    assert torch.get_num_threads() == threads
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        api.SMCSD.load(threads=1)  # chosen: no look at the load, the count kept
+    assert torch.get_num_threads() == 1
 
 
-def test_a_busy_machine_runs_the_free_cores(machine):
-    machine[0] = 2.8
-    choice = th.choose_threads()
-    assert choice == th.ThreadChoice(1, 2.8, 4) and torch.get_num_threads() == 1
-    assert choice.describe() == "the CPU is busy (load average 2.8 on 4 cores): torch runs 1 thread(s)"
-    assert th.choose_threads() is None  # a count below the cores is someone's choice: kept
-
-
-def test_a_chosen_count_is_kept(machine, monkeypatch):
-    machine[0] = 3.0
-    assert th.choose_threads(3) is None and torch.get_num_threads() == 3
-    torch.set_num_threads(4)
-    monkeypatch.setenv("OMP_NUM_THREADS", "4")
-    assert th.choose_threads() is None and torch.get_num_threads() == 4
+def test_the_load_watch_excludes_the_process_own_work(monkeypatch):
+    hz = os.sysconf("SC_CLK_TCK")
+    readings = iter([(0, 0), (2 * hz, 2 * hz)])  # the machine busy on 2 cores, all of it this process
+    monkeypatch.setattr(th, "_cpu_ticks", lambda: next(readings))
+    times = iter([0.0, 1.0])
+    monkeypatch.setattr(th.os, "times", lambda: type("T", (), {"elapsed": next(times)})())
+    load = th.LoadWatch().stop()
+    assert load.cores_used == 0.0 and not load.busy
 
 
 def test_bad_counts_are_refused():
     for bad in (0, -1, 10**6, 1.5, True):
         with pytest.raises(ValueError, match="threads must be between 1 and the"):
-            th.choose_threads(bad)
+            th.set_threads(bad)
 
 
-def test_load_warns_once_on_a_busy_machine(machine, monkeypatch, tiny_models):
-    target, draft = tiny_models
-    monkeypatch.setattr(api, "load_model", lambda *a, **k: target)
-    monkeypatch.setattr(api, "resolve_draft", lambda *a, **k: draft)
-    machine[0] = 3.5
-    with pytest.warns(
-        UserWarning, match=r"load average 3\.5 on 4 cores\): torch runs 1 thread\(s\); pass threads=N"
-    ):
-        api.SMCSD.load()
-    assert torch.get_num_threads() == 1
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        api.SMCSD.load()  # chosen already: no second warning
-        api.SMCSD.load(threads=2)
-    assert torch.get_num_threads() == 2
+def test_the_cli_sets_the_count_it_is_given_and_leaves_torchs_own_otherwise():
+    before = torch.get_num_threads()
+    try:
+        set_threads(argparse.Namespace(threads=1, device="cpu"))
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(before)
+        set_threads(argparse.Namespace(threads=None, device="cpu"))
+        assert torch.get_num_threads() == before
+    finally:
+        torch.set_num_threads(before)
 
 
-def test_the_cli_makes_the_same_choice_and_says_so(machine, capsys):
-    machine[0] = 2.2
-    args = argparse.Namespace(threads=None, device="cpu")
-    set_threads(args)
-    assert args.threads == torch.get_num_threads() == 2
-    assert "note: the CPU is busy (load average 2.2 on 4 cores): torch runs 2 thread(s); --threads N" in (
-        capsys.readouterr().err
-    )
+@pytest.fixture
+def forward_threads(tiny_smcsd):
+    """The threads every forward of the pair's two models ran on, while the fixture is in use."""
+    seen: set[int] = set()
+    hooks = [
+        m.register_forward_pre_hook(lambda *_: seen.add(threading.get_ident()))
+        for m in (tiny_smcsd.target.model, tiny_smcsd.draft.model)
+    ]
+    yield seen
+    for h in hooks:
+        h.remove()
+
+
+CONFIG = SMCConfig(max_new_tokens=6, n_particles=3, block_size=3, seed=1)
+
+
+def test_every_method_runs_its_forwards_on_the_one_torch_thread(tiny_smcsd, forward_threads):
+    """Called from this thread and from two others at once: one thread ran every forward."""
+    for method in sorted(METHODS):
+        tiny_smcsd.generate("hello", method=method, config=CONFIG)
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda m: tiny_smcsd.generate("hello", method=m, config=CONFIG), ["smcsd", "ar"]))
+    assert forward_threads == {torch_thread()._thread.ident}
+
+
+def test_the_mutant_that_runs_a_method_on_the_callers_thread_fails_that_check(
+    tiny_smcsd, forward_threads, monkeypatch
+):
+    monkeypatch.setattr(type(tiny_smcsd), "call", lambda self, fn: fn())
+    tiny_smcsd.generate("hello", method="ar", config=CONFIG)
+    assert threading.get_ident() in forward_threads
+
+
+def test_no_thread_stays_busy_once_a_call_returns(tiny_smcsd):
+    """After a call, the process uses (almost) no CPU: no spinning team, no polling loop."""
+    for method in ("smcsd", "ar"):
+        tiny_smcsd.generate("hello", method=method, config=CONFIG)
+        time.sleep(0.2)  # an OpenMP team's spin after its last region ends well within this
+        cpu = time.process_time()
+        time.sleep(1.0)
+        assert time.process_time() - cpu < 0.05, method

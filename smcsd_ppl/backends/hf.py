@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedModel
 
-from . import kv
+from . import cpu, kv
 from .base import BatchedLM, ForwardStats, Timer, pad_left, pad_left_hidden, to_device
 from .kv import RowCache, attention_mask, plan
 from .tree import TreeOps, kept_first
@@ -46,6 +46,8 @@ class HFBatchedLM(BatchedLM, TreeOps):
         self.max_cache_bytes = max_cache_bytes
         self.bytes_per_token = _kv_bytes_per_token(model)
         self.n_params = sum(p.numel() for p in model.parameters())  # what a forward reads
+        # What one verified row-position costs, when this CPU makes it dearer than usual.
+        self.row_position_cost = cpu.row_position_cost(self.dtype) if self.device.type == "cpu" else None
         self.stats = ForwardStats()
         self.cache_kw = _cache_keyword(model)
         self.cache: RowCache | None = None

@@ -13,6 +13,7 @@ tokens/s compare at equal length. Tokens/s everywhere = mean tokens per particle
 from __future__ import annotations
 
 import datetime
+import functools
 import itertools
 import json
 import math
@@ -158,7 +159,7 @@ def compare_constrained(
     kw = dict(
         n_particles=n_particles, max_new_tokens=config.max_new_tokens, temperature=config.target_temperature
     )
-    _warm_up(ctx, tasks[0], constraints[tasks[0].name], methods, lms, **kw)
+    pair.call(functools.partial(_warm_up, ctx, tasks[0], constraints[tasks[0].name], methods, lms, **kw))
     runs: dict[tuple[str, str], list[tuple[SteeringRecord, float]]] = {}
     forwards = ForwardStats()  # on the decoder: the batched backend runs it and its own LM head
     with count_forwards(pair.target.model.get_decoder(), forwards):
@@ -172,9 +173,15 @@ def compare_constrained(
                         "max_new_tokens": max(1, round(done["smcsd_proposal"].tokens)),
                     }
                 before = forwards.calls
-                rec = METHODS[method](
-                    ctx, task.prompt, constraints[task.name], seed=seed + rep, **{**kw, **extra}
+                run = functools.partial(
+                    METHODS[method],
+                    ctx,
+                    task.prompt,
+                    constraints[task.name],
+                    seed=seed + rep,
+                    **{**kw, **extra},
                 )
+                rec = pair.call(run)  # on the torch thread, as every run of the library
                 rec.target_forwards = forwards.calls - before
                 done[method] = rec
                 ll = target_loglik_per_token(pair, pair.encode(task.prompt), rec.token_ids)

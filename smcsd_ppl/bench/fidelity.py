@@ -8,6 +8,7 @@ map only, never for speed: the map reports tokens per target call and accuracy, 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -110,9 +111,7 @@ def agreement(pair: SMCSD, prompts: Sequence[Prompt], lams: Sequence[float], con
         ids = pair.encode(prompt.text)
         out = pair.generate(prompt.text, method="ar", config=config)
         seq = torch.tensor([ids + out.token_ids[:-1]], device=pair.target_lm.device)
-        with torch.inference_mode():
-            lp = pair.target.model(input_ids=seq).logits[0, len(ids) - 1 :].float()
-            lq = pair.draft.model(input_ids=seq).logits[0, len(ids) - 1 :].float()
+        lp, lq = pair.call(functools.partial(_logits, pair, seq, len(ids)))
         p = torch.softmax(lp / config.draft_temperature, -1)
         q = torch.softmax(lq / config.draft_temperature, -1)
         top = p.argmax(-1)
@@ -169,3 +168,11 @@ def fidelity_map(
         if on_point is not None:
             on_point(points[-1])
     return points
+
+
+@torch.inference_mode()
+def _logits(pair: SMCSD, seq: torch.Tensor, prompt: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both models' logits at the positions after the prompt's last token (on the torch thread)."""
+    lp = pair.target.model(input_ids=seq).logits[0, prompt - 1 :].float()
+    lq = pair.draft.model(input_ids=seq).logits[0, prompt - 1 :].float()
+    return lp, lq

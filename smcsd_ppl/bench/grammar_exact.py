@@ -27,7 +27,7 @@ import torch
 
 from ..backends.mock import MockLM
 from ..config import DraftRecord, SMCConfig
-from ..inference.loop import run_smc_sd
+from ..engine.run import run_smc_sd
 from ..inference.program import SMCSDModel
 from ..inference.rows import RowStore
 from ..potentials import Constraint

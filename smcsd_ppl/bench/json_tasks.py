@@ -20,6 +20,7 @@ mean tokens per particle (EOS included) over the wall time of the call.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import statistics
 import time
@@ -150,6 +151,14 @@ def run_method(
     """
     schema = TASKS[task][0]
     start = time.perf_counter()
+    text, tokens = pair.call(functools.partial(_run, method, pair, task, item, constraint, config, lms))
+    seconds = time.perf_counter() - start
+    valid, accuracy = score(text.strip(), schema, item.answer)
+    return Run(method, task, item.text, valid, accuracy, tokens, seconds)
+
+
+def _run(method: str, pair, task: str, item: Extraction, constraint, config: SMCConfig, lms) -> tuple:
+    """One method's (text, tokens) on one text, on the torch thread."""
     if method in ("smcsd", "smcsd_paper"):
         call = config if method == "smcsd" else dataclasses.replace(config, cut=None)
         text, tokens = _smcsd(pair, constraint, prompt(task, item.text), call, None)
@@ -173,9 +182,7 @@ def run_method(
         text, tokens = rec.text, rec.tokens
     else:
         raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
-    seconds = time.perf_counter() - start
-    valid, accuracy = score(text.strip(), schema, item.answer)
-    return Run(method, task, item.text, valid, accuracy, tokens, seconds)
+    return text, tokens
 
 
 def compare_json(

@@ -207,18 +207,23 @@ def _quantile(sorted_values: list[float], q: float) -> float | None:
     return statistics.quantiles(sorted_values, n=100, method="inclusive")[round(q * 100) - 1]
 
 
-def ceiling(pair, config, requests: Sequence[LoadRequest]) -> dict:
-    """The same requests as one ``pair.run`` batch (one seed for all): the engine's own throughput."""
-    from ..inference.program import SMCSDModel
+def ceiling(engine, config, requests: Sequence[LoadRequest]) -> dict:
+    """The same requests given to the server's engine at once (one seed for all): its own throughput.
+
+    One batch, no HTTP in between: what one ``pair.run`` of them measures.
+    """
+    from ..engine.client import ServeRequest
     from ..potentials.spec import ConstraintSpec
 
-    programs = []
+    asks = []
     for r in requests:
+        messages = [{"role": "user", "content": r.prompt}]
+        ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
         spec = ConstraintSpec("regex", r.pattern) if r.pattern else None
-        built = spec.build(pair.tokenizer, pair.eos_token_ids) if spec else None
-        programs.append(SMCSDModel(r.prompt, built))
+        asks.append(ServeRequest([int(t) for t in ids], config, constraint=spec))
     start = time.perf_counter()
-    outs = pair.run(programs, config)
+    outs = [t.wait() for t in [engine.submit(a) for a in asks]]
     seconds = time.perf_counter() - start
     tokens = sum(len(o.token_ids) for o in outs)
     return {

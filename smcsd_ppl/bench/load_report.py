@@ -14,7 +14,7 @@ def load_table(summaries: Sequence[dict], ceiling: dict | None) -> str:
     sequential = next(s["tokens_per_second"] for s in summaries if s["clients"] == 1)
     top = ceiling["tokens_per_second"] if ceiling else None
     lines = [
-        "| clients | requests | errors | tokens/s | x sequential | x one pair.run | p50 latency (s) "
+        "| clients | requests | errors | tokens/s | x sequential | x one batch | p50 latency (s) "
         "| p95 latency (s) | p50 TTFT (s) | same text as sequential |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -27,7 +27,7 @@ def load_table(summaries: Sequence[dict], ceiling: dict | None) -> str:
         )
     if ceiling:
         lines.append(
-            f"| one pair.run | {ceiling['requests']} | 0 | {top:.1f} | {top / sequential:.2f}x | 1.00x "
+            f"| one batch | {ceiling['requests']} | 0 | {top:.1f} | {top / sequential:.2f}x | 1.00x "
             "| - | - | - | - |"
         )
     return "\n".join(lines) + "\n"
@@ -57,7 +57,9 @@ def draw_load(summaries: Sequence[dict], ceiling: dict | None, path: Path) -> No
         speeds = [s["tokens_per_second"] for s in summaries]
         speed.plot(clients, speeds, "o-", label="smcsd serve")
         if ceiling:
-            speed.axhline(ceiling["tokens_per_second"], ls="--", color="gray", label="one pair.run batch")
+            speed.axhline(
+                ceiling["tokens_per_second"], ls="--", color="gray", label="the same requests as one batch"
+            )
         top = max(speeds + ([ceiling["tokens_per_second"]] if ceiling else []))
         speed.set(xlabel="concurrent clients", ylabel="tokens/s", ylim=(0, top * 1.15), xscale="log")
         speed.legend(frameon=False)

@@ -27,20 +27,7 @@ def target_loglik_per_token(
     """
     if not output_ids:
         return None
-    lm = pair.target_lm
-    model = getattr(lm, "model", None)
-    with torch.inference_mode():
-        if model is None:
-            first = lm.prefill([list(prompt_ids)])[:, None]
-            rest = (
-                lm.extend(torch.tensor([list(output_ids)[:-1]], dtype=torch.long))
-                if len(output_ids) > 1
-                else None
-            )
-            logits = (first if rest is None else torch.cat([first, rest], 1))[0].float()  # [T, V]
-        else:  # the last len(output) positions predict the output tokens
-            ids = torch.tensor([list(prompt_ids) + list(output_ids)[:-1]], device=lm.device)
-            logits = model(input_ids=ids, logits_to_keep=len(output_ids)).logits[0].float()  # [T, V]
+    logits = pair.call(lambda: _output_logits(pair.target_lm, prompt_ids, output_ids))  # [T, V]
     logp = torch.log_softmax(logits, -1)
     tokens = torch.tensor(list(output_ids), device=logp.device)
     return float(logp.gather(1, tokens[:, None]).mean())
@@ -87,3 +74,17 @@ def check_answer(output: str, answer: str | None) -> bool | None:
     if answer is None:
         return None
     return gsm8k_correct(output, answer) if is_number(answer) else short_answer_correct(output, answer)
+
+
+@torch.inference_mode()
+def _output_logits(lm, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> torch.Tensor:
+    """The target's logits ``[T, V]`` at the positions that predict each output token."""
+    model = getattr(lm, "model", None)
+    if model is None:
+        first = lm.prefill([list(prompt_ids)])[:, None]
+        if len(output_ids) == 1:
+            return first[0].float()
+        rest = lm.extend(torch.tensor([list(output_ids)[:-1]], dtype=torch.long))
+        return torch.cat([first, rest], 1)[0].float()
+    ids = torch.tensor([list(prompt_ids) + list(output_ids)[:-1]], device=lm.device)
+    return model(input_ids=ids, logits_to_keep=len(output_ids)).logits[0].float()

@@ -2,8 +2,9 @@
 
 The driver reads the output file, leaves out the prompts it already holds and hands the rest to
 Ray Data's ``map_batches`` over a fixed pool of ``PairWorker`` actors; each actor loads one pair
-and runs every prompt of its batches through ``PromptRunner``, the code the one-process batch
-runs, so a record is the same whichever actor ran it and however the prompts were batched. The
+and runs the prompts of each batch it is handed through ``PromptRunner`` as one batch, the code
+the one-process batch runs, so a record is the same whichever actor ran it and however the
+prompts were batched. The
 driver alone writes the file, appending records as batches come back, so an interrupted run
 resumes like a one-process one. Ray restarts an actor that dies and runs its batch again.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -40,17 +42,44 @@ class PairWorker:
     """
 
     def __init__(
-        self, load: Callable[[], SMCSD], config: SMCConfig, method: str, constraint: ConstraintSpec | None
+        self,
+        load: Callable[[], SMCSD],
+        config: SMCConfig,
+        method: str,
+        constraint: ConstraintSpec | None,
     ) -> None:
         self.runner = PromptRunner(load(), config, method, constraint)
 
     def __call__(self, batch: dict) -> dict:
-        """Each row's record (a JSON line; empty for a probe) and this worker's settings."""
-        records = [
-            "" if row == PROBE else json.dumps(self.runner.record(Prompt(**json.loads(row))))
-            for row in batch["prompt"]
-        ]
+        """The batch's records (JSON lines; one empty for a probe) and this worker's settings.
+
+        The batch's prompts run on this worker's pair as one batch, as in one process.
+        """
+        prompts = [Prompt(**json.loads(row)) for row in batch["prompt"] if row != PROBE]
+        records = [json.dumps(r) for r in self.runner.records(prompts)] or [""]
         return {"record": records, "settings": [json.dumps(self.runner.settings)] * len(records)}
+
+
+@dataclass(frozen=True)
+class RayPool:
+    """The actors a batch runs on.
+
+    Attributes:
+        workers: actors, one pair each.
+        gpus_per_worker: GPUs Ray reserves for each actor (its engines' tensor-parallel group).
+        prompts_per_batch: prompts handed to an actor at a time, run there as one batch.
+    """
+
+    workers: int = 2
+    gpus_per_worker: float = 0
+    prompts_per_batch: int = 16
+
+    def __post_init__(self) -> None:
+        if self.workers < 1 or self.prompts_per_batch < 1:
+            got = f"{self.workers}, {self.prompts_per_batch}"
+            raise ValueError(f"workers and prompts per batch must be at least 1, got {got}")
+        if self.gpus_per_worker < 0:
+            raise ValueError(f"--gpus-per-worker must be at least 0, got {self.gpus_per_worker}")
 
 
 def run_batch_on_ray(
@@ -59,14 +88,12 @@ def run_batch_on_ray(
     out_path: str | Path,
     config: SMCConfig | None = None,
     *,
-    workers: int,
-    gpus_per_worker: float = 0,
-    prompts_per_batch: int = 4,
+    pool: RayPool,
     method: str = "smcsd",
     constraint: ConstraintSpec | None = None,
     on_record: OnRecord | None = None,
 ) -> BatchSummary:
-    """``run_batch`` with the prompts spread over ``workers`` Ray actors, each holding a pair.
+    """``run_batch`` with the prompts spread over a pool of Ray actors, each holding a pair.
 
     Ray is started by the caller (``ray.init``), or here with Ray's defaults (``RAY_ADDRESS``
     if set, else a local cluster). The file's records, resume and checks are those of
@@ -77,38 +104,33 @@ def run_batch_on_ray(
         prompts: from ``load_prompts`` (ids unique).
         out_path: the JSONL file (created, or resumed: its prompts are skipped).
         config: the settings; ``config.seed`` is the base seed each prompt's derives from.
-        workers: actors, one pair each.
-        gpus_per_worker: GPUs Ray reserves for each actor (its engines' tensor-parallel group).
-        prompts_per_batch: prompts in one batch handed to an actor (each still runs alone).
+        pool: the actors and how many prompts each is handed at a time.
         method: a method name (``"smcsd"`` under a constraint).
         constraint: the constraint every output satisfies, or None.
         on_record: called with (record, prompts done, prompts in all) after each.
 
     Raises:
-        ValueError: as ``run_batch``; Ray Data not installed; fewer than one worker or prompt per batch.
+        ValueError: as ``run_batch``; Ray Data not installed.
     """
     config = check_batch(prompts, config, method, constraint)
-    if workers < 1 or prompts_per_batch < 1:
-        raise ValueError(
-            f"workers and prompts per batch must be at least 1, got {workers}, {prompts_per_batch}"
-        )
     out_path = Path(out_path)
     existing, good = existing_records(out_path, key_fields=BATCH_KEY, writer=WRITER)
     check_prompt_texts(existing, prompts)
     done = {r["prompt_id"]: r for r in existing}
     todo = [p for p in prompts if p.id not in done]
     rows = [json.dumps(dataclasses.asdict(p)) for p in todo] or [PROBE]
-    results = _mapped(rows, (load, config, method, constraint), workers, gpus_per_worker, prompts_per_batch)
+    results = _mapped(rows, (load, config, method, constraint), pool)
     return collect(out_path, good, prompts, done, _checked(results, existing), on_record)
 
 
-def _mapped(rows: list[str], args: tuple, workers: int, gpus: float, per_batch: int) -> Iterator[dict]:
+def _mapped(rows: list[str], args: tuple, pool: RayPool) -> Iterator[dict]:
     """The workers' output rows, as batches come back (in any order)."""
     try:
         import ray.data
     except ImportError as err:
         raise ValueError(RAY_HINT) from err
     ray.data.DataContext.get_current().enable_progress_bars = False  # the caller shows its own
+    per_batch = pool.prompts_per_batch
     blocks = -(-len(rows) // per_batch)  # a block per batch: the pool hands out blocks, not rows
     dataset = ray.data.from_items([{"prompt": r} for r in rows], override_num_blocks=blocks).map_batches(
         PairWorker,
@@ -116,8 +138,8 @@ def _mapped(rows: list[str], args: tuple, workers: int, gpus: float, per_batch: 
         batch_size=per_batch,
         # No more actors than batches: each loads a pair. Ray Data restarts an actor that dies
         # (killed, out of memory) and reruns its batch: actor pools default to unlimited retries.
-        compute=ray.data.ActorPoolStrategy(size=min(workers, blocks)),
-        num_gpus=gpus,
+        compute=ray.data.ActorPoolStrategy(size=min(pool.workers, blocks)),
+        num_gpus=pool.gpus_per_worker,
     )
     yield from dataset.iter_rows()
 

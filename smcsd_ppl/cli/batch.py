@@ -27,9 +27,10 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "batch",
         help="generate for every prompt of a JSONL file, one output record per prompt (resumable)",
-        description="Each prompt runs alone, with a seed made from --seed and the prompt's id, so its "
-        "record does not depend on the other prompts, their order or an interruption. Records carry "
-        "the settings; rerunning the command skips the prompts already in --out.",
+        description="SMC-SD's prompts run as one batch (each joins as rows free up; its record is written "
+        "as it finishes), each with a seed made from --seed and the prompt's id, so its record does not "
+        "depend on the other prompts, their order or an interruption. Records carry the settings; "
+        "rerunning the command skips the prompts already in --out.",
     )
     p.add_argument(
         "prompts",
@@ -44,6 +45,12 @@ def add_parser(sub) -> None:
     )
     prompt_args(p, per_category=None)
     p.add_argument("--method", choices=list(METHOD_SUMMARIES), default="smcsd", help="as in generate")
+    p.add_argument(
+        "--alone",
+        action="store_true",
+        help="run the prompts one after another, not as one batch (bf16 records then match a run "
+        "of each prompt alone bit for bit; float32 ones match either way)",
+    )
     model_args(p)
     smc_args(p)
     constraint_args(p)
@@ -64,8 +71,8 @@ def add_parser(sub) -> None:
     g.add_argument(
         "--prompts-per-batch",
         type=int,
-        default=4,
-        help="--ray: prompts handed to an actor at a time (each still runs alone; records are "
+        default=16,
+        help="--ray: prompts handed to an actor at a time, run there as one batch (records are "
         "written as batches come back)",
     )
     p.set_defaults(run=run)
@@ -80,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
     prompts = load_prompts(args.prompts, limit=args.limit, per_category=args.per_category)
     check_output_file(args.out, "--out")
     check_threads(args.threads)
+    if args.ray and args.alone:
+        raise ValueError("--alone runs the prompts one after another in this process: leave out --ray")
     start = _on_ray(args) if args.ray else _in_process(args)
     err(f"{len(prompts)} prompts -> {args.out}")
     done = [0]
@@ -91,18 +100,21 @@ def run(args: argparse.Namespace) -> int:
                 bar(n)
 
             began = time.perf_counter()
-            summary = start(prompts, args.out, config, method=args.method, constraint=wanted, on_record=tick)
+            options = dict(method=args.method, constraint=wanted, on_record=tick)
+            options |= {} if args.ray else {"alone": args.alone}
+            summary = start(prompts, args.out, config, **options)
             wall = time.perf_counter() - began
     except KeyboardInterrupt:
         err(f"interrupted after {done[0]}/{len(prompts)} prompts; run the same command again to resume")
         return 130
     records = summary.records
-    rate = summary.new_tokens / summary.seconds if summary.seconds else 0.0
+    fresh = summary.fresh_tokens
+    reasons = ", ".join(f"{n} {reason}" for reason, n in summary.finish_reasons.items())
     err(
         f"{len(records)} prompts in {args.out} ({len(records) - summary.resumed} run now, {summary.resumed} "
-        f"resumed from the file): {summary.failed} failed, {summary.with_message} with a message (empty or "
-        f"cut short); all records: {summary.new_tokens} tokens, {summary.seconds:.1f} s of generation, "
-        f"{rate:.1f} tok/s per pair; this run: {wall:.1f} s wall"
+        f"resumed from the file): {summary.failed} failed, {summary.with_message} with a message; "
+        f"ended by: {reasons or 'none'}; this run: {fresh} tokens in {wall:.1f} s wall = "
+        f"{fresh / wall if wall else 0.0:.1f} tok/s"
         + (" (the actors' start and model loading included)" if args.ray else "")
     )
     failed = [r for r in records if "error" in r]
@@ -122,16 +134,13 @@ def _in_process(args: argparse.Namespace):
 def _on_ray(args: argparse.Namespace):
     """``run_batch_on_ray`` over ``--workers`` actors, each loading the pair the options name."""
     from ..api import SMCSD
-    from ..bench.ray_batch import RAY_HINT, run_batch_on_ray
+    from ..bench.ray_batch import RAY_HINT, RayPool, run_batch_on_ray
 
     options = pair_options(args)
-    if args.workers < 1:
-        raise ValueError(f"--workers must be at least 1, got {args.workers}")
     gpus = args.gpus_per_worker
     if gpus is None:
         gpus = args.tensor_parallel if args.device.startswith("cuda") else 0
-    if gpus < 0:
-        raise ValueError(f"--gpus-per-worker must be at least 0, got {gpus}")
+    pool = RayPool(args.workers, gpus, args.prompts_per_batch)
     try:
         import ray
         import ray.data  # configures its loggers on import: quieted below, after it
@@ -151,10 +160,4 @@ def _on_ray(args: argparse.Namespace):
     where = f"{args.workers} Ray actors ({gpus:g} GPUs each)"
     err(f"loading a pair in each of {where}: {options['target'] or 'default target'} on {args.device}")
     load = functools.partial(SMCSD.load, **options)
-    return functools.partial(
-        run_batch_on_ray,
-        load,
-        workers=args.workers,
-        gpus_per_worker=gpus,
-        prompts_per_batch=args.prompts_per_batch,
-    )
+    return functools.partial(run_batch_on_ray, load, pool=pool)

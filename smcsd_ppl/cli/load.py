@@ -6,9 +6,9 @@ import argparse
 import contextlib
 import dataclasses
 
-from .loading import load_pair
+from .loading import pair_options, set_threads
 from .options import model_args, smc_args, smc_config
-from .util import check_output_dir, csv, err
+from .util import check_output_dir, csv, err, status
 
 
 def add_parser(sub) -> None:
@@ -18,8 +18,9 @@ def add_parser(sub) -> None:
         help="throughput and latency of smcsd serve at 1, 2, 4, 8, 16 concurrent clients (openai client)",
         description="The same requests (streamed or not, regex-constrained or not, one seed each) at each "
         "level of concurrency; level 1 sends them one after another. Every answer is checked to be its "
-        "request's. Without --url a server runs in this process, and one pair.run of the same requests "
-        "measures the engine's ceiling. Writes load.jsonl, load.md and load.png.",
+        "request's. Without --url a server runs here (its engine in a process of its own, as smcsd "
+        "serve runs it), and the same requests given to its engine at once measure the engine's "
+        "ceiling (one batch). Writes load.jsonl, load.md and load.png.",
     )
     p.add_argument("--out-dir", required=True, help="where to write load.jsonl, load.md and load.png")
     p.add_argument("--requests", type=int, default=16, help="requests sent at each level")
@@ -27,6 +28,12 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="request i's seed is this + i")
     p.add_argument("--url", default=None, help="a running server's /v1 URL (default: serve in this process)")
     p.add_argument("--api-key", default=None, help="the server's bearer token (with --url)")
+    p.add_argument(
+        "--engine",
+        choices=("process", "thread"),
+        default="process",
+        help="without --url: the served engine in a process of its own (as smcsd serve runs it) or a thread",
+    )
     model_args(p)
     smc_args(p, seed=False)  # the requests' N, K, temperatures and max tokens; the server's fixed fields
     p.set_defaults(run=run)
@@ -53,11 +60,10 @@ def run(args: argparse.Namespace) -> int:
         records, summaries, problems = run_load(target, requests, levels, show)
         top = None
     else:
-        pair = load_pair(args)
-        with _in_process(pair, config, len(requests)) as (url, model):
+        with _in_process(args, config, len(requests)) as (url, model, engine):
             records, summaries, problems = run_load(_target(url, model, config), requests, levels, show)
-            # the server idle: the same requests as one batch on the same scheduler
-            top = ceiling(pair, dataclasses.replace(config, seed=args.seed), requests)
+            # the server idle: the same requests as one batch on the same engine
+            top = ceiling(engine, dataclasses.replace(config, seed=args.seed), requests)
     settings = {"requests": args.requests, "levels": levels, "url": args.url} | dataclasses.asdict(config)
     paths = write_load_report(args.out_dir, records, summaries, top, settings)
     print(load_table(summaries, top), end="")
@@ -89,14 +95,17 @@ def _served_model(url: str, api_key: str | None) -> str:
 
 
 @contextlib.contextmanager
-def _in_process(pair, config, requests: int):
-    """``smcsd serve`` of ``pair`` on a free local port while the block runs: ``(url, model)``."""
-    from ..serving.app import build_app
-    from ..serving.scheduler import Scheduler
+def _in_process(args: argparse.Namespace, config, requests: int):
+    """``smcsd serve`` per the options, on a free local port while the block runs: (url, model, engine)."""
     from ..serving.server import BackgroundServer
+    from ..serving.settings import PairSpec, ServeSettings, build_server
 
-    scheduler = Scheduler(pair, config, max_queue=max(64, requests))
-    pair.use_scheduler(scheduler)
-    model = pair.target.name
-    with BackgroundServer(build_app(scheduler, pair, model_name=model, defaults=config)) as server:
-        yield server.url + "/v1", model
+    set_threads(args)
+    settings = ServeSettings(
+        pair=PairSpec(**pair_options(args)), defaults=config, max_queue=max(64, requests), engine=args.engine
+    )
+    with status(f"loading models ({'in an engine process' if args.engine == 'process' else 'here'})"):
+        app = build_server(settings)
+    service = app.state.service
+    with BackgroundServer(app) as server:
+        yield server.url + "/v1", service.model_name, service.engine

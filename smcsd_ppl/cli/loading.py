@@ -4,25 +4,20 @@ from __future__ import annotations
 
 import argparse
 import logging
+import warnings
 
 from .util import check_threads, err, status
 
 
 def set_threads(args: argparse.Namespace) -> None:
-    """Apply ``--threads`` (or the library's choice on a busy CPU) and silence the hub's download bars."""
-    import torch
+    """Apply ``--threads`` (torch's own count when unset) and silence the hub's download bars."""
     from transformers.utils import logging as hf_logging
 
-    from ..models.threads import choose_threads
+    from ..models import threads
 
     hf_logging.disable_progress_bar()  # our own bar is enough
     check_threads(args.threads)
-    choice = (
-        choose_threads(args.threads) if args.threads is not None or args.device.startswith("cpu") else None
-    )
-    if choice is not None:
-        err(f"note: {choice.describe()}; --threads N to choose")
-    args.threads = torch.get_num_threads()  # what SMCSD.load keeps, without a second look at the load
+    threads.set_threads(args.threads)
 
 
 def load_target(args: argparse.Namespace):
@@ -33,9 +28,11 @@ def load_target(args: argparse.Namespace):
         raise ValueError(
             f"--backend {args.backend}: this command runs the target in PyTorch (use --backend hf)"
         )
+    from ..engine.worker import torch_thread
+
     set_threads(args)
     with status(f"loading the target on {args.device} ({args.dtype})"):
-        target = load_model(args.target, device=args.device, dtype=args.dtype)
+        target = torch_thread().run(lambda: load_model(args.target, device=args.device, dtype=args.dtype))
     err(f"target: {target.name} [{target.source}]")
     return target
 
@@ -65,6 +62,7 @@ def load_pair(args: argparse.Namespace, *, torch_models: bool = False):
     pair does not build; ``--backend vllm`` is refused in one line.
     """
     from ..api import SMCSD
+    from ..models.threads import BusyCPUWarning
 
     if torch_models and args.backend != "hf":
         raise ValueError(
@@ -75,8 +73,14 @@ def load_pair(args: argparse.Namespace, *, torch_models: bool = False):
     if args.backend == "vllm":  # its start-up notes run to hundreds of lines; errors still show
         logging.getLogger("vllm").setLevel(logging.ERROR)
     where = f"{args.device} ({args.dtype})" + (", on vLLM" if args.backend == "vllm" else "")
-    with status(f"loading models on {where}"):
+    with status(f"loading models on {where}"), warnings.catch_warnings(record=True) as notes:
+        warnings.simplefilter("always", BusyCPUWarning)
         pair = SMCSD.load(**options)
+    for note in notes:  # a busy CPU, said as the command line says things
+        if issubclass(note.category, BusyCPUWarning):
+            err(f"note: {str(note.message).split('; pass threads=N')[0]}; --threads N to choose")
+        else:
+            warnings.showwarning(note.message, note.category, note.filename, note.lineno)
     err(f"target: {pair.target.name} [{pair.target.source}]")
     err(f"draft:  {pair.draft.name} [{pair.draft.source}]")
     if pair.draft.is_slice:

@@ -10,7 +10,19 @@ import sys
 from ..config import RESAMPLING_SCHEMES, SMCConfig
 from ..names import METHOD_SUMMARIES
 from ..text import check_prompt
-from . import batch, compare, constraints, copy_speed, device, distill, fidelity, generate, load, serve
+from . import (
+    batch,
+    compare,
+    constraints,
+    copy_speed,
+    device,
+    distill,
+    fidelity,
+    generate,
+    interleaved,
+    load,
+    serve,
+)
 from .loading import load_pair, pair_options
 from .options import (
     grid_args,
@@ -48,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_parser(sub)
     _add_speed(sub)
     copy_speed.add_parser(sub)
+    interleaved.add_parser(sub)
     _add_bench(sub)
     _add_report(sub)
     compare.add_parser(sub)

@@ -6,10 +6,9 @@ import argparse
 import os
 
 from . import serve_ray
-from .loading import load_pair
+from .loading import pair_options, set_threads
 from .options import model_args, smc_args, smc_config
-from .server import serving_app
-from .util import check_threads, err
+from .util import check_threads, err, status
 
 DEFAULT_PORT = 8000
 API_KEY_VARIABLE = "SMCSD_API_KEY"
@@ -45,32 +44,50 @@ def server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-queue", type=int, default=64, help="most requests waiting; more get 429")
     g.add_argument("--max-rows", type=int, default=512, help="most KV-cache rows in use (N per request)")
     g.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body; more get 413")
+    g.add_argument(
+        "--engine",
+        choices=("process", "thread"),
+        default="process",
+        help="where the engine's cycles run: a process of their own (default; HTTP never waits on them) "
+        "or a thread of this one",
+    )
 
 
-def check_server_args(args: argparse.Namespace) -> None:
-    """Refuse bad limits and ports before any model loads."""
-    if not 0 <= args.port <= 65535:
+def serve_settings(args: argparse.Namespace, *, engine: str | None = None):
+    """The server's typed settings from the options (checked, before any model loads)."""
+    from ..serving.settings import PairSpec, ServeSettings
+
+    if not 0 <= getattr(args, "port", 0) <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
-    for flag in ("max_queue", "max_rows", "max_body_bytes"):
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
-    if args.api_key is not None and not args.api_key.strip():
-        raise ValueError("--api-key is empty")
+    options = pair_options(args)
+    return ServeSettings(
+        pair=PairSpec(
+            **{k: v for k, v in options.items() if k != "vllm_options"}, vllm_options=options["vllm_options"]
+        ),
+        defaults=smc_config(args),
+        model_name=args.model_name,
+        api_key=args.api_key,
+        max_queue=args.max_queue,
+        max_rows=args.max_rows,
+        max_body_bytes=args.max_body_bytes,
+        engine=engine or args.engine,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     """Load the pair, start the scheduler, and serve until Ctrl-C (running requests get time to finish)."""
     from ..serving.server import bind, url_of, uvicorn_server
+    from ..serving.settings import build_server
 
-    config = smc_config(args)
     check_threads(args.threads)
-    check_server_args(args)
+    settings = serve_settings(args, engine="thread" if args.ray else None)
     serve_ray.check_ray_args(args)
     if args.ray:
-        return serve_ray.run(args)
+        return serve_ray.run(args, settings)
     sock = bind(args.host, args.port)  # a port in use fails before the models load
-    pair = load_pair(args)
-    app = serving_app(pair, config, args)
+    set_threads(args)
+    with status(f"loading models ({'in an engine process' if settings.engine == 'process' else 'here'})"):
+        app = build_server(settings)
     name = app.state.service.model_name
     print(f"serving {name} at {url_of(sock)}/v1 (OpenAI API; Ctrl-C stops)", flush=True)
     try:

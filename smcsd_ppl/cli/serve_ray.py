@@ -1,7 +1,7 @@
 """``smcsd serve --ray``: the same app on Ray Serve replicas, each with its own pair and batch.
 
 Ray's proxy spreads requests over the replicas; each replica is ``smcsd serve`` in one
-process (a pair, its scheduler, the ASGI app), so a request's output per seed is the
+process (a pair, its engine, the ASGI app), so a request's output per seed is the
 single-process server's. Without ``RAY_ADDRESS`` a local cluster starts.
 """
 
@@ -39,8 +39,8 @@ def check_ray_args(args: argparse.Namespace) -> None:
         raise ValueError("--gpus-per-replica must be >= 0 and --cpus-per-replica > 0")
 
 
-def start(args: argparse.Namespace) -> str:
-    """Deploy the app on ``args.replicas`` Ray Serve replicas; the URL it answers at."""
+def start(args: argparse.Namespace, settings) -> str:
+    """Deploy the app of ``settings`` on ``args.replicas`` Ray Serve replicas; the URL it answers at."""
     try:
         import ray
         from ray import serve
@@ -48,9 +48,8 @@ def start(args: argparse.Namespace) -> str:
         raise ValueError("--ray needs Ray Serve: pip install 'smcsd_ppl[ray]'") from error
     ray.init(address=os.environ.get("RAY_ADDRESS"), ignore_reinit_error=True, log_to_driver=False)
     serve.start(http_options={"host": args.host, "port": args.port})
-    options = {k: v for k, v in vars(args).items() if k != "run"}
     deployment = serve.deployment(
-        serve.ingress(replica_builder(options))(),
+        serve.ingress(replica_builder(settings))(),
         name="smcsd",
         num_replicas=args.replicas,
         ray_actor_options={"num_gpus": args.gpus_per_replica, "num_cpus": args.cpus_per_replica},
@@ -59,26 +58,22 @@ def start(args: argparse.Namespace) -> str:
     return f"http://{args.host}:{args.port}"
 
 
-def replica_builder(options: dict):
-    """What a replica runs to build its app: the pair and the server of ``smcsd serve``."""
+def replica_builder(settings):
+    """What a replica runs to build its app: the server of ``smcsd serve``, its engine in the replica."""
 
     def build():
-        from .loading import load_pair
-        from .options import smc_config
-        from .server import serving_app
+        from ..serving.settings import build_server
 
-        args = argparse.Namespace(**options)
-        pair = load_pair(args)
-        return serving_app(pair, smc_config(args), args)
+        return build_server(settings)
 
     return build
 
 
-def run(args: argparse.Namespace) -> int:
-    """Serve on Ray until Ctrl-C, then take the application down."""
+def run(args: argparse.Namespace, settings) -> int:
+    """Serve ``settings`` on Ray until Ctrl-C, then take the application down."""
     from ray import serve
 
-    url = start(args)
+    url = start(args, settings)
     print(
         f"serving at {url}/v1 from {args.replicas} Ray Serve replica(s) (OpenAI API; Ctrl-C stops)",
         flush=True,

@@ -4,8 +4,8 @@ LLaMPPL's ``smc_standard(..., json_file=...)`` writes one entry per step: the pa
 after the step (their text and log-weight, and the weight each step added), marked
 ``init`` (the first step), ``smc_step``, or ``resample`` (a step that followed a
 resampling; the entry then names each particle's ancestor in the entry before). This
-module takes the same entries from the kernel, at the moment between a step and its
-resampling, with LLaMPPL's own ``SMCRecord``; it reads the states, never writes them.
+module takes the same entries from each step's ``StepInfo`` (the particles between the step
+and its resampling), with LLaMPPL's own ``SMCRecord``; it reads the states, never writes them.
 """
 
 from __future__ import annotations
@@ -16,9 +16,7 @@ from datetime import datetime
 
 from llamppl.inference.smc_record import SMCRecord
 
-from .loop import run_to_end
-from .state import final_particles
-from .step import SMCSDKernel
+from .state import StepInfo
 
 
 @dataclass(frozen=True)
@@ -32,14 +30,19 @@ class _Entry:
         return self.particle.string_for_serialization()
 
 
-class RecordingKernel(SMCSDKernel):
-    """The kernel, recording each step's particles before it resamples them."""
+class Recorder:
+    """An observer of one request's steps (``on_cycle``) that keeps LLaMPPL's record of them.
 
-    def start_record(self, n: int) -> None:
-        """Begin an empty record for a request of ``n`` particles."""
+    Each step's entry holds the particles once they stepped, before any resampling
+    (``StepInfo.before``); a step that follows a resampling names each particle's ancestor.
+    """
+
+    def __init__(self, n: int) -> None:
         self.history, self.ancestors = SMCRecord(n), None
 
-    def _maybe_resample(self, pop, g):
+    def __call__(self, info: StepInfo) -> None:
+        """Record one step of the request."""
+        [pop] = info.before
         entries = [_Entry(p, w) for p, w in zip(pop.particles, pop.weights)]
         if not self.history.history:
             self.history.add_init(entries)
@@ -47,22 +50,7 @@ class RecordingKernel(SMCSDKernel):
             self.history.add_resample(self.ancestors, entries)  # reshaped since the latest entry
         else:
             self.history.add_smc_step(entries)
-        pop, ess, did = super()._maybe_resample(pop, g)
-        self.ancestors = list(pop.ancestors) if did else None
-        return pop, ess, did
-
-
-async def recorded_run(model, store, config, eos, record, encode, decode, keep=True):
-    """Run one program to the end; its final particles and LLaMPPL's record (None unless ``keep``)."""
-    if not keep:
-        _, state = await run_to_end([model], store, config, eos, record, encode, decode)
-        return final_particles(state.populations[0]), None
-    kernel = RecordingKernel(store, config, eos, decode)
-    kernel.start_record(config.n_particles)
-    state = kernel.init([model], record, encode)
-    while not state.done:
-        state, _ = await kernel.step(state)
-    return final_particles(state.populations[0]), kernel.history
+        self.ancestors = list(info.populations[0].ancestors) if info.resampled[0] else None
 
 
 def write_record(history: SMCRecord, model, visualization_dir=None, json_file=None) -> str:

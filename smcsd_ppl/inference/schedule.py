@@ -49,9 +49,11 @@ PRIOR_POSITIONS = 8.0  # how many drafted positions a record counts for in a new
 MEMORY = 0.8  # a learned record keeps this share of its older evidence
 
 # r: one verified position of one row relative to a one-token target step. On a 2-core CPU
-# (the embedded pair, bf16) a cycle of 8 rows verifying L = 0, 2, 4, 8 tokens took 1.35,
+# (the embedded pair, bf16 on AMX) a cycle of 8 rows verifying L = 0, 2, 4, 8 tokens took 1.35,
 # 2.25, 3.19, 3.76 steps (docs/benchmarks.md, "What a cycle costs"): about 0.05 per
-# row-position. On an accelerator the forward is memory-bound and rows come almost free.
+# row-position, as float32 on an AVX2 CPU. On an accelerator the forward is memory-bound and
+# rows come almost free. A CPU that emulates bf16 declares its own, far dearer
+# (``backends.cpu``).
 ROW_POSITION_COST = {"cpu": 0.05}
 DEFAULT_ROW_POSITION_COST = 0.0025
 RECENT = 0.85  # a retrieval or mixture pass rate keeps this share of its evidence per cycle
@@ -193,12 +195,21 @@ class DraftSchedule:
         return self.passed + self.failed == 0
 
     def planned_length(self) -> int:
-        """The draft model's length the evidence so far calls for (0 once it stopped paying)."""
+        """The draft model's length the evidence so far calls for (0 once it stopped paying).
+
+        A probe is only worth running where it could pay: 0 if even a draft that always
+        passed would not beat the target alone at the probe's length.
+        """
         if self.draft_off:  # no drafting, no new evidence: stay
             return 0
         if self.probing:
-            return max(1, self.block_size // 2)
+            probe = max(1, self.block_size // 2)
+            return probe if self._could_pay(probe, self.cost) else 0
         return self._best(self.passed / (self.passed + self.failed), self.cost)
+
+    def _could_pay(self, length: int, cost: float) -> bool:
+        """Whether a proposal of this draft cost, every position passing, beats the target alone."""
+        return self._value(1.0, length, cost) > self._value(0.0, 0, 0.0)
 
     def _best(self, pass_rate: float, cost: float) -> int:
         """The best length for a proposal of this pass rate and draft cost, at N rows."""
@@ -226,7 +237,8 @@ class DraftSchedule:
                 _, passed, failed = next(o for o in self.others if o[0] == kind)
                 cost = self.cost if USES_DRAFT[kind] else 0.0
                 if passed + failed < PROBE_BELOW:
-                    probes.append(kind)
+                    if self._could_pay(self._probe_length(kind), cost):
+                        probes.append(kind)
                     continue
                 rate = passed / (passed + failed)
                 length = self._best(rate, cost)
@@ -240,9 +252,7 @@ class DraftSchedule:
         """
         probes, known = self._options(retrievable)
         if probes:  # the particles split among what is not known yet
-            plan = tuple(
-                (k, self.block_size if k == "retrieval" else max(1, self.block_size // 2)) for k in probes
-            )
+            plan = tuple((k, self._probe_length(k)) for k in probes)
         else:
             alone = (self._value(0.0, 0, 0.0), "target", 0)
             best = max([alone, *known], key=lambda o: o[0])
@@ -256,6 +266,10 @@ class DraftSchedule:
             draft_off=off,
             others=tuple((k, RECENT * p, RECENT * f) for k, p, f in self.others),  # fading
         )
+
+    def _probe_length(self, kind: str) -> int:
+        """How far a probe of ``kind`` drafts: retrieval (no draft forward) a whole block, others half."""
+        return self.block_size if kind == "retrieval" else max(1, self.block_size // 2)
 
     @property
     def length(self) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -46,6 +47,7 @@ class Population:
         config: the request's own settings (None: the run's).
         retrieval: the request's retrieval index (None: no proposal retrieves); like the row
             store, a step feeds it.
+        request_id: the id of the request it is (empty for runs that name none).
     """
 
     particles: tuple[SMCSDModel, ...]
@@ -60,6 +62,7 @@ class Population:
     ancestors: tuple[int, ...] = ()
     config: SMCConfig | None = None
     retrieval: RequestIndex | None = None
+    request_id: str = ""
 
     def __post_init__(self) -> None:
         assert len(self.particles) == len(self.weights) == len(self.rows), "one weight and row set a particle"
@@ -141,6 +144,8 @@ class StepInfo:
         ess: ESS per request before any resampling.
         resampled: per request, whether it resampled.
         populations: the populations after it (values: read them, do not keep them alive).
+        before: the populations once their programs stepped, before any resampling (what
+            LLaMPPL's SMC record shows of a step).
     """
 
     cycle: int
@@ -149,6 +154,25 @@ class StepInfo:
     ess: tuple[float, ...]
     resampled: tuple[bool, ...]
     populations: tuple[Population, ...] = ()
+    before: tuple[Population, ...] = ()
+
+    def narrowed(self, requests: Sequence[int]) -> StepInfo:
+        """This step as the requests at ``requests`` (indices into ``populations``) saw it, in that order.
+
+        Its ``cycle`` is theirs: the most steps any of them has run (they may have joined a
+        running batch).
+        """
+        pops = tuple(self.populations[i] for i in requests)
+        every = [p for pop in pops for p in pop.particles]
+        return StepInfo(
+            max((pop.cycles for pop in pops), default=self.cycle),
+            sum(not p.done_stepping() for p in every),
+            max((len(p.token_ids) for p in every), default=0),
+            tuple(self.ess[i] for i in requests),
+            tuple(self.resampled[i] for i in requests),
+            pops,
+            tuple(self.before[i] for i in requests) if self.before else (),
+        )
 
     def settled(self, request: int) -> tuple[int, ...]:
         """The tokens every particle of finite weight of ``request`` shares (what a stream may show).

@@ -7,9 +7,9 @@ kept by LLaMPPL's "optimal" resampling: with c from LLaMPPL's search for
 sum_i min(c p_i, 1) = N over the normalized weights p, every child with c p_i >= 1 is
 kept surely (weight scaled back by N / M), and the others by one stratified pass, each
 kept one weighing (total weight) / c, scaled by N / M. Nothing is kept twice; when every
-child is dead the first N are kept. The children step through the kernel, so every
-token-level step of a round shares one target forward; the kernel itself never resamples
-here (its ESS threshold is 0).
+child is dead the first N are kept. ``Steering`` is that as a reshape the engine applies
+around each step, so every token-level step of a round shares one target forward; the kernel
+itself never resamples here (its ESS threshold is 0).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from .state import Population, final_particles
-from .step import SMCSDKernel, step_key
+from .state import Population
+from .step import step_key
 
 
 def _uniform(g: torch.Generator) -> float:
@@ -105,15 +105,22 @@ def selected(pop: Population, n: int, g: torch.Generator) -> Population:
     return _gathered(pop, [int(i) for i in np.concatenate([sure, drawn])], weights)
 
 
-async def steer(model, k, store, config, eos, record, encode, decode) -> list:
-    """``smc_steer`` with ``config.n_particles`` particles and ``k`` children each: the final particles."""
-    n = config.n_particles
-    kernel = SMCSDKernel(store, replace(config, ess_threshold=0.0, cut=None), eos, decode)
-    state = kernel.init([model], record, encode)
-    g = torch.Generator().manual_seed(step_key(config.seed, -2))
-    while not state.done:
-        children = kernel.pack([expanded(state.populations[0], n, k)])
-        state, _ = await kernel.step(replace(state, populations=tuple(children)))
-        kept = kernel.pack([selected(state.populations[0], n, g)])
-        state = replace(state, populations=tuple(kept))
-    return final_particles(state.populations[0])
+class Steering:
+    """LLaMPPL's ``smc_steer`` as a reshape of one request's population around each step.
+
+    Before a step every unfinished particle becomes ``k`` children; after it, ``n`` of them
+    are kept. Run it with ``ess_threshold=0`` and no quality cut: the kernel itself must
+    neither resample nor resize. ``seed`` seeds the stratified draws.
+    """
+
+    def __init__(self, n: int, k: int, seed: int) -> None:
+        self.n, self.k = n, k
+        self.generator = torch.Generator().manual_seed(step_key(seed, -2))
+
+    def before(self, pop: Population) -> Population:
+        """Every unfinished particle as ``k`` children."""
+        return expanded(pop, self.n, self.k)
+
+    def after(self, pop: Population) -> Population:
+        """``n`` of the stepped children."""
+        return selected(pop, self.n, self.generator)

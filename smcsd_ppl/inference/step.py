@@ -17,7 +17,7 @@ import asyncio
 import copy
 import hashlib
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -46,6 +46,19 @@ def step_key(seed: int, step: int) -> int:
 def request_seed(seed: int, index: int) -> int:
     """The seed of request ``index`` of a call seeded with ``seed``: its own resampling stream."""
     return step_key(seed, -2 - index)
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A program joining a run, with its settings (None: the run's), seed and request id.
+
+    ``seed`` None: the first request's seed of its settings (``request_seed(config.seed, 0)``).
+    """
+
+    program: SMCSDModel
+    config: SMCConfig | None = None
+    seed: int | None = None
+    request_id: str = ""
 
 
 def host_generator(key: int) -> torch.Generator:
@@ -82,39 +95,31 @@ class SMCSDKernel:
         return program.plain and config.alpha == 1.0
 
     def init(self, programs: Sequence[SMCSDModel], record: DraftRecord, encode: Callable | None) -> SMCState:
-        """The state of a run of ``programs``, all under the run's settings and seed."""
-        return self.admit(SMCState(()), programs, record, encode)
+        """The state of a run of ``programs`` under the run's settings (program i seeded as request i)."""
+        joining = [Admission(p, seed=request_seed(self.config.seed, i)) for i, p in enumerate(programs)]
+        return self.admit(SMCState(()), joining, record, encode)
 
     @torch.inference_mode()
     def admit(
-        self,
-        state: SMCState,
-        programs: Sequence[SMCSDModel],
-        record: DraftRecord,
-        encode: Callable | None,
-        configs: Sequence[SMCConfig] | None = None,
-        seeds: Sequence[int] | None = None,
+        self, state: SMCState, joining: Sequence[Admission], record: DraftRecord, encode: Callable | None
     ) -> SMCState:
-        """``state`` with ``programs`` added: their prompts prefilled, each forked into its particles.
+        """``state`` with the ``joining`` programs added: prompts prefilled, each forked into its particles.
 
         Each new context gets rows of its own after the running ones; no token is drawn yet: a
         context's first token comes with its first step (a token-level draw, or a block's
-        lead). ``configs``: each program's settings (the run's when None); ``seeds``: each
-        one's seed (by default program i's is ``request_seed(seed, i)``, its config's seed).
-        The programs given are not written: a request's particles share one copy until they step.
+        lead). The programs given are not written: a request's particles share one copy until they step.
         """
-        own = configs is not None
-        joining = bool(state.populations) and self.store.n_rows > 0  # else the store starts afresh
-        configs = list(configs) if own else [self.config] * len(programs)
-        copies = [copy.deepcopy(p) for p in programs]
+        joins = bool(state.populations) and self.store.n_rows > 0  # else the store starts afresh
+        copies = [copy.deepcopy(a.program) for a in joining]
         prompts: list[list[int]] = []  # distinct prompts, each request's contexts in order
         for program in copies:
             for ctx in program.contexts():
                 ctx.prompt_ids = _prompt_ids(ctx, encode)
                 prompts.append(ctx.prompt_ids)
-        base = self.store.n_rows if joining else 0
+        base = self.store.n_rows if joins else 0
         pops, sources, first = [], [], 0  # sources: each row's prompt; first: a request's first prompt
-        for i, (program, c) in enumerate(zip(copies, configs)):
+        for a, program in zip(joining, copies):
+            c = a.config or self.config
             index = proposing.new_index(program, self._candidates(c))
             schedule = self._schedule(program, c, record, index)
             count = c.n_particles if schedule is None else schedule.n_particles()
@@ -123,22 +128,21 @@ class SMCSDKernel:
             slots = tuple(tuple(range(at + k * width, at + (k + 1) * width)) for k in range(count))
             sources += [first + j for _ in range(count) for j in range(width)]
             first += width
-            seed = request_seed(c.seed, i) if seeds is None else seeds[i]
-            config = c if own else None
-            weights = (0.0,) * count
+            seed = request_seed(c.seed, 0) if a.seed is None else a.seed
             pops.append(
                 Population(
                     (program,) * count,
-                    weights,
+                    (0.0,) * count,
                     slots,
                     seed,
                     schedule=schedule,
-                    config=config,
+                    config=a.config,
                     retrieval=index,
+                    request_id=a.request_id,
                 )
             )
         drafting = any(self._drafts(self.settings(p), p.schedule) for p in pops)
-        if joining:
+        if joins:
             self.store.append(prompts, sources)
         else:
             self.store.start(prompts, sources, draft=drafting)
@@ -208,12 +212,13 @@ class SMCSDKernel:
         await _step_programs(live, barrier, handler, starting)
         self._settle(stepping)
         idle = self._idle(state, live, before, barrier)
-        cycle, new, ess, did = state.cycle + 1, [], [], []
+        cycle, new, ess, did, before = state.cycle + 1, [], [], [], []
         for pop, old in zip(bound, state.populations):
             pop = pop.stepped(old)
             proposing.fed(pop, old)
             plans = [(streams.plans[r], b) for rs in pop.rows for r in rs for b in blocks.get(r, [])]
             pop = proposing.observed(pop, [((plan.kind, plan.limit), b) for plan, b in plans])
+            before.append(pop)
             g = host_generator(step_key(pop.seed, pop.cycles + 1))
             pop, e, r = self._maybe_resample(pop, g)
             new.append(self._resized(pop, g))
@@ -223,7 +228,7 @@ class SMCSDKernel:
         every = [p for pop in out.populations for p in pop.particles]
         live_after = sum(not p.done_stepping() for p in every)
         longest = max((len(p.token_ids) for p in every), default=0)
-        info = StepInfo(cycle, live_after, longest, tuple(ess), tuple(did), out.populations)
+        info = StepInfo(cycle, live_after, longest, tuple(ess), tuple(did), out.populations, tuple(before))
         return out, info
 
     def _runtime(self, pop: Population, barrier: CycleBarrier) -> Runtime:

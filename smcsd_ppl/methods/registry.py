@@ -1,63 +1,67 @@
 """The generation methods a user can pick by name, and the contract of their runners.
 
-A runner is ``(context: RunContext) -> MethodOutput``: it gets backends, a row-store
-factory and the EOS ids (never the ``SMCSD`` facade) and returns token ids per request
-with its typed report; ``SMCSD`` encodes the prompts, decodes the outputs and builds
-every ``Generation`` with its stats. Each runner's module registers it with ``@register``;
+A runner is ``(context: RunContext) -> MethodOutput``: it gets the pair core (backends, the
+row store, the models; never the ``SMCSD`` facade), the settings and the EOS ids, and returns
+token ids per request with its typed report; ``SMCSD`` encodes the prompts, and the output
+builds every ``Generation`` with the call's stats. Each runner's module registers it with ``@register``;
 importing ``smcsd_ppl.methods`` loads them all.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from ..backends.base import BatchedLM
 from ..config import DraftRecord, SMCConfig
+from ..ends import finish_reason
+from ..engine.pair import PairCore
 from ..inference.rows import RowStore
 from ..models import LoadedModel
 from ..names import METHOD_SUMMARIES
 from ..proposals.retrieval import RetrievalDrafter
-from ..results import SMCInfo, SpeculativeInfo
+from ..results import Generation, RunStats, SMCInfo, SpeculativeInfo, generation
 
 
 @dataclass
 class RunContext:
-    """Everything a runner may use: one batch of requests on one pair of backends.
+    """Everything a runner may use: one batch of requests on one pair.
 
     Attributes:
         prompts: token ids, one request each.
         config: the settings of the call.
-        target_lm: the target's batched backend.
-        draft_lm: the draft's batched backend.
-        eos: EOS ids in force under ``config`` (empty with ``ignore_eos``).
-        make_rows: a fresh ``RowStore`` over both backends.
+        pair: the pair core: both backends, the row store, the models, text in and out.
         on_progress: called with the length of the longest output so far.
-        target_model: the loaded target, for methods that call Hugging Face ``generate``.
-        draft_model: the loaded draft, likewise.
-        encode: text -> token ids, for SMC programs whose prompt is a text.
-        decode: token ids -> text, for SMC programs' particle texts.
-        draft_record: what SMC-SD's adaptive drafting knows of the draft beforehand.
+        draft_record: what SMC-SD's adaptive drafting knows of the draft beforehand (None:
+            the pair's).
         retrieval: RACER's index and cues kept across calls (None: each call starts empty).
     """
 
     prompts: list[list[int]]
     config: SMCConfig
-    target_lm: BatchedLM
-    draft_lm: BatchedLM
-    eos: list[int]
-    make_rows: Callable[[], RowStore]
+    pair: PairCore
     on_progress: Callable[[int], None] | None = None
-    target_model: LoadedModel | None = None
-    draft_model: LoadedModel | None = None
-    encode: Callable[[str], list[int]] | None = None
-    decode: Callable[[Sequence[int]], str] | None = None
-    draft_record: DraftRecord = field(default_factory=DraftRecord)
+    draft_record: DraftRecord | None = None
     retrieval: RetrievalDrafter | None = None
 
+    def __post_init__(self) -> None:
+        if self.draft_record is None:
+            self.draft_record = self.pair.draft_record
+
+    target_lm = property(lambda self: self.pair.target_lm, doc="The target's batched backend.")
+    draft_lm = property(lambda self: self.pair.draft_lm, doc="The draft's batched backend.")
+    target_model = property(lambda self: self.pair.target, doc="The loaded target (HF ``generate`` runners).")
+    draft_model = property(lambda self: self.pair.draft, doc="The loaded draft, likewise.")
+    encode = property(lambda self: self.pair.encode, doc="Text -> token ids (SMC programs' text prompts).")
+    decode = property(lambda self: self.pair.decode, doc="Token ids -> text (SMC programs' particle texts).")
+
+    @property
+    def eos(self) -> list[int]:
+        """EOS ids in force under ``config`` (empty with ``ignore_eos``)."""
+        return self.pair.eos_for(self.config)
+
     def rows(self) -> RowStore:
-        """A row store over both backends, for one run."""
-        return self.make_rows()
+        """The pair's row store (a runner starts it afresh)."""
+        return self.pair.store
 
     def built_models(self, method: str) -> tuple[LoadedModel, LoadedModel]:
         """Target and draft as PyTorch models, for a method that runs them outside the backends.
@@ -91,6 +95,17 @@ class MethodOutput:
     info: Sequence[SMCInfo | SpeculativeInfo | None] = ()
     texts: list[str] | None = None
     messages: Sequence[str] = ()
+
+    def generations(self, method: str, stats: RunStats, ctx: RunContext) -> list[Generation]:
+        """One ``Generation`` per request, sharing the call's stats; decoded unless the method gave texts."""
+        texts = self.texts if self.texts is not None else [ctx.decode(t) for t in self.token_ids]
+        info = list(self.info) or [None] * len(texts)
+        messages = list(self.messages) or [""] * len(texts)
+        budget, eos = ctx.config.max_new_tokens, ctx.eos
+        return [
+            generation(method, text, ids, stats, finish_reason(ids, budget, eos), message, x)
+            for text, ids, x, message in zip(texts, self.token_ids, info, messages)
+        ]
 
 
 Runner = Callable[[RunContext], MethodOutput]

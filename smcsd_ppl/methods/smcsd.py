@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
-from ..inference.loop import run_smc_sd
+from ..engine.run import run_smc_sd
 from ..inference.program import SMCSDModel
 from ..inference.state import StepInfo
 from .registry import MethodOutput, RunContext, register

@@ -1,4 +1,1 @@
-"""Serving SMC-SD: requests that join and leave a running batch (``scheduler``), and an HTTP app.
-
-``scheduler`` and ``ticket``: requests and their tickets; ``app``: the OpenAI-compatible server.
-"""
+"""Serving SMC-SD over HTTP: the OpenAI-compatible app (``app``) over a running engine."""

@@ -1,9 +1,10 @@
-"""The OpenAI-compatible HTTP app over a running ``Scheduler``.
+"""The OpenAI-compatible HTTP app over a running engine (in this process, or an engine process).
 
 Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, ``/health`` and ``/metrics``.
 
 ``build_app`` returns a plain ASGI app (FastAPI), so uvicorn serves it (``smcsd serve``) and other
-ASGI hosts can wrap the same object. The app owns the scheduler from then on: its shutdown closes it.
+ASGI hosts can wrap the same object. The app owns the engine from then on: its shutdown closes it.
+The app tokenizes, streams and answers; the engine runs the cycles.
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from ..config import SMCConfig
+from ..engine.client import EngineClosed, QueueFull, RequestCancelled
 from .errors import APIError
 from .metrics import metrics_text
 from .protocol import check_schema, parse_chat, parse_completion
 from .responses import Answer, diagnostics, request_usage
-from .scheduler import QueueFull, RequestCancelled, SchedulerClosed
 from .streaming import ChoiceStreams, EventStream
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
@@ -32,19 +33,18 @@ DISCONNECT_POLL_SECONDS = 0.25  # how often a waiting non-streamed request check
 
 
 class Service:
-    """What the routes share: the scheduler, the pair's tokenizer, the served name and settings.
+    """What the routes share: the engine (its tokenizer and models' names), the served name and settings.
 
     Args:
-        scheduler: a running ``Scheduler`` over ``pair``.
-        pair: the ``SMCSD`` pair (its tokenizer, chat setting and models' names).
+        engine: a running engine (``engine.client.Engine`` or ``engine.process.EngineProcess``).
         model_name: the ``model`` requests must name.
-        defaults: settings of a request that sets none (its fixed fields are the scheduler's).
+        defaults: settings of a request that sets none (its fixed fields are the engine's).
         api_key: the bearer token ``/v1`` routes require, or None for none.
         max_body_bytes: the largest request body accepted.
     """
 
-    def __init__(self, scheduler, pair, model_name, defaults, api_key, max_body_bytes) -> None:
-        self.scheduler, self.pair, self.model_name, self.defaults = scheduler, pair, model_name, defaults
+    def __init__(self, engine, model_name, defaults, api_key, max_body_bytes) -> None:
+        self.engine, self.model_name, self.defaults = engine, model_name, defaults
         self.api_key, self.max_body_bytes = api_key, max_body_bytes
         self.closing = False
         self.started = int(time.time())
@@ -94,9 +94,9 @@ class Service:
 
     def encode(self, prompt) -> list[int]:
         """Token ids of a prompt: chat messages (the template), token ids (as given) or text (as is)."""
-        tokenizer = self.pair.tokenizer
+        tokenizer = self.engine.tokenizer
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-            if self.pair.chat and getattr(tokenizer, "chat_template", None):
+            if self.engine.chat and getattr(tokenizer, "chat_template", None):
                 ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
                 ids = ids["input_ids"] if hasattr(ids, "keys") else ids
             else:  # no template: the messages' text, one after another
@@ -116,8 +116,8 @@ class Service:
         tickets = []
         try:
             for request in requests:
-                tickets.append(self.scheduler.submit(request))
-        except (QueueFull, SchedulerClosed, ValueError) as err:
+                tickets.append(self.engine.submit(request))
+        except (QueueFull, EngineClosed, ValueError) as err:
             for ticket in tickets:
                 ticket.cancel()
             raise refusal(err) from None
@@ -130,7 +130,7 @@ def refusal(err: BaseException) -> APIError:
         return err
     if isinstance(err, QueueFull):
         return APIError(429, f"the queue is full, try again later: {err}", code="queue_full")
-    if isinstance(err, (SchedulerClosed, RequestCancelled)):
+    if isinstance(err, (EngineClosed, RequestCancelled)):
         return APIError(503, f"the server is shutting down: {err}", code="shutting_down")
     if isinstance(err, ValueError):
         return APIError(400, str(err), code="invalid_request")
@@ -138,32 +138,30 @@ def refusal(err: BaseException) -> APIError:
 
 
 def build_app(
-    scheduler,
-    pair,
+    engine,
     *,
     model_name: str,
     defaults: SMCConfig | None = None,
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
-    """The ASGI app serving ``pair`` through ``scheduler``; its shutdown closes the scheduler.
+    """The ASGI app serving through ``engine``; its shutdown closes the engine.
 
     Args:
-        scheduler: a running ``smcsd_ppl.serving.scheduler.Scheduler`` over ``pair``.
-        pair: the ``SMCSD`` pair.
+        engine: a running engine (``engine.client.Engine`` or ``engine.process.EngineProcess``).
         model_name: the id ``/v1/models`` lists and requests must name (or leave out).
         defaults: the settings of a request that sets none (``SMCConfig()`` when None); the fields
-            a request cannot set (alpha, cut, resampling, ...) must be the scheduler's.
+            a request cannot set (alpha, cut, resampling, ...) must be the engine's.
         api_key: the bearer token the ``/v1`` routes require; None: open.
         max_body_bytes: the largest request body (413 past it).
     """
-    service = Service(scheduler, pair, model_name, defaults or SMCConfig(), api_key, max_body_bytes)
+    service = Service(engine, model_name, defaults or SMCConfig(), api_key, max_body_bytes)
 
     @asynccontextmanager
     async def lifespan(_app):
         yield
         service.closing = True  # requests still arriving get 503
-        await asyncio.to_thread(scheduler.close, cancel=True)
+        await asyncio.to_thread(engine.close, cancel=True)
 
     app = FastAPI(title="smcsd_ppl", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
@@ -199,7 +197,7 @@ def add_info_routes(app: FastAPI, service: Service) -> None:
 
     @app.get("/metrics")
     async def metrics():
-        text, content_type = metrics_text(service.scheduler.stats)
+        text, content_type = metrics_text(service.engine.stats)
         return Response(text, media_type=content_type)
 
     @app.get("/v1/models")
@@ -217,13 +215,12 @@ def add_info_routes(app: FastAPI, service: Service) -> None:
 
 def model_card(service: Service) -> dict:
     """The ``/v1/models`` entry of the served pair, its models named in ``smcsd``."""
-    pair = service.pair
     return {
         "id": service.model_name,
         "object": "model",
         "created": service.started,
         "owned_by": "smcsd_ppl",
-        "smcsd": {"target": pair.target.name, "draft": pair.draft.name, "backend": pair.backend},
+        "smcsd": dict(service.engine.names),
     }
 
 
@@ -244,7 +241,7 @@ async def complete(service: Service, request: Request, kind: str):
         return EventStream(streams.events(), streams.close)
     gens = await results_unless_gone(request, tickets)
     choices = [
-        answer.choice(i, g.text, t.finish_reason, diagnostics(g, r))
+        answer.choice(i, g.text, t.finish_reason.openai, diagnostics(g, r))
         for i, (g, t, r) in enumerate(zip(gens, tickets, requests))
     ]
     return answer.response(choices, request_usage(tickets, call.n))

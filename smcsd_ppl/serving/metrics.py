@@ -1,4 +1,4 @@
-"""``/metrics``: the scheduler's counters in Prometheus' text format, read at each scrape."""
+"""``/metrics``: the engine's counters in Prometheus' text format, read at each scrape."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 PREFIX = "smcsd"
 
 
-class SchedulerCollector:
-    """A Prometheus collector over ``stats()`` (a ``SchedulerStats``): nothing is counted twice."""
+class EngineCollector:
+    """A Prometheus collector over ``stats()`` (an ``EngineStats``): nothing is counted twice."""
 
     def __init__(self, stats) -> None:
         self.stats = stats
@@ -17,9 +17,7 @@ class SchedulerCollector:
     def collect(self):
         """The metric families of one scrape."""
         s = self.stats()
-        requests = CounterMetricFamily(
-            f"{PREFIX}_requests", "Scheduler requests by outcome", labels=["outcome"]
-        )
+        requests = CounterMetricFamily(f"{PREFIX}_requests", "Engine requests by outcome", labels=["outcome"])
         for outcome, count in sorted(s.requests_total.items()):
             requests.add_metric([outcome], count)
         yield requests
@@ -40,7 +38,7 @@ class SchedulerCollector:
             yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=value)
         counters = {
             "tokens": (s.tokens_total, "Tokens generated"),
-            "cycles": (s.cycles_total, "Scheduler cycles run"),
+            "cycles": (s.cycles_total, "Engine cycles run"),
             "cycle_seconds": (s.cycle_seconds_total, "Time spent in cycles"),
         }
         for name, (value, doc) in counters.items():
@@ -52,5 +50,5 @@ def metrics_text(stats) -> tuple[bytes, str]:
     from prometheus_client import CONTENT_TYPE_LATEST
 
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(SchedulerCollector(stats))
+    registry.register(EngineCollector(stats))
     return generate_latest(registry), CONTENT_TYPE_LATEST

@@ -13,9 +13,9 @@ import secrets
 from dataclasses import dataclass
 
 from ..config import MAX_SEED, MIN_TEMPERATURE, SMCConfig
+from ..engine.client import SERVE_METHODS, ServeRequest
 from ..potentials.spec import ConstraintSpec
 from .errors import APIError, invalid
-from .scheduler import SERVE_METHODS, ServeRequest
 
 # Body fields beyond OpenAI's, each the SMCConfig field (or request setting) it sets.
 EXTRA_FIELDS = {

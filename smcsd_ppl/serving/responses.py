@@ -106,7 +106,7 @@ def diagnostics(gen: Generation, request) -> dict:
             "tokens_per_target_call": _finite(stats.tokens_per_target_call),
             "target_calls": stats.target_calls,
         }
-    return out | {"message": gen.message}
+    return out | {"finish_reason": str(gen.finish_reason), "message": gen.message}
 
 
 def _finite(x: float) -> float | None:

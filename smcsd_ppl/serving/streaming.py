@@ -84,7 +84,7 @@ class ChoiceStreams:
         last = self.answer.chunk(
             index,
             "",
-            finish_reason=self.tickets[index].finish_reason,
+            finish_reason=self.tickets[index].finish_reason.openai,
             smcsd=self.diagnostics(gen, self.requests[index]),
         )
         if not self.include_usage and len(self.finished) == len(self.tickets):

@@ -1,29 +1,23 @@
 """A submitted request as its caller sees it: settled text as it comes, then the result.
 
-The scheduler's thread writes a ticket; callers read it from any thread (``wait``) or any
-asyncio loop (``stream``, ``result``). What is streamed is text every surviving particle
-already shares, cut before the first stop string, and held back by one stop string's length
-less one character while a stop string could still be forming: a stream never takes text back,
-and its pieces join into the final text.
+The engine's outputs write a ticket (``apply``); callers read it from any thread (``wait``) or
+any asyncio loop (``stream``, ``result``), and cancel it (which asks the engine to abort it).
+What is streamed is text every surviving particle already shares, cut before the first stop
+string, and held back by one stop string's length less one character while a stop string
+could still be forming: a stream never takes text back, and its pieces join into the final text.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
+from ..ends import FinishReason, before_stop
 from ..results import Generation
+from .core import Output, RequestCancelled
 
-
-class RequestCancelled(RuntimeError):
-    """The request was cancelled (by its caller, or by a scheduler closing) before it finished."""
-
-
-def before_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
-    """``text`` up to the first stop string (excluded), and whether one was found."""
-    cuts = [i for i in (text.find(s) for s in stop) if i >= 0]
-    return (text[: min(cuts)], True) if cuts else (text, False)
+__all__ = ["RequestCancelled", "Ticket"]
 
 
 class Ticket:
@@ -33,15 +27,22 @@ class Ticket:
         id: the request's id.
         prompt_tokens: tokens in its prompt.
         completion_tokens: tokens in its output (final once done).
-        finish_reason: ``"stop"`` (an EOS or a stop string), ``"length"`` (the budget), or
-            None before it is done.
+        finish_reason: why it ended (``ends.FinishReason``), None before it is done.
     """
 
-    def __init__(self, request_id: str, prompt_tokens: int, stop: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_tokens: int,
+        stop: Sequence[str] = (),
+        abort: Callable[[str], None] | None = None,
+        on_done: Callable[[Ticket], None] | None = None,
+    ) -> None:
         self.id, self.prompt_tokens, self.stop = request_id, prompt_tokens, tuple(stop)
+        self._on_done = on_done
         self.completion_tokens = 0
-        self.finish_reason: str | None = None
-        self.cancelled = False
+        self.finish_reason: FinishReason | None = None
+        self._abort = abort
         self._lock = threading.Lock()
         self._pieces: list[str] = []
         self._sent = ""  # the pieces joined
@@ -49,7 +50,16 @@ class Ticket:
         self._outcome: Generation | BaseException | None = None
         self._wakers: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
 
-    # The scheduler's side.
+    # The engine's side.
+    def apply(self, output: Output) -> None:
+        """Take one engine output: settled text, the result, or the failure."""
+        if output.settled is not None:
+            self.offer(output.settled)
+        if output.error is not None:
+            self.fail(output.error)
+        elif output.result is not None:
+            self.finish(output.result, output.reason)
+
     def offer(self, settled: str) -> None:
         """Stream what ``settled`` (text every surviving particle shares) adds, short of a stop."""
         text, stopped = before_stop(settled, self.stop)
@@ -57,7 +67,7 @@ class Ticket:
             text = text[: max(len(self._sent), len(text) - max(map(len, self.stop)) + 1)]
         self._add(text)
 
-    def finish(self, generation: Generation, reason: str) -> None:
+    def finish(self, generation: Generation, reason: FinishReason) -> None:
         """The request is done: its text streams out in full, then its result."""
         self._add(generation.text)
         with self._lock:
@@ -71,12 +81,15 @@ class Ticket:
             if self._done.is_set():
                 return
             self._outcome = err
+            if isinstance(err, RequestCancelled):
+                self.finish_reason = FinishReason.CANCELLED
         self._wake(done=True)
 
     # The caller's side.
     def cancel(self) -> None:
-        """Cancel the request: it leaves the batch at the next cycle boundary."""
-        self.cancelled = True
+        """Cancel the request: it leaves the batch at the next cycle boundary (nothing if done)."""
+        if not self.done and self._abort is not None:
+            self._abort(self.id)
 
     @property
     def done(self) -> bool:
@@ -146,3 +159,5 @@ class Ticket:
                 loop.call_soon_threadsafe(event.set)
             except RuntimeError:  # that loop has closed: nobody is listening there
                 pass
+        if done and self._on_done is not None:
+            self._on_done(self)

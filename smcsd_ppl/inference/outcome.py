@@ -1,21 +1,21 @@
-"""The one SMC loop: every program, plain generation included, runs here as a loop over ``step``."""
+"""A finished request's result: its output particle, drawn by weight, and SMC-SD's report of it.
+
+The loop that steps requests to their end is the engine's (``engine.core``, ``engine.run``).
+"""
 
 from __future__ import annotations
 
-import asyncio
 import statistics
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from .. import smc
-from ..config import DraftRecord, SMCConfig
+from ..config import DraftRecord
 from ..results import ParticleOut, SMCInfo
 from .program import SMCSDModel
-from .rows import RowStore
 from .schedule import learned
-from .state import Population, SMCState, StepInfo, final_log_z
+from .state import Population, final_log_z
 from .step import SMCSDKernel, host_generator, step_key
 
 # A request whose ESS averages under this share of its particles is flagged as collapsed:
@@ -40,66 +40,6 @@ class SMCResult:
     chosen: int
     info: SMCInfo
     message: str = ""
-
-
-async def smc_sd(
-    programs: Sequence[SMCSDModel],
-    store: RowStore,
-    config: SMCConfig,
-    eos: Sequence[int],
-    *,
-    record: DraftRecord | None = None,
-    encode: Callable[[str], list[int]] | None = None,
-    decode: Callable[[Sequence[int]], str] | None = None,
-    on_cycle: Callable[[StepInfo], None] | None = None,
-) -> list[SMCResult]:
-    """Run SMC-SD for several requests at once, each with up to ``config.n_particles`` particles.
-
-    Every step advances all live particles of all requests; their draft forwards and the
-    one fused target forward are shared through the row store. Resampling is per request.
-    The outputs depend on the programs, the config (its seed included) and ``record`` only.
-
-    Args:
-        programs: one initial ``SMCSDModel`` per request (copied into its particles).
-        store: the rows of the draft and the target backends.
-        config: the run's settings.
-        eos: EOS ids in force.
-        record: what is known of the draft before the run (default: nothing; it probes).
-        encode: text -> token ids, for programs whose prompt is a string.
-        decode: token ids -> text, for ``particle.text``.
-        on_cycle: called after every step with its ``StepInfo``.
-    """
-    record = record or DraftRecord()
-    kernel, state = await run_to_end(programs, store, config, eos, record, encode, decode, on_cycle)
-    return [result_of(pop, kernel, record) for pop in state.populations]
-
-
-async def run_to_end(
-    programs: Sequence[SMCSDModel],
-    store: RowStore,
-    config: SMCConfig,
-    eos: Sequence[int],
-    record: DraftRecord,
-    encode: Callable[[str], list[int]] | None = None,
-    decode: Callable[[Sequence[int]], str] | None = None,
-    on_cycle: Callable[[StepInfo], None] | None = None,
-) -> tuple[SMCSDKernel, SMCState]:
-    """The loop itself: ``init``, then ``step`` until no particle steps; the final state."""
-    decode = decode or (lambda ids: " ".join(map(str, ids)))
-    kernel = SMCSDKernel(store, config, eos, decode)
-    state = kernel.init(programs, record, encode)
-    while not state.done:
-        state, info = await kernel.step(state)
-        if on_cycle is not None:
-            on_cycle(info)
-    return kernel, state
-
-
-def run_smc_sd(
-    programs: Sequence[SMCSDModel], store: RowStore, config: SMCConfig, eos: Sequence[int], **kwargs
-) -> list[SMCResult]:
-    """Synchronous wrapper of ``smc_sd`` (use the coroutine inside a running event loop)."""
-    return asyncio.run(smc_sd(programs, store, config, eos, **kwargs))
 
 
 def smc_info(pop: Population, record: DraftRecord) -> SMCInfo:

@@ -1,0 +1,352 @@
+"""The engine in this process: callers on any thread submit requests and calls; the torch thread runs them.
+
+Callers get a ``Ticket`` per request (or the call's result); their messages (add, abort)
+wait in an inbox that the torch thread drains at each of the engine's turns, so the core is
+touched by that thread alone. A request is refused (``QueueFull``) only when the rows cannot
+take it and ``max_queue`` requests already wait beyond them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from ..config import SMCConfig
+from ..inference.program import SMCSDModel
+from ..inference.step import request_seed
+from ..potentials.spec import ConstraintSpec
+from .core import EngineCore, Output, RequestCancelled
+from .pair import PairCore
+from .request import Call, Request, Work
+from .scheduling import waiting_beyond
+from .ticket import Ticket
+from .worker import torch_thread
+
+SERVE_METHODS = ("smcsd", "ar")  # ar: one particle, the target alone (the same kernel, drafting nothing)
+
+
+class QueueFull(RuntimeError):
+    """The rows are taken and the queue is full: try again later."""
+
+
+class EngineClosed(RuntimeError):
+    """The engine is closed (or closing) and takes no more requests."""
+
+
+@dataclass(frozen=True)
+class ServeRequest:
+    """One request by value, as a server or a batch file gives it.
+
+    Attributes:
+        prompt_ids: the prompt's token ids (any chat template already applied).
+        config: its settings (seed, budget, temperatures, N, K, ...).
+        method: one of ``SERVE_METHODS``.
+        constraint: a JSON Schema, regex or grammar every output must satisfy, or None.
+        stop: stop strings: the output ends before the first one.
+    """
+
+    prompt_ids: list[int]
+    config: SMCConfig = field(default_factory=SMCConfig)
+    method: str = "smcsd"
+    constraint: ConstraintSpec | None = None
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.method not in SERVE_METHODS:
+            raise ValueError(
+                f"unknown method {self.method!r} for serving; choose from {', '.join(SERVE_METHODS)}"
+            )
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty texts")
+
+    @property
+    def settings(self) -> SMCConfig:
+        """The settings it runs with (``ar``: one particle at token level)."""
+        if self.method == "ar":
+            return replace(self.config, n_particles=1, token_level=True)
+        return self.config
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of an engine: its queue, its rows, what it has done."""
+
+    queued: int
+    running: int
+    rows_in_use: int
+    max_rows: int
+    max_queue: int
+    requests_total: dict[str, int]
+    tokens_total: int
+    cycles_total: int
+    cycle_seconds_total: float
+    last_cycle_seconds: float
+    last_mean_ess: float
+
+
+class Gate:
+    """Who may come in: all while the rows can take them, then ``max_queue`` more; none once closed.
+
+    It holds every request in (by id, in arrival order, with its rows) until it is done.
+    """
+
+    def __init__(self, max_queue: int, max_rows: int) -> None:
+        if max_queue < 1 or max_rows < 1:
+            raise ValueError("max_queue and max_rows must be at least 1")
+        self.max_queue, self.max_rows = max_queue, max_rows
+        self.lock = threading.Lock()
+        self.live: dict[str, tuple[object, int]] = {}  # id -> (handle, rows)
+        self.rejected, self.closing = 0, False
+
+    def enter(self, work_id: str, handle: object, rows: int, bounded: bool = True) -> None:
+        """Let a request in with its caller's handle (``QueueFull``, ``EngineClosed``, ``ValueError``)."""
+        if rows > self.max_rows:
+            raise ValueError(f"the request needs {rows} rows (particles x contexts); at most {self.max_rows}")
+        with self.lock:
+            if self.closing:
+                raise EngineClosed("the engine is closed")
+            held = [n for _, n in self.live.values()]
+            if bounded and waiting_beyond(held, rows, self.max_rows) > self.max_queue:
+                self.rejected += 1
+                raise QueueFull(
+                    f"the rows are taken and {self.max_queue} requests wait for them; try again later"
+                )
+            self.live[work_id] = (handle, rows)
+
+    def handle(self, work_id: str, done: bool) -> object:
+        """A request's handle (None if gone); forgotten once ``done``."""
+        with self.lock:
+            handle, _ = self.live.get(work_id, (None, 0))
+            if done:
+                self.live.pop(work_id, None)
+        return handle
+
+    def close(self) -> list[tuple[str, object]]:
+        """Let nothing more in; the requests still in, with their handles."""
+        with self.lock:
+            self.closing = True
+            return [(work_id, handle) for work_id, (handle, _) in self.live.items()]
+
+
+def program_of(pair: PairCore, request: ServeRequest) -> SMCSDModel:
+    """The plain program of a request, its constraint built for the pair (``ValueError``: refused)."""
+    config = request.settings
+    constraint = None
+    if request.constraint is not None:
+        constraint = request.constraint.build(pair.tokenizer, pair.eos_for(config))
+    ids = [int(t) for t in request.prompt_ids]
+    pair.check_request(ids, config)
+    return SMCSDModel(ids, constraint)
+
+
+class Engine:
+    """One pair's requests and calls, run by one ``EngineCore`` on the process's torch thread.
+
+    Args:
+        pair: the pair core.
+        base: the settings of the batch requests join (``SHARED_SETTINGS``) and their defaults.
+        max_queue: requests that may wait beyond the rows; more raise ``QueueFull``.
+        max_rows: rows (particles times contexts) the running requests may hold.
+    """
+
+    def __init__(
+        self, pair: PairCore, base: SMCConfig | None = None, *, max_queue: int = 64, max_rows: int = 512
+    ) -> None:
+        self.gate = Gate(max_queue, max_rows)
+        self.pair, self.max_queue, self.max_rows = pair, max_queue, max_rows
+        self.core = EngineCore(pair, base, max_rows=max_rows)
+        self.base = self.core.base
+        self.threads = torch.get_num_threads()  # the creator's: its turns run with as many
+        self._inbox: deque[tuple[str, object]] = deque()
+        self._owner: int | None = None  # the thread holding ``exclusive``
+        self._thread = torch_thread()
+        self._thread.attach(self)
+
+    # What a server reads of the pair.
+    @property
+    def tokenizer(self):
+        """The pair's tokenizer (a server encodes its prompts with it)."""
+        return self.pair.tokenizer
+
+    @property
+    def chat(self) -> bool:
+        """Whether text prompts get the chat template."""
+        return self.pair.chat
+
+    @property
+    def names(self) -> dict:
+        """The models' names and the backend."""
+        return self.pair.names
+
+    # Submitting.
+    def submit(self, request: ServeRequest) -> Ticket:
+        """Queue a request; its ticket at once (``QueueFull``, ``EngineClosed``, ``ValueError``)."""
+        program = program_of(self.pair, request)
+        config = request.settings
+        return self.submit_program(program, config, seed=request_seed(config.seed, 0), stop=request.stop)
+
+    def submit_program(
+        self,
+        program: SMCSDModel,
+        config: SMCConfig,
+        *,
+        seed: int,
+        stop: Sequence[str] = (),
+        bounded: bool = True,
+        observer: Callable | None = None,
+        on_done: Callable[[Ticket], None] | None = None,
+    ) -> Ticket:
+        """Queue a program with its settings and seed; its ticket.
+
+        ``bounded=False`` (library calls) waits however long the queue; ``observer`` is
+        called on the torch thread after each of the request's cycles (a narrowed ``StepInfo``);
+        ``on_done`` with the ticket once it is done (on the thread that finished it).
+        """
+        request = Request(program, config, seed, tuple(stop), bounded, observer, time.perf_counter())
+        prompt = program.prompt
+        tokens = 0 if isinstance(prompt, str) or prompt is None else len(prompt)
+        ticket = Ticket(request.id, tokens, stop, self.abort, on_done)
+        self._enqueue(request, ticket)
+        return ticket
+
+    def call(self, fn: Callable[[], object]) -> object:
+        """``fn()`` on the torch thread once the batch has drained, with the pair's rows to itself.
+
+        On the torch thread itself, or in the thread holding ``exclusive``, it runs at once.
+        """
+        if self._thread.here or self._owner == threading.get_ident():
+            return fn()
+        future: Future = Future()
+        self._enqueue(Call(fn), future)
+        return future.result()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Have the pair's rows to yourself while inside (custom loops on this thread).
+
+        The batch running now finishes first; requests submitted meanwhile wait. Prefer
+        ``call``, which runs the work on the torch thread.
+        """
+        if self._owner == threading.get_ident() or self._thread.here:
+            yield
+            return
+        granted, released = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            granted.set()
+            released.wait()
+
+        future: Future = Future()
+        self._enqueue(Call(hold), future)
+        while not granted.wait(0.05):
+            if future.done():  # the engine closed before our turn came
+                future.result()
+        self._owner = threading.get_ident()
+        try:
+            yield
+        finally:
+            self._owner = None
+            released.set()
+            future.result()
+
+    def abort(self, work_id: str) -> None:
+        """Cancel a request: it leaves at the next boundary (nothing if it is done)."""
+        self._inbox.append(("abort", work_id))
+        self._thread.wake()
+
+    def _enqueue(self, work: Work, handle: Ticket | Future) -> None:
+        self.gate.enter(work.id, handle, work.rows, work.bounded)
+        self.threads = torch.get_num_threads()  # the latest caller's count
+        self._inbox.append(("add", work))
+        self._thread.wake()
+
+    # The torch thread's side.
+    @property
+    def ready(self) -> bool:
+        """The core has work, or a message waits."""
+        return bool(self._inbox) or self.core.has_work
+
+    def turn(self) -> None:
+        """Take the messages, run one step, hand out what it tells."""
+        while self._inbox:
+            kind, item = self._inbox.popleft()
+            if kind == "add":
+                self.core.add(item)
+            else:
+                self.core.abort(item)
+        if self.core.has_work:
+            self._deliver(self.core.step())
+
+    def crashed(self, err: BaseException) -> None:
+        """A turn raised: every request and call it holds fails with ``err``; the core starts empty."""
+        with self.gate.lock:
+            live = list(self.gate.live)
+        self.core = EngineCore(self.pair, self.base, max_rows=self.max_rows)
+        self._deliver([Output(work_id, error=err) for work_id in live])
+
+    def _deliver(self, outputs: list[Output]) -> None:
+        for out in outputs:
+            handle = self.gate.handle(out.id, out.done)
+            if isinstance(handle, Ticket):
+                handle.apply(out)
+            elif handle is not None and out.error is not None:
+                handle.set_exception(out.error)
+            elif handle is not None:
+                handle.set_result(out.result)
+
+    # Reading and closing.
+    def stats(self) -> EngineStats:
+        """What the engine holds and has done."""
+        s = self.core.stats
+        arriving = sum(kind == "add" for kind, _ in list(self._inbox))
+        return EngineStats(
+            s.waiting + arriving,
+            s.running,
+            s.rows_in_use,
+            self.max_rows,
+            self.max_queue,
+            dict(s.counts) | {"rejected": self.gate.rejected},
+            s.tokens,
+            s.cycles,
+            s.cycle_seconds,
+            s.last_seconds,
+            s.last_ess,
+        )
+
+    def close(self, cancel: bool = False) -> None:
+        """Take no more requests; finish (or cancel) those queued and running, then return."""
+        live = self.gate.close()
+        if cancel:
+            for work_id, _ in live:
+                self.abort(work_id)
+        if self._thread.here or self._owner == threading.get_ident():
+            return  # its own work cannot finish while it waits here
+        for _, handle in live:
+            with contextlib.suppress(BaseException):
+                handle.wait() if isinstance(handle, Ticket) else handle.exception()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close(cancel=exc[0] is not None)
+
+
+__all__ = [
+    "SERVE_METHODS",
+    "Engine",
+    "Gate",
+    "EngineClosed",
+    "EngineStats",
+    "QueueFull",
+    "RequestCancelled",
+    "ServeRequest",
+    "program_of",
+]

@@ -1,0 +1,309 @@
+"""The engine core: one pair's requests, advanced one cycle per ``step``, on whichever thread drives it.
+
+A step is: ``schedule`` what runs (a pure decision), apply it (cancelled requests leave,
+waiting ones are prefilled into the batch, or a call runs alone), one SMC-SD step of every
+running request (one fused target forward), then ``update_from_output``: stop strings end
+particles, each request's settled text goes out, finished requests leave with their result.
+Every population carries its request's id, so requests are found by id, never by position.
+The core is driven by the engine's thread (``engine.client``), by an engine process
+(``engine.process``), or by a caller's own loop (``run_requests``); it never starts a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from ..config import SMCConfig
+from ..ends import FinishReason, before_stop, finish_reason
+from ..inference.outcome import result_of
+from ..inference.state import Population, SMCState, settled_tokens
+from ..inference.step import Admission, SMCSDKernel
+from ..results import RunStats, generation
+from .pair import PairCore
+from .request import Call, Request, RequestStatus, Work, finish, shared_key
+from .scheduling import Capacity, Plan, schedule
+from .stops import stopped_at
+
+
+class RequestCancelled(RuntimeError):
+    """The request was cancelled (by its caller, or by a closing engine) before it finished."""
+
+
+@dataclass(frozen=True)
+class Output:
+    """What the engine tells of one request after a step.
+
+    Attributes:
+        id: the request's (or call's) id.
+        settled: the text every surviving particle shares, when it grew (a stream may show it).
+        result: once finished: the request's ``Generation``, or the call's return value.
+        reason: why it finished (None while it runs, and for calls).
+        error: why it failed, or ``RequestCancelled``.
+        population: a finished request's final population (in-process callers read its particles).
+    """
+
+    id: str
+    settled: str | None = None
+    result: object = None
+    reason: FinishReason | None = None
+    error: BaseException | None = None
+    population: Population | None = None
+
+    @property
+    def done(self) -> bool:
+        """The request (or call) finished, failed or was cancelled."""
+        return self.reason is not None or self.error is not None or self.result is not None
+
+
+@dataclass(frozen=True)
+class CoreStats:
+    """What the core holds and has done (a snapshot, safe to read from any thread)."""
+
+    waiting: int = 0
+    running: int = 0
+    rows_in_use: int = 0
+    counts: tuple[tuple[str, int], ...] = (("completed", 0), ("cancelled", 0), ("failed", 0))
+    tokens: int = 0
+    cycles: int = 0
+    cycle_seconds: float = 0.0
+    last_seconds: float = 0.0
+    last_ess: float = math.nan
+
+
+class EngineCore:
+    """One pair's batch of SMC-SD requests, and the calls that need its rows alone.
+
+    Args:
+        pair: the pair (its one row store becomes the batch's).
+        base: the settings of the batch every request sharing them joins (``SHARED_SETTINGS``).
+        max_rows: rows the running requests may hold in all.
+    """
+
+    def __init__(self, pair: PairCore, base: SMCConfig | None = None, *, max_rows: int = 512) -> None:
+        if max_rows < 1:
+            raise ValueError("max_rows must be at least 1")
+        self.pair, self.base, self.max_rows = pair, base or SMCConfig(), max_rows
+        self.waiting: deque[Work] = deque()
+        self.running: list[Request] = []  # in the batch's order
+        self.state = SMCState(())
+        self.kernel = self._kernel(self.base)
+        self.stats = CoreStats()
+        self._sent: dict[str, str] = {}  # each running request's settled text, as last told
+        self._records: dict[str, object] = {}  # each request's draft record, fixed at admission
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # Taking work.
+    def add(self, work: Work) -> None:
+        """Queue a request or a call (it runs at a later boundary)."""
+        if isinstance(work, Request):
+            kernel = self._kernel(work.config)
+            work.drafts = kernel.needs_draft(work.program, work.config, self.pair.draft_record)
+        self.waiting.append(work)
+        self._publish()
+
+    def abort(self, work_id: str) -> None:
+        """Cancel a request or call: it leaves (or never runs) at the next boundary."""
+        for work in (*self.waiting, *self.running):
+            if work.id == work_id:
+                work.cancelled = True
+
+    @property
+    def has_work(self) -> bool:
+        """Something waits or runs."""
+        return bool(self.waiting or self.running)
+
+    # Stepping.
+    def step(self) -> list[Output]:
+        """One boundary and one cycle (calls run here, outside any event loop)."""
+        outputs = self._boundary()
+        if self.running:
+            self._loop = self._loop or asyncio.new_event_loop()
+            outputs += self._loop.run_until_complete(self._cycle())
+        return outputs
+
+    async def astep(self) -> list[Output]:
+        """``step`` from a running event loop (a call must then not start a loop of its own)."""
+        outputs = self._boundary()
+        if self.running:
+            outputs += await self._cycle()
+        return outputs
+
+    def close(self) -> None:
+        """Release the core's event loop."""
+        if self._loop is not None:
+            self._loop.close()
+            self._loop = None
+
+    # A boundary: the plan, applied.
+    def _boundary(self) -> list[Output]:
+        capacity = Capacity(self.max_rows, self.pair.store.draft_ready)
+        plan = schedule(self.waiting, self.running, capacity)
+        outputs = self._apply(plan)
+        self._publish()
+        return outputs
+
+    def _apply(self, plan: Plan) -> list[Output]:
+        leaving = {w.id for w in (*plan.cancel, *plan.admit)} | ({plan.call.id} if plan.call else set())
+        self.waiting = deque(w for w in self.waiting if w.id not in leaving)
+        self._publish()  # a call may run long: it no longer waits
+        outputs = [self._ended(w, FinishReason.CANCELLED) for w in plan.cancel]
+        if plan.drop:
+            outputs += self._drop(plan.drop)
+        if plan.call is not None:
+            outputs.append(self._run(plan.call))
+        if plan.admit:
+            outputs += self._admit(plan.admit)
+        return outputs
+
+    def _drop(self, requests: Sequence[Request]) -> list[Output]:
+        gone = {r.id for r in requests}
+        kept = [pop for pop in self.state.populations if pop.request_id not in gone]
+        self.state = replace(self.state, populations=tuple(self.kernel.pack(kept)))
+        self.running = [r for r in self.running if r.id not in gone]
+        return [self._ended(r, FinishReason.CANCELLED) for r in requests]
+
+    def _run(self, call: Call) -> Output:
+        try:
+            value = call.fn()
+        except BaseException as err:  # noqa: BLE001 - its caller gets it
+            finish(call, FinishReason.ERROR)
+            return Output(call.id, error=err)
+        finish(call, FinishReason.STOP)
+        return Output(call.id, result=value)
+
+    def _admit(self, requests: Sequence[Request]) -> list[Output]:
+        if not self.running:  # a new batch: its kernel runs its settings
+            self.kernel = self._kernel(requests[0].config)
+        joining = [Admission(r.program, r.config, r.seed, r.id) for r in requests]
+        try:
+            self.state = self.kernel.admit(self.state, joining, self.pair.draft_record, self.pair.encode)
+        except Exception as err:  # noqa: BLE001 - those requests fail, the batch goes on
+            return [self._ended(r, FinishReason.ERROR, err) for r in requests]
+        for r in requests:
+            r.status = RequestStatus.RUNNING
+            self._records[r.id] = self.pair.draft_record
+        self.running += requests
+        return []
+
+    def _kernel(self, config: SMCConfig) -> SMCSDKernel:
+        """The kernel of a batch of ``config``'s shared settings (the base's own, when it shares them)."""
+        c = self.base if shared_key(config) == shared_key(self.base) else config
+        return SMCSDKernel(self.pair.store, c, self.pair.eos_for(c), self.pair.decode)
+
+    # A cycle, and what it tells.
+    async def _cycle(self) -> list[Output]:
+        start = time.perf_counter()
+        by_id = {r.id: r for r in self.running}
+        try:
+            self._reshaped(by_id, "before")
+            self.state, info = await self.kernel.step(self.state)
+            self._reshaped(by_id, "after")
+        except Exception as err:  # noqa: BLE001 - a failed step fails every request in it
+            failed = [self._ended(r, FinishReason.ERROR, err) for r in self.running]
+            self.running, self.state = [], SMCState(())
+            return failed
+        self._stop_strings(by_id)
+        info = replace(info, populations=self.state.populations)
+        outputs = self.update_from_output(by_id, info)
+        self._count_cycle(time.perf_counter() - start, info)
+        return outputs
+
+    def _reshaped(self, by_id: dict[str, Request], which: str) -> None:
+        """Apply each request's ``reshape`` to its population, then give the rows their new order."""
+        if not any(r.reshape for r in by_id.values()):
+            return
+        pops = []
+        for pop in self.state.populations:
+            shape = by_id[pop.request_id].reshape
+            pops.append(getattr(shape, which)(pop) if shape else pop)
+        self.state = replace(self.state, populations=tuple(self.kernel.pack(pops)))
+
+    def _stop_strings(self, by_id: dict[str, Request]) -> None:
+        """End every particle whose text holds one of its request's stop strings."""
+        pops = [stopped_at(pop, by_id[pop.request_id].stop) for pop in self.state.populations]
+        if any(new is not old for new, old in zip(pops, self.state.populations)):
+            self.state = replace(self.state, populations=tuple(self.kernel.pack(pops)))
+
+    def update_from_output(self, by_id: dict[str, Request], info) -> list[Output]:
+        """After a cycle: observers see it, settled text goes out, finished requests leave."""
+        order = {pop.request_id: i for i, pop in enumerate(self.state.populations)}
+        observers: dict[int, tuple] = {}
+        for r in self.running:
+            if r.observer is not None:
+                observers.setdefault(id(r.observer), (r.observer, []))[1].append(order[r.id])
+        for observer, indices in observers.values():
+            observer(info.narrowed(indices))
+        outputs, staying = [], []
+        for pop in self.state.populations:
+            request = by_id[pop.request_id]
+            if pop.stepping:
+                staying.append(pop)
+                text = self.pair.decode(settled_tokens(pop))
+                if text != self._sent.get(request.id, ""):
+                    self._sent[request.id] = text
+                    outputs.append(Output(request.id, settled=text))
+            else:
+                outputs.append(self._finished(request, pop))
+        self.state = replace(self.state, populations=tuple(staying))
+        live = {pop.request_id for pop in staying}
+        self.running = [r for r in self.running if r.id in live]
+        return outputs
+
+    def _finished(self, request: Request, pop: Population) -> Output:
+        """A finished request's ``Generation``: its text cut before a stop string, its reason, its cost."""
+        out = result_of(pop, self.kernel, self._records.pop(request.id, self.pair.draft_record))
+        text, stopped = before_stop(out.text, request.stop)
+        c = self.kernel.settings(pop)
+        if out.chosen < 0:
+            reason = FinishReason.ERROR
+        else:
+            constrained = getattr(pop.particles[out.chosen], "constraint", None) is not None
+            reason = finish_reason(
+                out.token_ids, c.max_new_tokens, self.kernel.eos, stopped=stopped, constrained=constrained
+            )
+        seconds = time.perf_counter() - request.arrival
+        stats = RunStats("smcsd", len(out.token_ids), seconds, max(1, pop.cycles), 0, 0.0, 0.0)
+        gen = generation("smcsd", text, out.token_ids, stats, reason, out.message, out.info)
+        finish(request, reason)
+        self._sent.pop(request.id, None)
+        self._count("completed", len(out.token_ids))
+        return Output(request.id, result=gen, reason=reason, population=pop)
+
+    def _ended(self, work: Work, reason: FinishReason, err: BaseException | None = None) -> Output:
+        """A request or call that leaves unfinished: cancelled, or failed with ``err``."""
+        finish(work, reason)
+        self._sent.pop(work.id, None)
+        self._records.pop(work.id, None)
+        if isinstance(work, Request):
+            self._count("failed" if err else "cancelled")
+        err = err or RequestCancelled(f"request {work.id} was cancelled")
+        return Output(work.id, reason=reason, error=err)
+
+    # Counting.
+    def _count(self, outcome: str, tokens: int = 0) -> None:
+        counts = dict(self.stats.counts)
+        counts[outcome] += 1
+        self.stats = replace(self.stats, counts=tuple(counts.items()), tokens=self.stats.tokens + tokens)
+
+    def _count_cycle(self, seconds: float, info) -> None:
+        ess = [e / len(p.particles) for e, p in zip(info.ess, info.populations) if p.stepping and e]
+        s = self.stats
+        self.stats = replace(
+            s,
+            cycles=s.cycles + 1,
+            cycle_seconds=s.cycle_seconds + seconds,
+            last_seconds=seconds,
+            last_ess=sum(ess) / len(ess) if ess else math.nan,
+        )
+        self._publish()
+
+    def _publish(self) -> None:
+        rows = sum(r >= 0 for pop in self.state.populations for rows in pop.rows for r in rows)
+        self.stats = replace(
+            self.stats, waiting=len(self.waiting), running=len(self.running), rows_in_use=rows
+        )

@@ -1,0 +1,186 @@
+"""The pair core: two backends sharing a vocabulary, their one row store, text in and out, the checks.
+
+Everything above it (the facade in ``api``, the engine, the HTTP server) reads a pair through
+this record; nothing but the engine's thread moves its rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from ..backends.base import BatchedLM
+from ..config import DraftRecord, SMCConfig
+from ..inference.rows import RowStore
+from ..models import LoadedModel
+from ..text import check_token_ids, encode_prompt
+
+
+class PairCore:
+    """A target and a draft backend with their one ``RowStore``, a tokenizer and the request checks.
+
+    Args:
+        target_lm: the target's batched backend.
+        draft_lm: the draft's (same vocabulary, same device).
+        tokenizer: the shared tokenizer (None: token-id prompts only, ``decode`` given).
+        eos_token_ids: the target's EOS ids.
+        chat: wrap text prompts in the tokenizer's chat template when it has one.
+        target: the loaded target (None for backends built without PyTorch models).
+        draft: the loaded draft, likewise.
+        decode: token ids -> text, for pairs without a tokenizer (mock backends).
+        encode: text -> token ids, instead of the tokenizer's.
+        backend: what runs the models (``"hf"``, ``"vllm"``, or a test's name).
+    """
+
+    def __init__(
+        self,
+        target_lm: BatchedLM,
+        draft_lm: BatchedLM,
+        *,
+        tokenizer=None,
+        eos_token_ids: Sequence[int] = (),
+        chat: bool = True,
+        target: LoadedModel | None = None,
+        draft: LoadedModel | None = None,
+        decode: Callable[[Sequence[int]], str] | None = None,
+        encode: Callable[[str], list[int]] | None = None,
+        backend: str = "hf",
+    ) -> None:
+        self.backend = backend
+        self.target_lm, self.draft_lm = target_lm, draft_lm
+        self.store = RowStore(target_lm, draft_lm)  # the only one: every run's rows live here
+        self.tokenizer, self.chat = tokenizer, chat
+        self.eos_token_ids = [int(e) for e in eos_token_ids]
+        self.target, self.draft = target, draft
+        self._decode, self._encode = decode, encode
+        self._facts: PairFacts | None = None
+        # What SMC-SD's adaptive drafting knows of this draft before a request: a value each
+        # request starts from and none changes (assign a learned one to change it).
+        self.draft_record = DraftRecord()
+
+    @classmethod
+    def over(
+        cls,
+        store: RowStore,
+        eos_token_ids: Sequence[int],
+        *,
+        decode: Callable[[Sequence[int]], str],
+        encode: Callable[[str], list[int]] | None = None,
+    ) -> PairCore:
+        """A core over an existing row store (a custom loop's, a test's)."""
+        core = cls(store.target, store.draft, eos_token_ids=eos_token_ids, decode=decode, encode=encode)
+        core.store = store
+        return core
+
+    @property
+    def encode(self) -> Callable[[str], list[int]] | None:
+        """Text -> token ids (chat template applied for instruct models); None without a tokenizer."""
+        if self._encode is not None or self.tokenizer is None:
+            return self._encode
+        return lambda prompt: encode_prompt(self.tokenizer, prompt, chat=self.chat)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of token ids (special tokens dropped)."""
+        if self._decode is not None:
+            return self._decode(ids)
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def eos_for(self, config: SMCConfig) -> list[int]:
+        """EOS ids in force under ``config`` (none with ``ignore_eos``)."""
+        return [] if config.ignore_eos else list(self.eos_token_ids)
+
+    @property
+    def names(self) -> dict:
+        """What a server tells of the pair: the models' names and the backend."""
+        target = self.target.name if self.target is not None else getattr(self.target_lm, "name", "target")
+        draft = self.draft.name if self.draft is not None else getattr(self.draft_lm, "name", "draft")
+        return {"target": target, "draft": draft, "backend": self.backend}
+
+    @property
+    def facts(self) -> PairFacts:
+        """What requests are checked against (a value another process can hold)."""
+        if self._facts is None:
+            model = None if self.target is None else self.target.model
+            vocab = (
+                self.target_lm.vocab_size if model is None else model.get_input_embeddings().num_embeddings
+            )
+            lms = (self.target_lm, self.draft_lm)
+            self._facts = PairFacts(vocab, tuple(self.eos_token_ids), *(ModelLimits.of(lm) for lm in lms))
+        return self._facts
+
+    def check_token_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
+        """Refuse a token-id prompt that is empty or holds ids outside the target's vocabulary."""
+        self.facts.check_token_prompts(prompts)
+
+    def check_fits(
+        self, ids: Sequence[Sequence[int]], config: SMCConfig, uses_draft: bool, rows: int
+    ) -> None:
+        """Refuse up front what would fail mid-generation (context length, KV budget)."""
+        self.facts.check_fits(ids, config, uses_draft, rows)
+
+    def check_request(self, ids: Sequence[int], config: SMCConfig) -> None:
+        """Refuse, in one line, an SMC-SD request's prompt: empty, off the vocabulary or too long."""
+        self.facts.check_request(ids, config)
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """One model's limits: its context, and its KV cache's bytes per position and budget."""
+
+    name: str
+    max_length: int
+    bytes_per_token: int
+    max_cache_bytes: int
+
+    @classmethod
+    def of(cls, lm: BatchedLM) -> ModelLimits:
+        """A backend's limits."""
+        return cls(lm.name, lm.max_length, lm.bytes_per_token, lm.max_cache_bytes)
+
+
+@dataclass(frozen=True)
+class PairFacts:
+    """What a request is checked against: the vocabulary, the EOS ids and both models' limits."""
+
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    target: ModelLimits
+    draft: ModelLimits
+
+    def check_token_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
+        """Refuse a token-id prompt that is empty or holds ids outside the vocabulary."""
+        for p in prompts:
+            check_token_ids(p, self.vocab_size)
+
+    def check_fits(
+        self, ids: Sequence[Sequence[int]], config: SMCConfig, uses_draft: bool, rows: int
+    ) -> None:
+        """Refuse up front what would fail mid-generation (context length, KV budget).
+
+        ``uses_draft``: the method feeds the draft (and may draft past the budget by a block);
+        ``rows``: the rows the call holds at once.
+        """
+        prompt = max(len(i) for i in ids)
+        if not uses_draft:  # the last sampled token is never fed
+            longest, extra, lms = prompt + config.max_new_tokens - 1, "", [self.target]
+        else:  # a block may be drafted past the budget, then the bonus
+            longest = prompt + config.max_new_tokens + config.block_size + 1
+            extra, lms = f" + block ({config.block_size}) + 1", [self.target, self.draft]
+        limit = min(lm.max_length for lm in lms)
+        if longest > limit:
+            raise ValueError(
+                f"prompt ({prompt} tokens) + max_new_tokens ({config.max_new_tokens}){extra} "
+                f"exceeds the model context of {limit} tokens"
+            )
+        for lm in lms:
+            need = lm.bytes_per_token * rows * longest
+            if need > lm.max_cache_bytes:
+                raise ValueError(
+                    f"{lm.name} KV cache for {rows} rows x {longest} positions needs {need / 2**30:.2f} GiB, "
+                    f"over the budget of {lm.max_cache_bytes / 2**30:.2f} GiB (max_cache_bytes)"
+                )
+
+    def check_request(self, ids: Sequence[int], config: SMCConfig) -> None:
+        """Refuse, in one line, an SMC-SD request's prompt: empty, off the vocabulary or too long."""
+        self.check_token_prompts([ids])
+        self.check_fits([ids], config, True, config.n_particles)

@@ -1,0 +1,209 @@
+"""The engine in a process of its own: the server keeps HTTP, tokenizing and streaming; the child the cycles.
+
+One interpreter lock each: the server's event loop never waits on the engine's Python work,
+nor the engine on the server's. The child loads the pair (its ``spec``), then loops: take
+the messages that arrived (add, abort, close), run one step, send what it told (each
+request's settled text, results, failures) with the engine's counters. The parent checks each
+request against the pair's facts (vocabulary, context, KV budget, constraint) before it
+sends it, so a refusal is immediate; its reader thread hands the child's outputs to tickets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import signal
+import threading
+import time
+from dataclasses import dataclass, replace
+
+from ..config import SMCConfig
+from ..inference.step import request_seed
+from .client import EngineStats, Gate, ServeRequest, program_of
+from .core import CoreStats, EngineCore, Output, RequestCancelled
+from .pair import PairFacts
+from .request import Request, new_id
+from .ticket import Ticket
+from .worker import torch_thread
+
+
+@dataclass
+class RemotePair:
+    """What the server process holds of the pair: its tokenizer, names and facts (no model)."""
+
+    tokenizer: object
+    chat: bool
+    names: dict
+    facts: PairFacts
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """The target's EOS ids."""
+        return list(self.facts.eos_token_ids)
+
+    def eos_for(self, config: SMCConfig) -> list[int]:
+        """EOS ids in force under ``config``."""
+        return [] if config.ignore_eos else self.eos_token_ids
+
+    def check_request(self, ids, config: SMCConfig) -> None:
+        """Refuse a request's prompt that is empty, off the vocabulary or too long, in one line."""
+        self.facts.check_request(ids, config)
+
+
+class EngineProcess:
+    """An engine running in a child process, with ``Engine``'s interface (submit, stats, close).
+
+    Args:
+        spec: how the child loads the pair: a picklable object whose ``load()`` returns an
+            ``SMCSD`` (``serving.settings.PairSpec``).
+        base: the settings of the batch requests join, and their defaults.
+        max_queue: requests that may wait beyond the rows; more raise ``QueueFull``.
+        max_rows: rows (particles times contexts) the running requests may hold.
+    """
+
+    def __init__(
+        self, spec, base: SMCConfig | None = None, *, max_queue: int = 64, max_rows: int = 512
+    ) -> None:
+        self.gate = Gate(max_queue, max_rows)
+        self.base, self.max_queue, self.max_rows = base or SMCConfig(), max_queue, max_rows
+        context = multiprocessing.get_context("spawn")  # a fork would copy OpenMP's state
+        self._conn, child = context.Pipe()
+        self._process = context.Process(
+            target=_engine_main, args=(child, spec, self.base, max_rows), daemon=True, name="smcsd-engine"
+        )
+        self._process.start()
+        child.close()
+        kind, hello = self._conn.recv()
+        if kind == "error":
+            self._process.join()
+            raise hello
+        self.pair = RemotePair(**hello)
+        self._send_lock = threading.Lock()
+        self._stats = CoreStats()
+        self._reader = threading.Thread(target=self._read, daemon=True, name="smcsd-engine-reader")
+        self._reader.start()
+
+    tokenizer = property(lambda self: self.pair.tokenizer, doc="The pair's tokenizer.")
+    chat = property(lambda self: self.pair.chat, doc="Whether text prompts get the chat template.")
+    names = property(lambda self: self.pair.names, doc="The models' names and the backend.")
+
+    def submit(self, request: ServeRequest) -> Ticket:
+        """Queue a request; its ticket at once (``QueueFull``, ``EngineClosed``, ``ValueError``)."""
+        program_of(self.pair, request)  # checked here: a refusal comes before anything is sent
+        config = request.settings
+        rid = new_id()
+        ticket = Ticket(rid, len(request.prompt_ids), request.stop, self.abort)
+        self.gate.enter(rid, ticket, config.n_particles)
+        self._send(("add", rid, request))
+        return ticket
+
+    def abort(self, work_id: str) -> None:
+        """Cancel a request: it leaves at the next boundary."""
+        with contextlib.suppress(OSError, EOFError):
+            self._send(("abort", work_id))
+
+    def stats(self) -> EngineStats:
+        """What the engine holds and has done (as of its latest step)."""
+        s = self._stats
+        with self.gate.lock:
+            live = len(self.gate.live)
+        return EngineStats(
+            max(0, live - s.running),
+            s.running,
+            s.rows_in_use,
+            self.max_rows,
+            self.max_queue,
+            dict(s.counts) | {"rejected": self.gate.rejected},
+            s.tokens,
+            s.cycles,
+            s.cycle_seconds,
+            s.last_seconds,
+            s.last_ess,
+        )
+
+    def close(self, cancel: bool = False) -> None:
+        """Take no more requests; finish (or cancel) those queued and running; stop the child."""
+        if self.gate.closing:
+            return
+        self.gate.close()
+        with contextlib.suppress(OSError, EOFError):
+            self._send(("close", cancel))
+        self._process.join()
+        self._reader.join(timeout=10)
+
+    def __enter__(self) -> EngineProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close(cancel=exc[0] is not None)
+
+    def _send(self, message: tuple) -> None:
+        with self._send_lock:
+            self._conn.send(message)
+
+    def _read(self) -> None:
+        """The child's outputs to their tickets, until it exits (then whatever is left fails)."""
+        try:
+            while True:
+                outputs, self._stats = self._conn.recv()
+                for out in outputs:
+                    ticket = self.gate.handle(out.id, out.done)
+                    if ticket is not None:
+                        ticket.apply(out)
+        except (EOFError, OSError):
+            pass
+        for work_id, ticket in self.gate.close():
+            self.gate.handle(work_id, done=True)
+            ticket.fail(RequestCancelled(f"the engine process ended before request {work_id} finished"))
+
+
+def _engine_main(conn, spec, base: SMCConfig, max_rows: int) -> None:
+    """The child: load the pair, then serve messages and step until told to close."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server stops us (a terminal's Ctrl-C reaches both)
+    torch_thread().adopt()  # this thread runs every torch operation of the process
+    try:
+        pair = spec.load()
+        core = EngineCore(pair.core, base, max_rows=max_rows)
+    except BaseException as err:  # noqa: BLE001 - the parent raises it
+        conn.send(("error", err))
+        return
+    conn.send(
+        (
+            "ready",
+            dict(tokenizer=pair.tokenizer, chat=pair.chat, names=pair.core.names, facts=pair.core.facts),
+        )
+    )
+    closing = False
+    while not (closing and not core.has_work):
+        wait = 0 if core.has_work or closing else None
+        refused = []
+        while conn.poll(wait):  # every message that has arrived, then a step
+            done, failed = _take(conn.recv(), core, pair.core)
+            closing, refused, wait = closing or done, refused + failed, 0
+        outputs = refused + (core.step() if core.has_work else [])
+        if outputs:
+            conn.send(([replace(o, population=None) for o in outputs], core.stats))
+    conn.send(([], core.stats))
+    conn.close()
+
+
+def _take(message: tuple, core: EngineCore, pair) -> tuple[bool, list[Output]]:
+    """Apply one message to the core: whether it says to close, and the requests it refused."""
+    kind, *rest = message
+    if kind == "add":
+        rid, request = rest
+        try:  # checked by the parent already; a failure here still answers
+            program = program_of(pair, request)
+        except ValueError as err:
+            return False, [Output(rid, error=err)]
+        config = request.settings
+        seed = request_seed(config.seed, 0)
+        core.add(Request(program, config, seed, request.stop, arrival=time.perf_counter(), id=rid))
+    elif kind == "abort":
+        core.abort(rest[0])
+    elif kind == "close":
+        if rest[0]:  # cancelling what waits and runs
+            for work in (*core.waiting, *core.running):
+                core.abort(work.id)
+        return True, []
+    return False, []
