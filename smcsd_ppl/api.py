@@ -9,7 +9,7 @@ import warnings
 from collections.abc import Callable, Sequence
 
 from . import methods
-from .backends.base import call_clock, call_stats
+from .backends.base import BatchedLM, call_clock, call_stats
 from .backends.hf import DEFAULT_CACHE_BUDGET
 from .config import DraftRecord, SMCConfig
 from .engine.client import Engine
@@ -209,6 +209,25 @@ class SMCSD:
         engine, self._engine = self._engine, None
         if engine is not None:
             engine.close()
+
+    def use_draft_backend(self, draft_lm: BatchedLM) -> None:
+        """Draft with another backend from the next call on (a mixture, an adapter).
+
+        Only before the first SMC-SD call: a running engine holds the old pair's rows.
+        """
+        if self._engine is not None:
+            raise RuntimeError("use_draft_backend must come before the pair's first SMC-SD call")
+        c = self.core
+        self.core = PairCore(
+            c.target_lm,
+            draft_lm,
+            tokenizer=c.tokenizer,
+            eos_token_ids=c.eos_token_ids,
+            chat=c.chat,
+            target=c.target,
+            draft=c.draft,
+            backend=c.backend,
+        )
 
     def call(self, fn: Callable[[], object]) -> object:
         """``fn()`` on the torch thread with the pair's rows to itself (the batch drains first)."""

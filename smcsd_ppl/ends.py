@@ -28,8 +28,8 @@ class FinishReason(str, enum.Enum):
 
     @property
     def openai(self) -> str:
-        """The reason in OpenAI's vocabulary: ``"length"`` for the budget, else ``"stop"``."""
-        return "length" if self is FinishReason.LENGTH else "stop"
+        """The reason in OpenAI's words: ``"length"``, ``"abort"`` (cancelled, as vLLM), else ``"stop"``."""
+        return {FinishReason.LENGTH: "length", FinishReason.CANCELLED: "abort"}.get(self, "stop")
 
 
 def row_ends(token: int | None, emitted: int, budget: int, eos: Container[int]) -> bool:

@@ -26,6 +26,7 @@ import torch
 
 from smcsd_ppl.api import SMCSD
 from smcsd_ppl.backends.syncs import HostReads, reads_per_cycle
+from smcsd_ppl.engine.worker import entered_on_torch_thread
 from smcsd_ppl.config import SMCConfig
 from smcsd_ppl.inference.program import SMCSDModel
 from smcsd_ppl.potentials import Constraint
@@ -44,9 +45,11 @@ def smc():
 
 
 def counted(smc, run) -> list[int]:
-    with reads_per_cycle(smc.target_lm, [smc.target.model, smc.draft.model]) as counts:
+    counter = reads_per_cycle(smc.target_lm, [smc.target.model, smc.draft.model])
+    with entered_on_torch_thread(counter) as counts:  # the models run on the torch thread
         run()
     assert len(counts) >= 4, "too few cycles to judge"
+    assert any(counts), "no reads seen: the counter is not where the models run"
     return counts[1:]  # the first includes the setup (prefill, first token, forks)
 
 

@@ -139,8 +139,8 @@ def test_a_cancelled_request_leaves_and_frees_its_rows():
         while sched.stats().cycles_total < 2:
             time.sleep(0.001)
         doomed.cancel()
-        with pytest.raises(RequestCancelled):
-            doomed.wait(timeout=60)
+        cut = doomed.wait(timeout=60)  # what it had settled, marked as cancelled
+        assert cut.finish_reason == "cancelled" and len(cut.token_ids) < 40
         assert len(other.wait(timeout=60).token_ids) == 12
         stats = sched.stats()
     assert stats.requests_total["cancelled"] == 1 and stats.rows_in_use == 0

@@ -130,3 +130,10 @@ def mismatched_draft() -> LoadedModel:
     return LoadedModel(
         llama(len(tok), seed=2, eos_token_id=tok.eos_token_id), tok, "tiny-other", "random init"
     )
+
+
+def smcsd_pair():
+    """``SMCSD`` over the tiny pair: a factory an engine process can call (``PairSpec(factory=...)``)."""
+    from smcsd_ppl.api import SMCSD
+
+    return SMCSD(*pair())

@@ -72,6 +72,11 @@ class HFBatchedLM(BatchedLM, TreeOps):
         """Rows currently held."""
         return len(self.bound)
 
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes the KV cache holds now (its capacity, for every row held)."""
+        return self.cache.nbytes if self.cache is not None else 0
+
     def _prefill(self, prompts: Sequence[Sequence[int]], hidden) -> torch.Tensor:
         """``BatchedLM.prefill``'s forward: the prompts left-padded, one forward."""
         ids, valid = pad_left(prompts)

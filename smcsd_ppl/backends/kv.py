@@ -88,6 +88,13 @@ class RowCache(Cache):
             self.layers.append(RowLayer(self))
         return self.layers[layer_idx].update(key_states, value_states)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes the keys and values of every allocated layer hold."""
+        return sum(
+            x.nbytes for layer in self.layers if layer.is_initialized for x in (layer.keys, layer.values)
+        )
+
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Replace every allocated key and value buffer ``[R, heads, C, dim]`` by ``fn`` of it."""
         for layer in self.layers:

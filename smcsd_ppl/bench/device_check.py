@@ -24,6 +24,7 @@ from ..api import SMCSD
 from ..backends.hf import HFBatchedLM
 from ..backends.syncs import reads_per_cycle
 from ..config import SMCConfig
+from ..engine.worker import entered_on_torch_thread
 from ..models import LoadedModel
 from .speed import HF_GENERATE, timed_run
 
@@ -185,7 +186,8 @@ def run_method(pair: SMCSD, method: str, prompt: list[int], config: SMCConfig) -
 def host_reads(pair: SMCSD, method: str, prompt: list[int], config: SMCConfig) -> float:
     """Median host reads per cycle (between target forwards) of a short run."""
     short = dataclasses.replace(config, max_new_tokens=min(32, config.max_new_tokens))
-    with reads_per_cycle(pair.target_lm, [pair.target.model, pair.draft.model]) as counts:
+    counter = reads_per_cycle(pair.target_lm, [pair.target.model, pair.draft.model])
+    with entered_on_torch_thread(counter) as counts:
         pair.generate_ids([prompt], method=method, config=short)
     return float(statistics.median(counts[1:] or counts or [0]))
 

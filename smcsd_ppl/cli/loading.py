@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import warnings
 
@@ -55,6 +56,21 @@ def pair_options(args: argparse.Namespace) -> dict:
     }
 
 
+@contextlib.contextmanager
+def load_notes():
+    """Say a busy CPU during a load as the command line says things (one note), other warnings as usual."""
+    from ..models.threads import BusyCPUWarning
+
+    with warnings.catch_warnings(record=True) as notes:
+        warnings.simplefilter("always", BusyCPUWarning)
+        yield
+    for note in notes:
+        if issubclass(note.category, BusyCPUWarning):
+            err(f"note: {str(note.message).split('; pass threads=N')[0]}; --threads N to choose")
+        else:
+            warnings.showwarning(note.message, note.category, note.filename, note.lineno)
+
+
 def load_pair(args: argparse.Namespace, *, torch_models: bool = False):
     """The target and draft as an ``SMCSD``, with a warning when the draft is a weak layer slice.
 
@@ -62,7 +78,6 @@ def load_pair(args: argparse.Namespace, *, torch_models: bool = False):
     pair does not build; ``--backend vllm`` is refused in one line.
     """
     from ..api import SMCSD
-    from ..models.threads import BusyCPUWarning
 
     if torch_models and args.backend != "hf":
         raise ValueError(
@@ -73,14 +88,8 @@ def load_pair(args: argparse.Namespace, *, torch_models: bool = False):
     if args.backend == "vllm":  # its start-up notes run to hundreds of lines; errors still show
         logging.getLogger("vllm").setLevel(logging.ERROR)
     where = f"{args.device} ({args.dtype})" + (", on vLLM" if args.backend == "vllm" else "")
-    with status(f"loading models on {where}"), warnings.catch_warnings(record=True) as notes:
-        warnings.simplefilter("always", BusyCPUWarning)
+    with status(f"loading models on {where}"), load_notes():
         pair = SMCSD.load(**options)
-    for note in notes:  # a busy CPU, said as the command line says things
-        if issubclass(note.category, BusyCPUWarning):
-            err(f"note: {str(note.message).split('; pass threads=N')[0]}; --threads N to choose")
-        else:
-            warnings.showwarning(note.message, note.category, note.filename, note.lineno)
     err(f"target: {pair.target.name} [{pair.target.source}]")
     err(f"draft:  {pair.draft.name} [{pair.draft.source}]")
     if pair.draft.is_slice:

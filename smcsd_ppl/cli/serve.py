@@ -6,7 +6,7 @@ import argparse
 import os
 
 from . import serve_ray
-from .loading import pair_options, set_threads
+from .loading import load_notes, pair_options, set_threads
 from .options import model_args, smc_args, smc_config
 from .util import check_threads, err, status
 
@@ -45,6 +45,13 @@ def server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-rows", type=int, default=512, help="most KV-cache rows in use (N per request)")
     g.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body; more get 413")
     g.add_argument(
+        "--grace-seconds",
+        type=float,
+        default=30.0,
+        help="on SIGTERM or Ctrl-C: new requests get 503, running ones may finish for this long, then "
+        "end with their text so far and finish_reason 'abort' (default 30)",
+    )
+    g.add_argument(
         "--engine",
         choices=("process", "thread"),
         default="process",
@@ -59,6 +66,8 @@ def serve_settings(args: argparse.Namespace, *, engine: str | None = None):
 
     if not 0 <= getattr(args, "port", 0) <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if getattr(args, "grace_seconds", 0) < 0:
+        raise ValueError(f"--grace-seconds must be at least 0, got {args.grace_seconds}")
     options = pair_options(args)
     return ServeSettings(
         pair=PairSpec(
@@ -86,13 +95,30 @@ def run(args: argparse.Namespace) -> int:
         return serve_ray.run(args, settings)
     sock = bind(args.host, args.port)  # a port in use fails before the models load
     set_threads(args)
-    with status(f"loading models ({'in an engine process' if settings.engine == 'process' else 'here'})"):
+    where = "in an engine process" if settings.engine == "process" else "here"
+    with status(f"loading models ({where})"), load_notes():
         app = build_server(settings)
-    name = app.state.service.model_name
-    print(f"serving {name} at {url_of(sock)}/v1 (OpenAI API; Ctrl-C stops)", flush=True)
+    service = app.state.service
+    err(service.engine.pair.facts.kv_note(settings.max_rows))
+    if _emulates(settings.pair):
+        err(
+            f"note: this CPU has no native {settings.pair.dtype} matrix products: a batch of rows costs "
+            "nearly as much per row as one alone; --dtype float32 serves concurrent requests faster"
+        )
+    print(f"serving {service.model_name} at {url_of(sock)}/v1 (OpenAI API; Ctrl-C stops)", flush=True)
     try:
-        uvicorn_server(app).run(sockets=[sock])
+        uvicorn_server(app, grace_seconds=args.grace_seconds).run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down
         pass
     err("stopped")
     return 0
+
+
+def _emulates(spec) -> bool:
+    """Whether the pair runs half precision that this CPU emulates (so batched rows are dear)."""
+    from ..backends.cpu import native_matmul
+    from ..models.loading import _parse_dtype
+
+    return (
+        spec.device.startswith("cpu") and spec.backend == "hf" and not native_matmul(_parse_dtype(spec.dtype))
+    )

@@ -22,8 +22,8 @@ from ..config import SMCConfig
 from ..inference.program import SMCSDModel
 from ..inference.step import request_seed
 from ..potentials.spec import ConstraintSpec
-from .core import EngineCore, Output, RequestCancelled
-from .pair import PairCore
+from .core import CoreStats, EngineCore, Output, RequestCancelled
+from .pair import PairCore, PairFacts
 from .request import Call, Request, Work
 from .scheduling import waiting_beyond
 from .ticket import Ticket
@@ -89,6 +89,9 @@ class EngineStats:
     cycle_seconds_total: float
     last_cycle_seconds: float
     last_mean_ess: float
+    kv_cache_bytes: int = 0
+    kv_budget_bytes: int = 0
+    kv_bytes_per_row_position: int = 0
 
 
 class Gate:
@@ -127,6 +130,25 @@ class Gate:
             if done:
                 self.live.pop(work_id, None)
         return handle
+
+    def stats(self, s: CoreStats, queued: int, facts: PairFacts) -> EngineStats:
+        """An engine's snapshot: the core's counters ``s``, ``queued`` waiting, the gate's, the KV figures."""
+        return EngineStats(
+            queued,
+            s.running,
+            s.rows_in_use,
+            self.max_rows,
+            self.max_queue,
+            dict(s.counts) | {"rejected": self.rejected},
+            s.tokens,
+            s.cycles,
+            s.cycle_seconds,
+            s.last_seconds,
+            s.last_ess,
+            s.kv_bytes,
+            facts.kv_budget_bytes,
+            facts.kv_bytes_per_position,
+        )
 
     def close(self) -> list[tuple[str, object]]:
         """Let nothing more in; the requests still in, with their handles."""
@@ -168,6 +190,12 @@ class Engine:
         self._owner: int | None = None  # the thread holding ``exclusive``
         self._thread = torch_thread()
         self._thread.attach(self)
+
+    @property
+    def busy(self) -> bool:
+        """Some request or call is still in (waiting or running)."""
+        with self.gate.lock:
+            return bool(self.gate.live)
 
     # What a server reads of the pair.
     @property
@@ -304,21 +332,8 @@ class Engine:
     # Reading and closing.
     def stats(self) -> EngineStats:
         """What the engine holds and has done."""
-        s = self.core.stats
         arriving = sum(kind == "add" for kind, _ in list(self._inbox))
-        return EngineStats(
-            s.waiting + arriving,
-            s.running,
-            s.rows_in_use,
-            self.max_rows,
-            self.max_queue,
-            dict(s.counts) | {"rejected": self.gate.rejected},
-            s.tokens,
-            s.cycles,
-            s.cycle_seconds,
-            s.last_seconds,
-            s.last_ess,
-        )
+        return self.gate.stats(self.core.stats, self.core.stats.waiting + arriving, self.pair.facts)
 
     def close(self, cancel: bool = False) -> None:
         """Take no more requests; finish (or cancel) those queued and running, then return."""

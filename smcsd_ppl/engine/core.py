@@ -73,6 +73,7 @@ class CoreStats:
     cycle_seconds: float = 0.0
     last_seconds: float = 0.0
     last_ess: float = math.nan
+    kv_bytes: int = 0  # what both backends' KV caches hold now
 
 
 class EngineCore:
@@ -161,11 +162,24 @@ class EngineCore:
         return outputs
 
     def _drop(self, requests: Sequence[Request]) -> list[Output]:
-        gone = {r.id for r in requests}
+        """Cancelled running requests leave with what every surviving particle already shares."""
+        gone = {r.id: r for r in requests}
+        outputs = [
+            self._cut(gone[pop.request_id], pop) for pop in self.state.populations if pop.request_id in gone
+        ]
         kept = [pop for pop in self.state.populations if pop.request_id not in gone]
         self.state = replace(self.state, populations=tuple(self.kernel.pack(kept)))
         self.running = [r for r in self.running if r.id not in gone]
-        return [self._ended(r, FinishReason.CANCELLED) for r in requests]
+        return outputs
+
+    def _cut(self, request: Request, pop: Population) -> Output:
+        """A cancelled request's ``Generation``: its settled text (what it streamed), reason ``cancelled``."""
+        ids = list(settled_tokens(pop))
+        text = before_stop(self.pair.decode(ids), request.stop)[0]
+        stats = _cost(request, pop, len(ids))
+        gen = generation("smcsd", text, ids, stats, FinishReason.CANCELLED, "cancelled before it finished")
+        out = self._ended(request, FinishReason.CANCELLED)
+        return replace(out, result=gen, error=None)
 
     def _run(self, call: Call) -> Output:
         try:
@@ -266,8 +280,7 @@ class EngineCore:
             reason = finish_reason(
                 out.token_ids, c.max_new_tokens, self.kernel.eos, stopped=stopped, constrained=constrained
             )
-        seconds = time.perf_counter() - request.arrival
-        stats = RunStats("smcsd", len(out.token_ids), seconds, max(1, pop.cycles), 0, 0.0, 0.0)
+        stats = _cost(request, pop, len(out.token_ids))
         gen = generation("smcsd", text, out.token_ids, stats, reason, out.message, out.info)
         finish(request, reason)
         self._sent.pop(request.id, None)
@@ -275,7 +288,7 @@ class EngineCore:
         return Output(request.id, result=gen, reason=reason, population=pop)
 
     def _ended(self, work: Work, reason: FinishReason, err: BaseException | None = None) -> Output:
-        """A request or call that leaves unfinished: cancelled, or failed with ``err``."""
+        """A request or call that leaves unfinished: cancelled (never run), or failed with ``err``."""
         finish(work, reason)
         self._sent.pop(work.id, None)
         self._records.pop(work.id, None)
@@ -304,6 +317,11 @@ class EngineCore:
 
     def _publish(self) -> None:
         rows = sum(r >= 0 for pop in self.state.populations for rows in pop.rows for r in rows)
-        self.stats = replace(
-            self.stats, waiting=len(self.waiting), running=len(self.running), rows_in_use=rows
-        )
+        kv = sum(getattr(lm, "cache_bytes", 0) for lm in (self.pair.target_lm, self.pair.draft_lm))
+        counts = dict(waiting=len(self.waiting), running=len(self.running), rows_in_use=rows, kv_bytes=kv)
+        self.stats = replace(self.stats, **counts)
+
+
+def _cost(request: Request, pop: Population, tokens: int) -> RunStats:
+    """A request's own cost: its tokens, the time since it arrived, a target call per cycle it ran."""
+    return RunStats("smcsd", tokens, time.perf_counter() - request.arrival, max(1, pop.cycles), 0, 0.0, 0.0)

@@ -147,6 +147,25 @@ class PairFacts:
     target: ModelLimits
     draft: ModelLimits
 
+    @property
+    def kv_bytes_per_position(self) -> int:
+        """KV-cache bytes one row holds per position, the target's and the draft's together."""
+        return self.target.bytes_per_token + self.draft.bytes_per_token
+
+    @property
+    def kv_budget_bytes(self) -> int:
+        """The most both KV caches may hold (each backend's ``max_cache_bytes``)."""
+        return self.target.max_cache_bytes + self.draft.max_cache_bytes
+
+    def kv_note(self, max_rows: int) -> str:
+        """One line for an operator: what ``max_rows`` rows cost per 1,000 positions, and the cap."""
+        per_k = self.kv_bytes_per_position * max_rows * 1000
+        return (
+            f"KV cache: {self.kv_bytes_per_position / 1024:.1f} KiB per row-position (target + draft); "
+            f"{max_rows} rows hold {per_k / 1e9:.1f} GB per 1,000 positions each (a request's prompt + "
+            f"max_new_tokens + K + 1), capped at {self.kv_budget_bytes / 2**30:.1f} GiB (max_cache_bytes)"
+        )
+
     def check_token_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
         """Refuse a token-id prompt that is empty or holds ids outside the vocabulary."""
         for p in prompts:

@@ -15,6 +15,7 @@ import multiprocessing
 import signal
 import threading
 import time
+import warnings
 from dataclasses import dataclass, replace
 
 from ..config import SMCConfig
@@ -77,13 +78,22 @@ class EngineProcess:
         if kind == "error":
             self._process.join()
             raise hello
+        for category, message in hello.pop("notes"):  # what loading warned of, said here
+            warnings.warn(message, category, stacklevel=2)
         self.pair = RemotePair(**hello)
         self._send_lock = threading.Lock()
         self._stats = CoreStats()
         self._reader = threading.Thread(target=self._read, daemon=True, name="smcsd-engine-reader")
         self._reader.start()
 
+    @property
+    def busy(self) -> bool:
+        """Some request or call is still in (waiting or running)."""
+        with self.gate.lock:
+            return bool(self.gate.live)
+
     tokenizer = property(lambda self: self.pair.tokenizer, doc="The pair's tokenizer.")
+    pid = property(lambda self: self._process.pid, doc="The engine process's id.")
     chat = property(lambda self: self.pair.chat, doc="Whether text prompts get the chat template.")
     names = property(lambda self: self.pair.names, doc="The models' names and the backend.")
 
@@ -107,19 +117,7 @@ class EngineProcess:
         s = self._stats
         with self.gate.lock:
             live = len(self.gate.live)
-        return EngineStats(
-            max(0, live - s.running),
-            s.running,
-            s.rows_in_use,
-            self.max_rows,
-            self.max_queue,
-            dict(s.counts) | {"rejected": self.gate.rejected},
-            s.tokens,
-            s.cycles,
-            s.cycle_seconds,
-            s.last_seconds,
-            s.last_ess,
-        )
+        return self.gate.stats(s, max(0, live - s.running), self.pair.facts)
 
     def close(self, cancel: bool = False) -> None:
         """Take no more requests; finish (or cancel) those queued and running; stop the child."""
@@ -162,17 +160,15 @@ def _engine_main(conn, spec, base: SMCConfig, max_rows: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server stops us (a terminal's Ctrl-C reaches both)
     torch_thread().adopt()  # this thread runs every torch operation of the process
     try:
-        pair = spec.load()
+        with warnings.catch_warnings(record=True) as caught:  # the parent says them, not our stderr
+            warnings.simplefilter("always")
+            pair = spec.load()
         core = EngineCore(pair.core, base, max_rows=max_rows)
     except BaseException as err:  # noqa: BLE001 - the parent raises it
         conn.send(("error", err))
         return
-    conn.send(
-        (
-            "ready",
-            dict(tokenizer=pair.tokenizer, chat=pair.chat, names=pair.core.names, facts=pair.core.facts),
-        )
-    )
+    facts = dict(tokenizer=pair.tokenizer, chat=pair.chat, names=pair.core.names, facts=pair.core.facts)
+    conn.send(("ready", facts | {"notes": [(w.category, str(w.message)) for w in caught]}))
     closing = False
     while not (closing and not core.has_work):
         wait = 0 if core.has_work or closing else None

@@ -9,10 +9,11 @@ thread waits on a condition and uses no CPU.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Protocol
 
@@ -128,3 +129,14 @@ _THREAD = TorchThread()
 def torch_thread() -> TorchThread:
     """The process's torch thread."""
     return _THREAD
+
+
+@contextlib.contextmanager
+def entered_on_torch_thread(manager: contextlib.AbstractContextManager) -> Iterator[object]:
+    """``with manager`` entered and left on the torch thread: torch modes (a dispatch mode
+    that counts host reads, say) hold only on the thread that enters them."""
+    value = _THREAD.run(manager.__enter__)
+    try:
+        yield value
+    finally:
+        _THREAD.run(lambda: manager.__exit__(None, None, None))

@@ -27,6 +27,9 @@ class EngineCollector:
             "requests_running": (s.running, "Requests in the running batch"),
             "rows_in_use": (s.rows_in_use, "KV-cache rows held by running requests"),
             "rows_capacity": (s.max_rows, "Most rows in use at once"),
+            "kv_cache_bytes": (s.kv_cache_bytes, "Bytes both KV caches hold now"),
+            "kv_cache_budget_bytes": (s.kv_budget_bytes, "Most bytes both KV caches may hold"),
+            "kv_bytes_per_row_position": (s.kv_bytes_per_row_position, "KV bytes of one row per position"),
             "last_cycle_seconds": (s.last_cycle_seconds, "Duration of the last cycle"),
             "mean_ess": (s.last_mean_ess, "Mean ESS/N of the running SMC requests in the last cycle"),
             "tokens_per_second": (

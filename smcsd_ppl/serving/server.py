@@ -1,4 +1,9 @@
-"""Serving an app with uvicorn on a socket bound up front: in the foreground, or on a thread."""
+"""Serving an app with uvicorn on a socket bound up front: in the foreground, or on a thread.
+
+A stop signal drains before it stops: new requests get 503 at once, the running ones may
+finish for up to the grace period, then whatever still runs is cancelled and answers with
+the text it had settled and the finish reason ``cancelled``; then uvicorn shuts down.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ import time
 
 import uvicorn
 
-# Seconds uvicorn lets running requests finish after a stop signal before it cancels them.
+# Seconds running requests may take to finish after a stop signal before they are cancelled.
 GRACEFUL_SECONDS = 30
 
 
@@ -32,12 +37,41 @@ def url_of(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def uvicorn_server(app, *, log_level: str = "warning") -> uvicorn.Server:
-    """A uvicorn server of ``app`` (lifespan on: the app's shutdown closes its scheduler)."""
-    config = uvicorn.Config(
-        app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=GRACEFUL_SECONDS
-    )
-    return uvicorn.Server(config)
+class DrainingServer(uvicorn.Server):
+    """A uvicorn server that drains its app's engine on the first stop signal (a second one stops at once).
+
+    Args:
+        config: uvicorn's settings of the app (``build_app``'s).
+        grace_seconds: how long running requests may take to finish.
+    """
+
+    def __init__(self, config: uvicorn.Config, grace_seconds: float = GRACEFUL_SECONDS) -> None:
+        super().__init__(config)
+        self.grace_seconds, self.draining = grace_seconds, False
+
+    def handle_exit(self, sig, frame) -> None:
+        """The first signal starts the drain; a second stops now, as uvicorn does."""
+        service = getattr(getattr(self.config.app, "state", None), "service", None)
+        if self.draining or service is None:
+            super().handle_exit(sig, frame)
+            return
+        self.draining = service.closing = True  # from now on: 503
+        threading.Thread(target=self._drain, args=(service.engine,), daemon=True, name="smcsd-drain").start()
+
+    def _drain(self, engine) -> None:
+        deadline = time.monotonic() + self.grace_seconds
+        while engine.busy and time.monotonic() < deadline:
+            time.sleep(0.05)
+        engine.close(cancel=True)  # what still runs answers with its settled text, "cancelled"
+        self.should_exit = True
+
+
+def uvicorn_server(
+    app, *, log_level: str = "warning", grace_seconds: float = GRACEFUL_SECONDS
+) -> DrainingServer:
+    """A uvicorn server of ``app`` that drains on a stop signal (lifespan on: shutdown closes the engine)."""
+    config = uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=5)
+    return DrainingServer(config, grace_seconds)
 
 
 class BackgroundServer:
@@ -69,6 +103,6 @@ class BackgroundServer:
         return self
 
     def __exit__(self, *_exc) -> None:
-        """Stop: uvicorn's shutdown, then the app's (which closes the scheduler)."""
+        """Stop: uvicorn's shutdown, then the app's (which closes the engine)."""
         self.server.should_exit = True
         self.thread.join(timeout=GRACEFUL_SECONDS + 10)

@@ -83,6 +83,7 @@ def build_server(settings: ServeSettings, pair=None):
     """
     from ..engine.client import Engine
     from ..engine.process import EngineProcess
+    from ..potentials.spec import ConstraintSpec
     from .app import build_app
 
     limits = dict(max_queue=settings.max_queue, max_rows=settings.max_rows)
@@ -93,6 +94,9 @@ def build_server(settings: ServeSettings, pair=None):
         pair.use_engine(engine)  # the pair's own calls share the server's batch
     else:
         engine = EngineProcess(settings.pair, settings.defaults, **limits)
+    # The grammar engine's view of the tokenizer, built now (seconds of work) rather than
+    # inside the first constrained request, where it would hold up every other one.
+    ConstraintSpec("regex", "a").build(engine.tokenizer, engine.pair.eos_for(settings.defaults))
     return build_app(
         engine,
         model_name=settings.model_name or engine.names["target"],

@@ -1,0 +1,75 @@
+"""The engine in a process of its own answers as the engine in this one: same outputs, streams, refusals, stop."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+import tiny
+
+from smcsd_ppl.config import SMCConfig
+from smcsd_ppl.engine.client import Engine, EngineClosed, QueueFull, ServeRequest
+from smcsd_ppl.engine.process import EngineProcess
+from smcsd_ppl.serving.settings import PairSpec
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+BASE = SMCConfig(n_particles=4, block_size=3, max_new_tokens=8)
+PROMPTS = [[5, 6, 7], [9, 10], [11, 12, 13, 14]]
+
+
+@pytest.fixture(scope="module")
+def child():
+    with EngineProcess(PairSpec(factory=tiny.smcsd_pair), BASE, max_queue=1, max_rows=4) as engine:
+        yield engine
+
+
+def requests(seed: int = 0) -> list[ServeRequest]:
+    return [ServeRequest(p, dataclasses.replace(BASE, seed=seed + i)) for i, p in enumerate(PROMPTS)]
+
+
+def test_a_request_answers_in_the_child_as_in_this_process(child, tiny_smcsd):
+    here = Engine(tiny_smcsd.core, BASE, max_rows=8)
+    try:
+        for request in requests():
+            mine, theirs = here.submit(request).wait(timeout=120), child.submit(request).wait(timeout=120)
+            assert mine.token_ids == theirs.token_ids and mine.text == theirs.text
+            assert mine.finish_reason == theirs.finish_reason and mine.smc.log_z == pytest.approx(
+                theirs.smc.log_z
+            )
+    finally:
+        here.close()
+
+
+def test_streams_join_into_the_final_text(child):
+    async def streamed(request):
+        ticket = child.submit(request)
+        return "".join([p async for p in ticket.stream()]), await ticket.result()
+
+    for request in requests(seed=10):
+        text, gen = asyncio.run(streamed(request))
+        assert text == gen.text
+
+
+def test_refusals_come_at_once_in_the_callers_words(child):
+    with pytest.raises(ValueError, match="prompt token ids must be integers"):
+        child.submit(ServeRequest([10**9], BASE))
+    with pytest.raises(ValueError, match="exceeds the model context"):
+        child.submit(ServeRequest([5] * 200, BASE))
+    tickets = [child.submit(r) for r in requests(seed=20)[:2]]  # the rows hold one, the queue one more
+    with pytest.raises(QueueFull):
+        child.submit(requests(seed=30)[0])
+    assert all(t.wait(timeout=120).token_ids is not None for t in tickets)
+    assert child.stats().requests_total["rejected"] == 1
+
+
+def test_closing_cancels_what_runs_and_refuses_what_comes():
+    engine = EngineProcess(PairSpec(factory=tiny.smcsd_pair), BASE)
+    long = dataclasses.replace(BASE, max_new_tokens=100, ignore_eos=True)
+    ticket = engine.submit(ServeRequest([5, 6], long))
+    engine.close(cancel=True)
+    gen = ticket.wait(timeout=120)  # its text so far, or none if it never ran
+    assert gen.finish_reason == "cancelled" and len(gen.token_ids) < 100
+    with pytest.raises(EngineClosed):
+        engine.submit(ServeRequest([5, 6], BASE))
