@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 
 import pytest
 
@@ -87,7 +88,11 @@ def test_ctrl_c_keeps_the_settled_text_and_says_where_it_stopped(models, capsys,
         raise KeyboardInterrupt
 
     monkeypatch.setattr(batch, "generate_one", interrupted)
-    assert main(["generate", *models, "Hi"]) == 130
+    monkeypatch.setattr(sys, "argv", ["smcsd", "generate", *models, "Hi"])
+    assert main() == 130  # as the console script runs it
     captured = capsys.readouterr()
     assert captured.out == tiny_smcsd.decode(ids) + "\n"
     assert f"interrupted after {len(ids)} settled tokens" in captured.err
+    with pytest.raises(KeyboardInterrupt):  # called from Python, the Ctrl-C is the caller's
+        main(["generate", *models, "Hi"])
+    assert capsys.readouterr().out == tiny_smcsd.decode(ids) + "\n"  # once the text was kept

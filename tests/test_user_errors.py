@@ -9,9 +9,11 @@ import importlib
 import importlib.util
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
+import time
 
 import pytest
 from helpers import ROOT, assert_one_line_error, run_cli
@@ -205,6 +207,21 @@ def test_a_bug_keeps_its_traceback(monkeypatch):
     monkeypatch.setattr(cli, "_report", bug)
     with pytest.raises(KeyError):
         cli.main(["report", "r.jsonl"])
+
+
+def test_a_real_ctrl_c_stops_the_caller_of_an_in_process_command(monkeypatch, capsys):
+    # A Ctrl-C during pytest must stop pytest, not become an in-process command's exit status.
+    cli = importlib.import_module("smcsd_ppl.cli.main")
+
+    def pressed_ctrl_c(_args):
+        signal.raise_signal(signal.SIGINT)  # what the terminal sends the process
+        time.sleep(10)  # the interrupt arrives before this ends
+        return 0
+
+    monkeypatch.setattr(cli, "_report", pressed_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        cli.main(["report", "r.jsonl"])
+    assert capsys.readouterr().err == "interrupted\n"
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
