@@ -26,7 +26,7 @@ from .models.threads import choose_threads
 from .proposals.retrieval import RetrievalDrafter
 from .results import Generation, RunStats, SMCInfo, SpeculativeInfo
 from .serving.scheduler import Scheduler
-from .text import check_token_ids, encode_prompt
+from .text import check_token_ids, encode_prompt, whole_characters
 
 BACKENDS = ("hf", "vllm")
 # The methods whose requests join the running batch, and the settings each runs with.
@@ -145,8 +145,8 @@ class SMCSD:
         return encode_prompt(self.tokenizer, prompt, chat=self.chat)
 
     def decode(self, ids: Sequence[int]) -> str:
-        """Text of token ids (special tokens dropped)."""
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        """Text of token ids (special tokens dropped), up to its last whole character (as streamed)."""
+        return whole_characters(self.tokenizer.decode(list(ids), skip_special_tokens=True))
 
     def rows(self) -> RowStore:
         """A row store over this pair's backends, for custom loops (hold ``lock`` while using it)."""
