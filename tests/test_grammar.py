@@ -138,6 +138,14 @@ def test_invalid_texts_are_refused(text):
             lambda t, e: JsonSchemaConstraint({"type": "string", "maxLenght": 3}, t, e),
             "unknown keyword(s) 'maxLenght'",
         ),
+        (
+            lambda t, e: JsonSchemaConstraint({"type": "strin"}, t, e),
+            "JSON schema at #/type: 'strin' is not one of ['array', 'boolean',",
+        ),
+        (
+            lambda t, e: JsonSchemaConstraint({"properties": {"a/b": {"minLength": -1}}}, t, e),
+            "JSON schema at #/properties/a~1b/minLength: -1 is less than the minimum of 0",
+        ),
         (lambda t, e: JsonSchemaConstraint({"properties": {"a": {"not": {}}}}, t, e), "keyword(s): not"),
         (lambda t, e: JsonSchemaConstraint({"type": "array", "uniqueItems": True}, t, e), "uniqueItems"),
         (

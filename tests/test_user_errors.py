@@ -18,6 +18,11 @@ import time
 import pytest
 from helpers import ROOT, assert_one_line_error, run_cli
 
+from smcsd_ppl import SMCConfig
+from smcsd_ppl.bench import Prompt
+from smcsd_ppl.bench.batch import settings_before_loading
+from smcsd_ppl.bench.harness import prompt_digest
+
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
@@ -26,6 +31,12 @@ def files(tmp_path_factory):
     (d / "empty_turns.jsonl").write_text(json.dumps({"question_id": 1, "turns": []}) + "\n")
     (d / "a_file").write_text("not a directory\n")
     (d / "not_a_model").mkdir()
+    made = {
+        "prompt_id": "a",
+        "prompt_sha": prompt_digest(Prompt("a", "Hello there", "data")),
+    }  # as batch writes
+    made |= settings_before_loading(SMCConfig(seed=0), "smcsd", None)
+    (d / "made_with_seed_0.jsonl").write_text(json.dumps(made) + "\n")
     return d
 
 
@@ -59,6 +70,22 @@ CASES = [
         "not a",
     ),
     ("eval-draft limit 0", ["eval-draft", "--limit", "0"], b"", "--limit must be >= 1"),
+    # The four: a misspelt option, an unknown one, a schema breaking its meta-schema,
+    # and a batch resumed with other settings.
+    ("misspelt option", ["generate", "--particle", "4", "hi"], b"", "--particle (did you mean --particles?)"),
+    ("unknown option", ["generate", "--foo", "4", "hi"], b"", "unrecognized option --foo"),
+    (
+        "schema breaking its meta-schema",
+        ["generate", "--schema", '{"type": "strin"}', "Hi"],
+        b"",
+        "--schema: JSON schema at #/type: 'strin' is not one of ['array',",
+    ),
+    (
+        "batch resumed with other settings",
+        ["batch", "{d}/data.jsonl", "--out", "{d}/made_with_seed_0.jsonl", "--seed", "1"],
+        b"",
+        "made with base_seed=0, this run has 1;",
+    ),
     (
         "tensor parallel on the HF backend",
         ["generate", "Hi", "--tensor-parallel", "2"],
@@ -91,7 +118,47 @@ def test_cli_user_error_is_one_line_before_loading(files, name, args, stdin, nee
     code, out, err, seconds = run_cli(*_argv(args, files), stdin=stdin, timeout=60)
     assert_one_line_error(code, err, needle)
     assert "loading" not in err  # refused before any model loads
-    assert out == ""
+    assert out == "" and len([line for line in err.splitlines() if not line.startswith("note: ")]) == 1
+
+
+NEAREST = "unrecognized option --{} (did you mean --{}?)"
+NO_NEAR = "unrecognized option --{} ({} --help lists the options)"
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (
+            ["generate", "--particle", "4", "hi"],
+            "smcsd generate: error: " + NEAREST.format("particle", "particles"),
+        ),
+        (
+            ["generate", "hi", "--particle=4"],
+            "smcsd generate: error: " + NEAREST.format("particle", "particles"),
+        ),
+        (["batch", "p.jsonl", "--sed", "3"], "smcsd batch: error: " + NEAREST.format("sed", "seed")),
+        (
+            ["generate", "--foo", "4", "hi"],
+            "smcsd generate: error: " + NO_NEAR.format("foo", "smcsd generate"),
+        ),
+        (["--verbose", "generate", "hi"], "smcsd: error: " + NO_NEAR.format("verbose", "smcsd")),
+        (["generate"], "smcsd generate: error: the following arguments are required: prompt"),
+    ],
+)
+def test_a_bad_option_gets_one_line_naming_the_nearest_one(argv, line, capsys):
+    from smcsd_ppl.cli import build_parser
+
+    with pytest.raises(SystemExit) as stopped:
+        build_parser().parse_args(argv)
+    assert stopped.value.code == 2 and capsys.readouterr().err == line + "\n"
+
+
+def test_words_that_only_look_like_options_stay_values():
+    from smcsd_ppl.cli import build_parser
+
+    args = build_parser().parse_args(["generate", "-n4", "--max-new-tokens", "-1", "--seed=3", "- a list"])
+    assert (args.particles, args.max_new_tokens, args.seed, args.prompt) == (4, -1, 3, "- a list")
+    assert build_parser().parse_args(["generate", "-"]).prompt == "-"  # standard input
 
 
 def test_a_directory_that_holds_no_model_is_named_so(files):
