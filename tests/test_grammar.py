@@ -35,6 +35,7 @@ def json_constraint(schema, tok, eos):
     return JsonSchemaConstraint(schema, tok, eos)
 
 
+@pytest.mark.slow
 def test_a_json_schema_constraint_keeps_the_contract():
     make = lambda pattern, tok, eos: json_constraint(SCHEMA, tok, eos)  # noqa: E731
     regex_contract(make, SCHEMA_REGEX, walks=8, depth=40).check_all()
@@ -233,6 +234,7 @@ def test_a_nested_schema_constrains_the_default_pair_and_every_output_is_valid(d
                 jsonschema.validate(json.loads(pair.decode(p.token_ids[:-1])), BOUNDED)
 
 
+@pytest.mark.slow
 def test_a_tokenizer_that_is_not_a_fast_one_is_read_from_its_token_bytes(monkeypatch):
     import transformers
 

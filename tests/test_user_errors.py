@@ -1,12 +1,14 @@
 """A user's mistakes get a one-line error (exit 2, no traceback), before any model loads.
 
-The command-line cases run the real entry point in a subprocess, as a user does.
+The command-line cases run twice: in this process, where loading a model fails the test (the
+fast tier), and through the real entry point in a subprocess, as a user runs them (``slow``).
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import io
 import json
 import os
 import signal
@@ -18,10 +20,11 @@ import time
 import pytest
 from helpers import ROOT, assert_one_line_error, run_cli
 
-from smcsd_ppl import SMCConfig
+from smcsd_ppl import SMCSD, SMCConfig, models
 from smcsd_ppl.bench import Prompt
 from smcsd_ppl.bench.batch import settings_before_loading
 from smcsd_ppl.bench.harness import prompt_digest
+from smcsd_ppl.cli import main
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +116,28 @@ def _argv(args, d):
     return [a.replace("{d}", str(d)) if isinstance(a, str) else a for a in args]
 
 
+@pytest.mark.usefixtures("one_thread")  # the thread count a command may set is put back
+@pytest.mark.parametrize(("name", "args", "stdin", "needle"), CASES, ids=[c[0] for c in CASES])
+def test_user_error_is_one_line_before_loading_in_process(
+    files, name, args, stdin, needle, monkeypatch, capsys
+):
+    def loading(*_args, **_kwargs):
+        raise AssertionError("a model was loaded for a command that is refused")
+
+    monkeypatch.setattr(SMCSD, "load", loading)
+    monkeypatch.setattr(models, "load_model", loading)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin)))
+    argv = [os.fsdecode(a) for a in _argv(args, files)]  # bytes as Python hands them to main
+    try:
+        code = main(argv)
+    except SystemExit as stopped:  # the argument parser's errors
+        code = stopped.code
+    out, err = capsys.readouterr()
+    assert_one_line_error(code, err, needle)
+    assert out == "" and len([line for line in err.splitlines() if not line.startswith("note: ")]) == 1
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "args", "stdin", "needle"), CASES, ids=[c[0] for c in CASES])
 def test_cli_user_error_is_one_line_before_loading(files, name, args, stdin, needle):
     code, out, err, seconds = run_cli(*_argv(args, files), stdin=stdin, timeout=60)
@@ -161,12 +186,14 @@ def test_words_that_only_look_like_options_stay_values():
     assert build_parser().parse_args(["generate", "-"]).prompt == "-"  # standard input
 
 
+@pytest.mark.slow
 def test_a_directory_that_holds_no_model_is_named_so(files):
     code, out, err, _ = run_cli("generate", "Hi", "--target", f"{files}/not_a_model", timeout=60)
     assert_one_line_error(code, err, "is a directory but holds no model")
     assert "sentencepiece" not in err and "hub" not in err.split("error:")[1].split("give")[0]
 
 
+@pytest.mark.slow
 def test_bench_to_a_pipe_refuses_instead_of_hanging(files):
     code, out, err, _ = run_cli(
         *_argv([*BENCH, "--out", "/dev/stdout"], files), timeout=60
@@ -174,6 +201,7 @@ def test_bench_to_a_pipe_refuses_instead_of_hanging(files):
     assert_one_line_error(code, err, "not a regular file")
 
 
+@pytest.mark.slow
 def test_unknown_hub_id_fails_fast_when_no_hub_answers():
     # Without HF_HUB_OFFLINE, the hub client would retry for about a minute.
     env = {"HF_HUB_OFFLINE": "", "HF_ENDPOINT": "http://127.0.0.1:9"}  # port 9 (discard) is closed
@@ -291,6 +319,7 @@ def test_a_real_ctrl_c_stops_the_caller_of_an_in_process_command(monkeypatch, ca
     assert capsys.readouterr().err == "interrupted\n"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
 def test_the_vllm_backend_without_vllm_names_the_extra():
     code, out, err, _ = run_cli("generate", "Hi", "--backend", "vllm", timeout=120)
