@@ -65,6 +65,20 @@ def default_smcsd_f32():
     return SMCSD.load(dtype="float32")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def torch_on_one_thread():
+    """Every test runs torch on one thread unless it sets its own count.
+
+    Tiny models run several times faster on one thread than on two contended ones (a shared
+    2-core machine), and left alone the count would depend on which test ran before: loading
+    a pair lowers it on a busy machine and a module's ``one_thread`` puts it back.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Torch on one thread for a module (``pytestmark = pytest.mark.usefixtures("one_thread")``).

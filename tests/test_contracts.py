@@ -18,7 +18,7 @@ from smcsd_ppl.potentials import PotentialConstraint, RegexConstraint
 from smcsd_ppl.potentials.contract import ConstraintContract
 
 
-@pytest.mark.parametrize("attn", ["sdpa", pytest.param("eager", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_hf_backend_keeps_the_contract(tiny_llama, attn):
     tiny_llama.config._attn_implementation = attn
     try:
@@ -29,7 +29,6 @@ def test_hf_backend_keeps_the_contract(tiny_llama, attn):
         tiny_llama.config._attn_implementation = "sdpa"
 
 
-@pytest.mark.slow
 def test_hf_backend_keeps_the_contract_against_its_own_prefill(tiny_llama):
     BatchedLMContract(lambda: HFBatchedLM(tiny_llama), seed=1).check_all()
 
@@ -134,7 +133,6 @@ class HFForgetsToRewind(HFBatchedLM):
         super().drop_tail(torch.zeros_like(n))  # the write position stays: dropped tokens stay seen
 
 
-@pytest.mark.slow
 def test_the_contract_fails_an_hf_backend_that_forgets_to_rewind(tiny_llama):
     contract = BatchedLMContract(
         lambda: HFForgetsToRewind(tiny_llama), reference=partial(scratch_logits, tiny_llama)
@@ -148,7 +146,7 @@ def test_the_contract_fails_an_hf_backend_that_forgets_to_rewind(tiny_llama):
 PATTERNS = [r"(the|a) [a-z]+( [a-z]+)?\.", r"[0-9]{1,3}(,[0-9]{3})*"]
 
 
-@pytest.mark.parametrize("pattern", [PATTERNS[0], pytest.param(PATTERNS[1], marks=pytest.mark.slow)])
+@pytest.mark.parametrize("pattern", PATTERNS)
 def test_regex_constraint_keeps_the_contract(pattern):
     regex_contract(RegexConstraint, pattern).check_all()
 

@@ -80,7 +80,6 @@ def test_collect_resumes_and_refuses_other_settings(data, tmp_path):
         collect(lm.model, prompt_ids(lm), tmp_path, **(kwargs | {"max_new_tokens": 5}))
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["layers", "features"])
 def test_distill_resumes_exactly_after_interruption(data, tmp_path, kind):
     lm, train = target(), load_examples(data)
@@ -112,7 +111,6 @@ def test_resume_with_other_settings_is_refused(data, tmp_path):
         distill(lm, train, tmp_path, DistillConfig(layers=2, steps=3, batch_tokens=64, save_every=3, lr=1e-3))
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["layers", "features"])
 def test_training_reduces_the_loss_and_raises_agreement(data, tmp_path, kind):
     lm, train = target(), load_examples(data)

@@ -143,7 +143,6 @@ def test_sd_with_a_feature_draft_reproduces_the_target():
     assert chi_square_pvalue(Counter(map(tuple, out.token_ids)), exact) > 1e-3
 
 
-@pytest.mark.slow
 def test_smcsd_with_a_feature_draft_is_properly_weighted():
     # E[Z_hat * sum_i W_i f(y_i)] = Z * E_target[f] for any N. Checked for f = 1 (log Z
     # unbiased), the first token and the length, each within 4 standard errors.

@@ -51,7 +51,6 @@ def stepped(kernel, state):
     return asyncio.run(kernel.step(state))[0]
 
 
-@pytest.mark.slow
 def test_a_plain_request_going_alone_shrinks_to_one_particle_drawn_by_weight():
     alone = DraftSchedule(4, 3, plain=True, cost=0.3, failed=10.0).advanced()  # the draft does not pay
     counts = Counter()
