@@ -184,7 +184,7 @@ class SMCSD:
         return encode_prompt(self.tokenizer, prompt, chat=self.chat)
 
     def decode(self, ids: Sequence[int]) -> str:
-        """Text of token ids (special tokens dropped)."""
+        """Text of token ids (special tokens dropped), up to its last whole character (as streamed)."""
         return self.core.decode(ids)
 
     def rows(self) -> RowStore:

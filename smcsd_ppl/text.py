@@ -30,6 +30,16 @@ def check_prompt(prompt: object) -> str:
     return prompt
 
 
+def whole_characters(text: str) -> str:
+    """``text`` up to its last whole character (any U+FFFD at its end held back).
+
+    Decoding makes U+FFFD of bytes at the end that are not (yet) a character, as when a budget
+    cuts inside an emoji. One rule for every text handed out, streamed or final, so that a
+    stream is the final text.
+    """
+    return text.rstrip("\ufffd")
+
+
 class TextStream:
     """The text of a growing token prefix, handed out piece by piece.
 
@@ -50,7 +60,7 @@ class TextStream:
         A character split across tokens (decoded as U+FFFD) waits for its next tokens, and a
         decoding that no longer starts with what was handed out adds nothing.
         """
-        text = self.decode(list(ids)).rstrip("\ufffd")
+        text = whole_characters(self.decode(list(ids)))
         if len(text) <= len(self.text) or not text.startswith(self.text):
             return ""
         new, self.text, self.tokens = text[len(self.text) :], text, len(ids)

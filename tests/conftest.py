@@ -10,6 +10,25 @@ from smcsd_ppl.api import SMCSD
 from smcsd_ppl.config import DraftRecord
 
 
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true", help="the whole suite: the slow tier too")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The fast tier by default: tests marked ``slow`` run only with ``--full``."""
+    if config.getoption("--full"):
+        return
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if not item.get_closest_marker("slow")]
+
+
+def pytest_report_header(config):
+    full = config.getoption("--full")
+    return "tier: full" if full else "tier: fast (slow tests deselected; --full runs the whole suite)"
+
+
 @pytest.fixture(scope="session")
 def tiny_models():
     """A tiny random target (3 layers) and draft (2 layers) sharing a tokenizer, as ``LoadedModel``s."""
@@ -44,6 +63,20 @@ def default_smcsd():
 def default_smcsd_f32():
     """The embedded pair in float32: batch shapes then leave its logits' rounding alone."""
     return SMCSD.load(dtype="float32")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def torch_on_one_thread():
+    """Every test runs torch on one thread unless it sets its own count.
+
+    Tiny models run several times faster on one thread than on two contended ones (a shared
+    2-core machine), and left alone the count would depend on which test ran before: loading
+    a pair lowers it on a busy machine and a module's ``one_thread`` puts it back.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

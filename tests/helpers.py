@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -259,8 +260,8 @@ def run_cli(*args, stdin: bytes = b"", env: dict | None = None, timeout: float =
 
 
 def assert_one_line_error(code: int, err: str, needle: str) -> None:
-    """Exit status 2, no traceback, and exactly one ``smcsd: error:`` line, naming ``needle``."""
+    """Exit status 2, no traceback, and exactly one ``smcsd [COMMAND]: error:`` line, naming ``needle``."""
     assert code == 2, err
     assert "Traceback" not in err, err
-    lines = [line for line in err.splitlines() if line.startswith("smcsd: error: ")]
+    lines = [line for line in err.splitlines() if re.match(r"smcsd( [\w-]+)?: error: ", line)]
     assert len(lines) == 1 and needle in lines[0], err

@@ -108,6 +108,7 @@ def test_bench_refuses_records_of_other_settings_or_prompt_texts(tiny_smcsd, tmp
     assert len(run_bench(tiny_smcsd, PROMPTS, grid, out)) == len(first)  # the same settings resume
 
 
+@pytest.mark.slow
 def test_bench_cli_counts_failures_and_fails_when_all_fail(tiny_smcsd, tmp_path):
     model_dir = tmp_path / "target"
     tiny_smcsd.target.model.save_pretrained(model_dir)
@@ -136,6 +137,7 @@ def test_a_constrained_output_cut_by_the_budget_says_it_is_incomplete(tiny_smcsd
     assert out.message == ""
 
 
+@pytest.mark.slow
 def test_generate_reads_standard_input_and_json_has_the_message(tiny_smcsd, tmp_path):
     model_dir = tmp_path / "target"
     tiny_smcsd.target.model.save_pretrained(model_dir)

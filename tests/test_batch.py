@@ -11,6 +11,7 @@ import pytest
 from smcsd_ppl import SMCConfig
 from smcsd_ppl.bench import Prompt
 from smcsd_ppl.bench.batch import run_batch
+from smcsd_ppl.cli import batch as cli_batch
 from smcsd_ppl.cli import main
 from smcsd_ppl.potentials.spec import ConstraintSpec
 
@@ -135,7 +136,7 @@ def test_the_cli_generates_under_a_schema_with_its_diagnostics(model_dir, capsys
     assert "smcsd: error: cannot compile regex '(a'" in capsys.readouterr().err
 
 
-def test_the_batch_command_runs_resumes_and_sums_up(model_dir, capsys, tmp_path):
+def test_the_batch_command_runs_resumes_and_sums_up(model_dir, capsys, tmp_path, monkeypatch):
     data = tmp_path / "p.jsonl"
     data.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"The fox {i}"}) + "\n" for i in range(3)))
     out = tmp_path / "r.jsonl"
@@ -156,8 +157,18 @@ def test_the_batch_command_runs_resumes_and_sums_up(model_dir, capsys, tmp_path)
     assert "3 prompts in" in capsys.readouterr().err and len(out.read_text().splitlines()) == 3
     assert main(argv) == 0
     assert "(0 run now, 3 resumed from the file)" in capsys.readouterr().err
+
+    def loading(_args):
+        raise AssertionError("models loaded for a run that is refused")
+
+    monkeypatch.setattr(cli_batch, "load_pair", loading)  # other settings: refused before any model loads
     assert main([*argv, "--seed", "1"]) == 2
-    assert "made with base_seed=0, this run has 1" in capsys.readouterr().err
+    assert capsys.readouterr().err.startswith(
+        "smcsd: error: the output file holds records made with base_seed=0, this run has 1;"
+    )
+    data.write_text(json.dumps({"id": "q0", "prompt": "Another fox"}) + "\n")
+    assert main(argv) == 2
+    assert "prompt 'q0' has another text" in capsys.readouterr().err
 
 
 def test_to_record_holds_the_text_cost_and_report_of_each_method_family(tiny_smcsd):

@@ -52,6 +52,7 @@ def test_score_compares_a_list_of_strings_as_a_set():
     assert json_tasks.score(json.dumps(obj), engines.NESTED, answer) == (True, 0.75)
 
 
+@pytest.mark.slow
 def test_compare_json_runs_smcsd_and_ar_under_the_mask(tiny_smcsd):
     config = SMCConfig(
         n_particles=2, block_size=2, max_new_tokens=6, draft_temperature=1.0, target_temperature=1.0

@@ -62,8 +62,8 @@ def z_weighted(results):
     return {k: v / total for k, v in est.items()}
 
 
-@pytest.mark.parametrize("mode", ["proposal", "critic"])
-@pytest.mark.parametrize("program", [Constrained, Twisted])
+@pytest.mark.parametrize("mode", ["proposal", pytest.param("critic", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("program", [Constrained, pytest.param(Twisted, marks=pytest.mark.slow)])
 def test_constrained_smcsd_is_properly_weighted(mode, program):
     # K = 1: particles live for two or more cycles within the horizon, so twists act.
     Twisted.twists = 0
@@ -82,6 +82,7 @@ def test_constrained_smcsd_is_properly_weighted(mode, program):
     assert total_variation(z_weighted(results), {k: v / z for k, v in exact.items()}) < TV_LIMIT
 
 
+@pytest.mark.slow
 def test_the_check_fails_if_critic_cuts_resume(monkeypatch):
     # A particle resuming after a cut reaches outputs through several segmentations:
     # the same checks must catch the resulting bias.
@@ -121,6 +122,7 @@ def test_constraint_no_particle_can_finish_ends_with_a_message(mode):
     assert ("dead end" if mode == "proposal" else "critic mode") in result.message
 
 
+@pytest.mark.slow
 def test_forced_tokens_skip_draft_forwards_and_stay_properly_weighted():
     # K=2: the first block is all forced (no draft forward; x0 stays unread), the second
     # block (budget 1) then feeds x0, 2, 1 and the bonus in one forward.

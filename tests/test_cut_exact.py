@@ -84,7 +84,10 @@ def run_case(case, runs, seed=11):
     return cfg, groups
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# The fast tier weighs the plain cut; the other cases (a minute each on 2 cores) run with --full.
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=[] if c == "t_t=0.8" else pytest.mark.slow) for c in CASES]
+)
 def test_cut_smcsd_is_properly_weighted(case, monkeypatch):
     cuts = []
     real = cycle_module.verify_blocks
@@ -108,6 +111,7 @@ def test_cut_smcsd_is_properly_weighted(case, monkeypatch):
         assert tv < TV_LIMIT, tv
 
 
+@pytest.mark.slow
 def test_a_cut_that_reads_the_drawn_token_is_not_properly_weighted(monkeypatch):
     """Cutting where the drawn token's p/q is small, then dropping it, biases the output."""
     real = cycle_module.verify_blocks

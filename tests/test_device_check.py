@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import resource
 
+import pytest
 import torch
 
 from smcsd_ppl.bench import device_check
@@ -16,6 +17,7 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+@pytest.mark.slow
 def test_device_check_prints_one_json_report(capsys):
     peak_before = _peak_rss()
     code = main(["device-check", "--tiny", "--device", "cpu", "--repeats", "1", "--max-new-tokens", "24"])

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import ast
 import functools
 import re
 import shlex
@@ -112,7 +113,6 @@ def served_url():
 @pytest.mark.parametrize("page", _python_pages())
 def test_python_snippets_run(page, shared_models, tmp_path, monkeypatch, capsys, request):
     monkeypatch.chdir(tmp_path)  # snippets that write files write them here
-    monkeypatch.syspath_prepend(str(ROOT))  # `examples.*` imports, as from the repository root
     namespace = {"__name__": f"docs_snippet_{Path(page).stem.replace('-', '_')}"}
     for line, code, runnable in blocks_of(page, "python"):
         if not runnable:
@@ -160,6 +160,24 @@ def test_shell_commands_parse(page):
                     assert err.code == 0, f"{where} does not parse"
             elif command[0] in ("python", "python3") and command[1].endswith(".py"):
                 assert (ROOT / command[1]).is_file(), f"{where}: no such file"
+
+
+def test_snippets_import_only_installed_packages():
+    # A snippet must run anywhere the package is installed, not only from a checkout's root.
+    local = {p.stem for p in ROOT.iterdir() if p.is_dir() or p.suffix == ".py"} - {"smcsd_ppl"}
+    for page in PAGES:
+        for line, code, runnable in blocks_of(page, "python"):
+            if not runnable:
+                continue
+            for node in ast.walk(ast.parse(code)):
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                    names = [node.module]
+                else:
+                    continue
+                for name in names:
+                    assert name.split(".")[0] not in local, f"{page}:{line} imports {name} from the checkout"
 
 
 def test_no_run_marker_is_rare():

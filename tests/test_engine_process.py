@@ -1,9 +1,10 @@
-"""The engine in a process of its own answers as the engine in this one: same outputs, streams, refusals, stop."""
+"""An engine in a process of its own answers as one in this process: outputs, streams, refusals, stop."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 
 import pytest
 import tiny
@@ -13,7 +14,7 @@ from smcsd_ppl.engine.client import Engine, EngineClosed, QueueFull, ServeReques
 from smcsd_ppl.engine.process import EngineProcess
 from smcsd_ppl.serving.settings import PairSpec
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]  # a process per module
 
 BASE = SMCConfig(n_particles=4, block_size=3, max_new_tokens=8)
 PROMPTS = [[5, 6, 7], [9, 10], [11, 12, 13, 14]]
@@ -68,8 +69,11 @@ def test_closing_cancels_what_runs_and_refuses_what_comes():
     engine = EngineProcess(PairSpec(factory=tiny.smcsd_pair), BASE)
     long = dataclasses.replace(BASE, max_new_tokens=100, ignore_eos=True)
     ticket = engine.submit(ServeRequest([5, 6], long))
+    deadline = time.monotonic() + 60
+    while engine.stats().cycles_total == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)  # until it runs: a request still waiting ends with RequestCancelled
     engine.close(cancel=True)
-    gen = ticket.wait(timeout=120)  # its text so far, or none if it never ran
+    gen = ticket.wait(timeout=120)  # its text so far
     assert gen.finish_reason == "cancelled" and len(gen.token_ids) < 100
     with pytest.raises(EngineClosed):
         engine.submit(ServeRequest([5, 6], BASE))

@@ -101,6 +101,7 @@ def weighted_tv(results, exact, z):
     return total_variation(est, {k: v / z for k, v in exact.items()})
 
 
+@pytest.mark.slow
 def test_smcsd_converges_as_particles_grow():
     tvs = []
     for n in (1, 4, 32):

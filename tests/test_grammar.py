@@ -35,6 +35,7 @@ def json_constraint(schema, tok, eos):
     return JsonSchemaConstraint(schema, tok, eos)
 
 
+@pytest.mark.slow
 def test_a_json_schema_constraint_keeps_the_contract():
     make = lambda pattern, tok, eos: json_constraint(SCHEMA, tok, eos)  # noqa: E731
     regex_contract(make, SCHEMA_REGEX, walks=8, depth=40).check_all()
@@ -138,6 +139,14 @@ def test_invalid_texts_are_refused(text):
             lambda t, e: JsonSchemaConstraint({"type": "string", "maxLenght": 3}, t, e),
             "unknown keyword(s) 'maxLenght'",
         ),
+        (
+            lambda t, e: JsonSchemaConstraint({"type": "strin"}, t, e),
+            "JSON schema at #/type: 'strin' is not one of ['array', 'boolean',",
+        ),
+        (
+            lambda t, e: JsonSchemaConstraint({"properties": {"a/b": {"minLength": -1}}}, t, e),
+            "JSON schema at #/properties/a~1b/minLength: -1 is less than the minimum of 0",
+        ),
         (lambda t, e: JsonSchemaConstraint({"properties": {"a": {"not": {}}}}, t, e), "keyword(s): not"),
         (lambda t, e: JsonSchemaConstraint({"type": "array", "uniqueItems": True}, t, e), "uniqueItems"),
         (
@@ -225,6 +234,7 @@ def test_a_nested_schema_constrains_the_default_pair_and_every_output_is_valid(d
                 jsonschema.validate(json.loads(pair.decode(p.token_ids[:-1])), BOUNDED)
 
 
+@pytest.mark.slow
 def test_a_tokenizer_that_is_not_a_fast_one_is_read_from_its_token_bytes(monkeypatch):
     import transformers
 

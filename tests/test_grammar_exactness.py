@@ -51,12 +51,14 @@ def outputs(case, n, mode="proposal", runs=1000, **kw):
     return ge.total_variation(exact, got), ge.total_variation(exact, local), got
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("mode", "n", "runs"), [("proposal", 16, 1000), ("critic", 64, 600)])
 def test_smcsd_returns_outputs_closer_to_target_x_constraint_than_local_masking(case, mode, n, runs):
     tv, local_tv, _ = outputs(case, n, mode, runs, cut=None)
     assert tv < local_tv - MARGIN, (tv, local_tv)
 
 
+@pytest.mark.slow
 def test_the_check_fails_for_one_particle_and_for_ar_under_the_mask(case):
     tv, local_tv, _ = outputs(case, 1, cut=None)
     assert not tv < local_tv - MARGIN, (tv, local_tv)

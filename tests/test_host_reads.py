@@ -26,8 +26,8 @@ import torch
 
 from smcsd_ppl.api import SMCSD
 from smcsd_ppl.backends.syncs import HostReads, reads_per_cycle
-from smcsd_ppl.engine.worker import entered_on_torch_thread
 from smcsd_ppl.config import SMCConfig
+from smcsd_ppl.engine.worker import entered_on_torch_thread
 from smcsd_ppl.inference.program import SMCSDModel
 from smcsd_ppl.potentials import Constraint
 

@@ -64,7 +64,7 @@ def short_words_target(target, max_tokens):
     return weights
 
 
-@pytest.mark.parametrize("n", [16, 1])
+@pytest.mark.parametrize("n", [pytest.param(16, marks=pytest.mark.slow), 1])
 def test_a_llamppl_mask_program_returns_the_exact_target(n):
     lm = mock_lm()
     outs = run(lambda: ShortWords(lm, PROMPT, H), n, 1000)
@@ -99,7 +99,7 @@ def _lines(n, index):
     return out
 
 
-@pytest.mark.parametrize("n", [32, 1])
+@pytest.mark.parametrize("n", [pytest.param(32, marks=pytest.mark.slow), 1])
 def test_a_llamppl_program_observing_next_tokens_returns_the_exact_target(n):
     # A flatter mock than the default one: with it a word's "cat" continuation is not so rare that
     # token-level SMC (the target as proposal) needs hundreds of particles to find it.

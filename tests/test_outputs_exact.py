@@ -41,7 +41,7 @@ def mixture_draft(target: MockLM, share: float = 0.25) -> MockLM:
     return MockLM(table=q.log())
 
 
-@pytest.mark.parametrize("n", [32, 1])
+@pytest.mark.parametrize("n", [pytest.param(32, marks=pytest.mark.slow), 1])
 def test_a_fresh_pair_with_the_default_cut_returns_target_outputs(n):
     # The first request of a fresh pair probes the draft; its kept tokens must be weighted too.
     target, _ = mock_pair()
@@ -54,7 +54,7 @@ def test_a_fresh_pair_with_the_default_cut_returns_target_outputs(n):
 
 
 @pytest.mark.parametrize("cut", [None, 0.3])
-@pytest.mark.parametrize("n", [32, 1])
+@pytest.mark.parametrize("n", [pytest.param(32, marks=pytest.mark.slow), 1])
 def test_a_power_target_returns_power_outputs(cut, n):
     # alpha = 2: the global p^2, first token included (each particle draws its own).
     target, draft = mock_pair()
@@ -64,7 +64,7 @@ def test_a_power_target_returns_power_outputs(cut, n):
     assert tv < TV_LIMIT if n > 1 else tv > 2 * TV_LIMIT, tv
 
 
-@pytest.mark.parametrize("n", [32, 1])
+@pytest.mark.parametrize("n", [pytest.param(32, marks=pytest.mark.slow), 1])
 def test_a_power_target_decoding_alone_returns_power_outputs(n):
     # A record that says the draft does not pay: every cycle is the target alone. At alpha != 1
     # that is the local power token by token, which only weighted particles turn into p^alpha.
@@ -92,6 +92,7 @@ class NoZero(Constraint):
         return mask
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cut", [None, 0.3])
 def test_a_proposal_constraint_where_the_draft_underflows_returns_target_outputs(cut):
     # After a 1 the draft puts all its mass on 0, which the constraint forbids: q restricted to
@@ -139,6 +140,7 @@ class PreferTwos(Constraint):
         return out
 
 
+@pytest.mark.slow
 def test_a_soft_potential_weighs_the_outputs():
     target, draft = mock_pair()
     weights, _ = exact_target(target, PROMPT, H)
@@ -170,6 +172,7 @@ def test_a_soft_potential_is_properly_weighted_in_the_papers_algorithm():
     assert distribution_marginal_tv(pooled, tilted, H) < TV_LIMIT
 
 
+@pytest.mark.slow
 def test_a_soft_potential_weighs_in_critic_mode_too():
     target, draft = mock_pair()
     weights, _ = exact_target(target, PROMPT, H)

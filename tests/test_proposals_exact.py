@@ -97,6 +97,7 @@ CASES = ["retrieval", "mixture", "mixed"]
 # The mixture's weights vary most: its returned outputs keep a bias of about 0.02 at N = 32
 # (0.023 over 6,000 runs, against 0.01-0.03 for the draft alone), which leaves the least room
 # for sampling noise, so it runs twice the runs (noise ~0.01).
+@pytest.mark.slow
 @pytest.mark.parametrize(("case", "cut"), [(c, 0.3) for c in CASES] + [("retrieval", 0.9)])
 def test_returned_outputs_follow_the_target_with_the_cut(case, cut, monkeypatch):
     runs = 2 * RUNS if case == "mixture" else RUNS
@@ -104,7 +105,10 @@ def test_returned_outputs_follow_the_target_with_the_cut(case, cut, monkeypatch)
     assert returned_tv(f"{case}, cut {cut}, N=32", results) < TV_LIMIT
 
 
-@pytest.mark.parametrize("case", CASES)
+# The fast tier checks the mixed case (retrieved and drafted blocks both); the others with --full.
+@pytest.mark.parametrize(
+    "case", [c if c == "mixed" else pytest.param(c, marks=pytest.mark.slow) for c in CASES]
+)
 def test_pooled_particles_follow_the_target_without_the_cut(case, monkeypatch):
     # Whole blocks: the returned outputs' own bias at small N is larger, Z-pooled particles are
     # right for any N (as in test_outputs_exact's paper-mode check).
@@ -114,6 +118,7 @@ def test_pooled_particles_follow_the_target_without_the_cut(case, monkeypatch):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_one_particle_returns_proposal_samples_that_fail_the_check(case, monkeypatch):
     assert (
@@ -122,6 +127,7 @@ def test_one_particle_returns_proposal_samples_that_fail_the_check(case, monkeyp
     )
 
 
+@pytest.mark.slow
 def test_auto_probes_both_proposals_side_by_side_and_returns_target_outputs():
     assert (
         returned_tv("auto, cut 0.3, N=32", run(lambda: SMCSDModel(PROMPT), n_particles=32, cut=0.3))
@@ -138,6 +144,7 @@ class NoTwo(Constraint):
         return mask
 
 
+@pytest.mark.slow
 def test_masks_apply_to_retrieved_tokens():
     weights = {y: w for y, w in exact()[0].items() if 2 not in y}
     results = run(lambda: SMCSDModel(PROMPT, NoTwo()), n_particles=32, cut=0.3, proposal="retrieval")

@@ -219,6 +219,7 @@ def streamed_runs(stream: bool) -> list[tuple[str, object]]:
         return asyncio.run(all_of(sched))
 
 
+@pytest.mark.slow
 def test_streaming_shows_shared_text_only_and_changes_no_output():
     """Enumeration: streamed requests are properly weighted for the target, the stream joins
     into the final text, and the same requests unstreamed return the same outputs."""
@@ -265,6 +266,7 @@ def returned_through_scheduler(**cfg) -> list[tuple[str, object]]:
         return asyncio.run(all_of(sched))
 
 
+@pytest.mark.slow
 def test_returned_outputs_of_streamed_requests_follow_the_target():
     """Enumeration on what the user gets back: the returned outputs' marginals against the target."""
     runs = returned_through_scheduler()
@@ -274,6 +276,7 @@ def test_returned_outputs_of_streamed_requests_follow_the_target():
     assert marginal_tv([gen.token_ids for _, gen in runs], exact, 4) < 0.05
 
 
+@pytest.mark.slow
 def test_returning_the_heaviest_particle_fails_that_check():
     """The check above can fail: the heaviest particle, not one drawn by weight, is biased."""
     runs = returned_through_scheduler(selection="argmax")

@@ -134,7 +134,10 @@ def test_final_weights_keep_the_log_z_the_run_reports():
         assert smc_math.log_mean_exp(log_w) == pytest.approx(r.info.log_z, abs=1e-9)
 
 
-@pytest.mark.parametrize("threshold", [0.0, 0.5, 1.0])  # never, the default, (nearly) always
+# never, the default, (nearly) always; the fast tier runs one
+@pytest.mark.parametrize(
+    "threshold", [pytest.param(t, marks=[] if t == 1.0 else pytest.mark.slow) for t in (0.0, 0.5, 1.0)]
+)
 def test_the_final_weights_estimate_z_without_bias(threshold):
     # LLaMPPL's reading of a run: log-mean-exp of the particles' final weights estimates log Z,
     # whatever resampling did. Weights reset on resampling make this biased (the mutant).

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 
 import pytest
+import torch
 
 from smcsd_ppl import SMCConfig, SMCSDModel
 from smcsd_ppl.bench import batch
 from smcsd_ppl.bench.batch import generate_one
 from smcsd_ppl.cli import main
+from smcsd_ppl.potentials import Constraint
 from smcsd_ppl.text import TextStream
 
 CONFIG = SMCConfig(
@@ -87,7 +90,38 @@ def test_ctrl_c_keeps_the_settled_text_and_says_where_it_stopped(models, capsys,
         raise KeyboardInterrupt
 
     monkeypatch.setattr(batch, "generate_one", interrupted)
-    assert main(["generate", *models, "Hi"]) == 130
+    monkeypatch.setattr(sys, "argv", ["smcsd", "generate", *models, "Hi"])
+    assert main() == 130  # as the console script runs it
     captured = capsys.readouterr()
     assert captured.out == tiny_smcsd.decode(ids) + "\n"
     assert f"interrupted after {len(ids)} settled tokens" in captured.err
+    with pytest.raises(KeyboardInterrupt):  # called from Python, the Ctrl-C is the caller's
+        main(["generate", *models, "Hi"])
+    assert capsys.readouterr().out == tiny_smcsd.decode(ids) + "\n"  # once the text was kept
+
+
+class Spells(Constraint):
+    """Only ``ids``, in order, then EOS: the output is fixed, so the budget alone decides where it ends."""
+
+    def __init__(self, ids, vocab_size, eos):
+        super().__init__(vocab_size, eos)
+        self.ids = list(ids)
+
+    def next_mask(self, contexts):
+        out = torch.zeros(len(contexts), self.vocab_size, dtype=torch.bool)
+        for i, c in enumerate(contexts):
+            if list(c) == self.ids[: len(c)]:
+                out[i, self.ids[len(c)] if len(c) < len(self.ids) else list(self.eos_token_ids)] = True
+        return out
+
+
+def test_a_budget_cut_inside_an_emoji_holds_its_bytes_back(tiny_smcsd):
+    pair = tiny_smcsd
+    ids = pair.tokenizer("Hi 🌍")["input_ids"]
+    whole = len(pair.tokenizer("Hi ")["input_ids"])  # the emoji's bytes come in the tokens after these
+    assert len(ids) - whole >= 2 and pair.tokenizer.decode(ids[: whole + 1]) == "Hi \ufffd"
+    spells = Spells(ids, pair.target_lm.vocab_size, pair.eos_token_ids)
+    for budget in range(whole + 1, len(ids) + 1):  # cut after 1, 2, ... of the emoji's tokens, then none
+        [out] = pair.run([SMCSDModel("Say hi", spells)], dataclasses.replace(CONFIG, max_new_tokens=budget))
+        assert out.token_ids[:budget] == ids[:budget]
+        assert out.text == ("Hi 🌍" if budget == len(ids) else "Hi ")

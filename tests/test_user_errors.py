@@ -1,20 +1,30 @@
 """A user's mistakes get a one-line error (exit 2, no traceback), before any model loads.
 
-The command-line cases run the real entry point in a subprocess, as a user does.
+The command-line cases run twice: in this process, where loading a model fails the test (the
+fast tier), and through the real entry point in a subprocess, as a user runs them (``slow``).
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import io
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
+import time
 
 import pytest
 from helpers import ROOT, assert_one_line_error, run_cli
+
+from smcsd_ppl import SMCSD, SMCConfig, models
+from smcsd_ppl.bench import Prompt
+from smcsd_ppl.bench.batch import settings_before_loading
+from smcsd_ppl.bench.harness import prompt_digest
+from smcsd_ppl.cli import main
 
 
 @pytest.fixture(scope="module")
@@ -24,6 +34,12 @@ def files(tmp_path_factory):
     (d / "empty_turns.jsonl").write_text(json.dumps({"question_id": 1, "turns": []}) + "\n")
     (d / "a_file").write_text("not a directory\n")
     (d / "not_a_model").mkdir()
+    made = {
+        "prompt_id": "a",
+        "prompt_sha": prompt_digest(Prompt("a", "Hello there", "data")),
+    }  # as batch writes
+    made |= settings_before_loading(SMCConfig(seed=0), "smcsd", None)
+    (d / "made_with_seed_0.jsonl").write_text(json.dumps(made) + "\n")
     return d
 
 
@@ -57,6 +73,22 @@ CASES = [
         "not a",
     ),
     ("eval-draft limit 0", ["eval-draft", "--limit", "0"], b"", "--limit must be >= 1"),
+    # The issue's four: a misspelt option, an unknown one, a schema breaking its meta-schema,
+    # and a batch resumed with other settings.
+    ("misspelt option", ["generate", "--particle", "4", "hi"], b"", "--particle (did you mean --particles?)"),
+    ("unknown option", ["generate", "--foo", "4", "hi"], b"", "unrecognized option --foo"),
+    (
+        "schema breaking its meta-schema",
+        ["generate", "--schema", '{"type": "strin"}', "Hi"],
+        b"",
+        "--schema: JSON schema at #/type: 'strin' is not one of ['array',",
+    ),
+    (
+        "batch resumed with other settings",
+        ["batch", "{d}/data.jsonl", "--out", "{d}/made_with_seed_0.jsonl", "--seed", "1"],
+        b"",
+        "made with base_seed=0, this run has 1;",
+    ),
     (
         "tensor parallel on the HF backend",
         ["generate", "Hi", "--tensor-parallel", "2"],
@@ -84,20 +116,84 @@ def _argv(args, d):
     return [a.replace("{d}", str(d)) if isinstance(a, str) else a for a in args]
 
 
+@pytest.mark.usefixtures("one_thread")  # the thread count a command may set is put back
+@pytest.mark.parametrize(("name", "args", "stdin", "needle"), CASES, ids=[c[0] for c in CASES])
+def test_user_error_is_one_line_before_loading_in_process(
+    files, name, args, stdin, needle, monkeypatch, capsys
+):
+    def loading(*_args, **_kwargs):
+        raise AssertionError("a model was loaded for a command that is refused")
+
+    monkeypatch.setattr(SMCSD, "load", loading)
+    monkeypatch.setattr(models, "load_model", loading)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin)))
+    argv = [os.fsdecode(a) for a in _argv(args, files)]  # bytes as Python hands them to main
+    try:
+        code = main(argv)
+    except SystemExit as stopped:  # the argument parser's errors
+        code = stopped.code
+    out, err = capsys.readouterr()
+    assert_one_line_error(code, err, needle)
+    assert out == "" and len([line for line in err.splitlines() if not line.startswith("note: ")]) == 1
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "args", "stdin", "needle"), CASES, ids=[c[0] for c in CASES])
 def test_cli_user_error_is_one_line_before_loading(files, name, args, stdin, needle):
     code, out, err, seconds = run_cli(*_argv(args, files), stdin=stdin, timeout=60)
     assert_one_line_error(code, err, needle)
     assert "loading" not in err  # refused before any model loads
-    assert out == ""
+    assert out == "" and len([line for line in err.splitlines() if not line.startswith("note: ")]) == 1
 
 
+NEAREST = "unrecognized option --{} (did you mean --{}?)"
+NO_NEAR = "unrecognized option --{} ({} --help lists the options)"
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (
+            ["generate", "--particle", "4", "hi"],
+            "smcsd generate: error: " + NEAREST.format("particle", "particles"),
+        ),
+        (
+            ["generate", "hi", "--particle=4"],
+            "smcsd generate: error: " + NEAREST.format("particle", "particles"),
+        ),
+        (["batch", "p.jsonl", "--sed", "3"], "smcsd batch: error: " + NEAREST.format("sed", "seed")),
+        (
+            ["generate", "--foo", "4", "hi"],
+            "smcsd generate: error: " + NO_NEAR.format("foo", "smcsd generate"),
+        ),
+        (["--verbose", "generate", "hi"], "smcsd: error: " + NO_NEAR.format("verbose", "smcsd")),
+        (["generate"], "smcsd generate: error: the following arguments are required: prompt"),
+    ],
+)
+def test_a_bad_option_gets_one_line_naming_the_nearest_one(argv, line, capsys):
+    from smcsd_ppl.cli import build_parser
+
+    with pytest.raises(SystemExit) as stopped:
+        build_parser().parse_args(argv)
+    assert stopped.value.code == 2 and capsys.readouterr().err == line + "\n"
+
+
+def test_words_that_only_look_like_options_stay_values():
+    from smcsd_ppl.cli import build_parser
+
+    args = build_parser().parse_args(["generate", "-n4", "--max-new-tokens", "-1", "--seed=3", "- a list"])
+    assert (args.particles, args.max_new_tokens, args.seed, args.prompt) == (4, -1, 3, "- a list")
+    assert build_parser().parse_args(["generate", "-"]).prompt == "-"  # standard input
+
+
+@pytest.mark.slow
 def test_a_directory_that_holds_no_model_is_named_so(files):
     code, out, err, _ = run_cli("generate", "Hi", "--target", f"{files}/not_a_model", timeout=60)
     assert_one_line_error(code, err, "is a directory but holds no model")
     assert "sentencepiece" not in err and "hub" not in err.split("error:")[1].split("give")[0]
 
 
+@pytest.mark.slow
 def test_bench_to_a_pipe_refuses_instead_of_hanging(files):
     code, out, err, _ = run_cli(
         *_argv([*BENCH, "--out", "/dev/stdout"], files), timeout=60
@@ -105,6 +201,7 @@ def test_bench_to_a_pipe_refuses_instead_of_hanging(files):
     assert_one_line_error(code, err, "not a regular file")
 
 
+@pytest.mark.slow
 def test_unknown_hub_id_fails_fast_when_no_hub_answers():
     # Without HF_HUB_OFFLINE, the hub client would retry for about a minute.
     env = {"HF_HUB_OFFLINE": "", "HF_ENDPOINT": "http://127.0.0.1:9"}  # port 9 (discard) is closed
@@ -207,6 +304,22 @@ def test_a_bug_keeps_its_traceback(monkeypatch):
         cli.main(["report", "r.jsonl"])
 
 
+def test_a_real_ctrl_c_stops_the_caller_of_an_in_process_command(monkeypatch, capsys):
+    # A Ctrl-C during pytest must stop pytest, not become an in-process command's exit status.
+    cli = importlib.import_module("smcsd_ppl.cli.main")
+
+    def pressed_ctrl_c(_args):
+        signal.raise_signal(signal.SIGINT)  # what the terminal sends the process
+        time.sleep(10)  # the interrupt arrives before this ends
+        return 0
+
+    monkeypatch.setattr(cli, "_report", pressed_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        cli.main(["report", "r.jsonl"])
+    assert capsys.readouterr().err == "interrupted\n"
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
 def test_the_vllm_backend_without_vllm_names_the_extra():
     code, out, err, _ = run_cli("generate", "Hi", "--backend", "vllm", timeout=120)

@@ -91,9 +91,14 @@ def batch_settings(pair: SMCSD, config: SMCConfig, method: str, constraint: Cons
     """Every setting that changes a batch's records (the threads aside: they change only timings)."""
     settings = run_settings(pair, config)
     del settings["threads"]
+    return settings | settings_before_loading(config, method, constraint)
+
+
+def settings_before_loading(config: SMCConfig, method: str, constraint: ConstraintSpec | None) -> dict:
+    """The settings of a batch known before any model loads: all but the models' own."""
     fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "seed"}
     return (
-        settings
+        {"base_seed": config.seed}
         | fields
         | {
             "method": method,

@@ -127,7 +127,12 @@ def map_point(
     """Run SMC-SD with the lam-mixture draft on every prompt (fresh draft memory per point)."""
     mixed = SMCSD(pair.target, pair.draft, chat=pair.chat)
     mixed.use_draft_backend(
-        MixedDraft(HFBatchedLM(pair.target.model, name="mixture target"), pair.draft_lm, lam, config.draft_temperature)
+        MixedDraft(
+            HFBatchedLM(pair.target.model, name="mixture target"),
+            pair.draft_lm,
+            lam,
+            config.draft_temperature,
+        )
     )
     correct, tokens, calls, ess, collapsed = 0, 0, 0, [], 0
     for prompt in prompts:

@@ -89,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
     check_threads(args.threads)
     if args.ray and args.alone:
         raise ValueError("--alone runs the prompts one after another in this process: leave out --ray")
+    check_resumable(args.out, prompts, config, args.method, wanted)
     start = _on_ray(args) if args.ray else _in_process(args)
     err(f"{len(prompts)} prompts -> {args.out}")
     done = [0]
@@ -121,6 +122,18 @@ def run(args: argparse.Namespace) -> int:
     if failed:
         err(f"first failure (prompt {failed[0]['prompt_id']}): {failed[0]['error']}")
     return 1 if len(failed) == len(records) else 0
+
+
+def check_resumable(out: str, prompts, config, method: str, constraint) -> None:
+    """Refuse, before any model loads, to resume an ``--out`` made with other settings or prompts.
+
+    The models' own settings (their names, dtype, device) are checked once they have loaded.
+    """
+    from ..bench.batch import BATCH_KEY, WRITER, settings_before_loading
+    from ..bench.harness import check_compatible, read_records
+
+    existing, _ = read_records(out, key_fields=BATCH_KEY, writer=WRITER)
+    check_compatible(existing, settings_before_loading(config, method, constraint), prompts)
 
 
 def _in_process(args: argparse.Namespace):

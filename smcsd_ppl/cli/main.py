@@ -45,6 +45,8 @@ from .util import (
     user_error,
 )
 
+INTERRUPTED = 130  # the exit status of a command stopped by Ctrl-C (128 + SIGINT), as shells report it
+
 SPEED_PROMPTS = (
     "Write a short story about a lighthouse keeper.",
     "Explain how a bicycle stays upright.",
@@ -229,19 +231,24 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``smcsd`` console script.
 
     The one place that turns a user's mistake (``USER_ERRORS``) into a one-line message
-    and exit status 2, as argparse does for bad arguments.
+    and exit status 2, as argparse does for bad arguments. Ctrl-C ends a command with exit
+    status 130 once it has said what it kept; called from Python with ``argv`` (a test, a
+    notebook), the ``KeyboardInterrupt`` then goes on to the caller, whose Ctrl-C it is.
     """
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
-        return args.run(args)
+        status = args.run(args)
     except USER_ERRORS as e:
         err(f"{PROG}: error: {user_error(e)}")
         return 2
     except KeyboardInterrupt:
         err("interrupted")
-        return 130
+        status = INTERRUPTED
+    if status == INTERRUPTED and argv is not None:
+        raise KeyboardInterrupt  # swallowed here, a Ctrl-C would stop the command but not its caller
+    return status
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ This module imports only the standard library, so that ``smcsd --help`` stays fa
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
+import re
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,15 +36,46 @@ class HelpFormatter(argparse.HelpFormatter):
 
 
 class Parser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` using ``HelpFormatter`` (subcommands included).
+    """An ``ArgumentParser`` using ``HelpFormatter`` (subcommands included), whose errors are one line.
 
-    Options must be spelled out: a prefix (``--particle``) is refused, not taken for an option.
+    Options must be spelled out: a prefix or a misspelling (``--particle``) is refused at once,
+    with the nearest option named, before the word after it could be taken for the prompt.
     """
 
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("formatter_class", HelpFormatter)
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        """``ArgumentParser.parse_known_args``, after refusing any option this parser does not know."""
+        args = sys.argv[1:] if args is None else list(args)
+        self._refuse_unknown_options(args)
+        return super().parse_known_args(args, namespace)
+
+    def error(self, message: str):
+        """Exit with status 2 and one line (the usage is one ``--help`` away)."""
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
+
+    def _refuse_unknown_options(self, args: list[str]) -> None:
+        known = list(self._option_string_actions)
+        for word in args:
+            if word == "--":
+                return
+            if not _looks_like_an_option(word):
+                if self._subparsers is not None:
+                    return  # the subcommand's name: what follows is its own parser's to judge
+                continue
+            name = word.split("=", 1)[0] if word.startswith("--") else word[:2]  # -n4 is -n 4
+            if name not in known:
+                near = difflib.get_close_matches(name, known, n=1)
+                hint = f"did you mean {near[0]}?" if near else f"{self.prog} --help lists the options"
+                self.error(f"unrecognized option {name} ({hint})")
+
+
+def _looks_like_an_option(word: str) -> bool:
+    """Whether argparse reads ``word`` as an option (not '-', a negative number or words with a space)."""
+    return word.startswith("-") and word != "-" and not re.match(r"-\.?\d", word) and " " not in word
 
 
 def user_error(err: BaseException) -> str:

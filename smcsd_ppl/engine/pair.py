@@ -13,7 +13,7 @@ from ..backends.base import BatchedLM
 from ..config import DraftRecord, SMCConfig
 from ..inference.rows import RowStore
 from ..models import LoadedModel
-from ..text import check_token_ids, encode_prompt
+from ..text import check_token_ids, encode_prompt, whole_characters
 
 
 class PairCore:
@@ -80,10 +80,14 @@ class PairCore:
         return lambda prompt: encode_prompt(self.tokenizer, prompt, chat=self.chat)
 
     def decode(self, ids: Sequence[int]) -> str:
-        """Text of token ids (special tokens dropped)."""
+        """Text of token ids (special tokens dropped), up to its last whole character.
+
+        The bytes of a character cut at the end are held back, as a stream holds them, so
+        a result's text is what its stream joins into.
+        """
         if self._decode is not None:
-            return self._decode(ids)
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+            return whole_characters(self._decode(ids))
+        return whole_characters(self.tokenizer.decode(list(ids), skip_special_tokens=True))
 
     def eos_for(self, config: SMCConfig) -> list[int]:
         """EOS ids in force under ``config`` (none with ``ignore_eos``)."""

@@ -133,8 +133,11 @@ def torch_thread() -> TorchThread:
 
 @contextlib.contextmanager
 def entered_on_torch_thread(manager: contextlib.AbstractContextManager) -> Iterator[object]:
-    """``with manager`` entered and left on the torch thread: torch modes (a dispatch mode
-    that counts host reads, say) hold only on the thread that enters them."""
+    """``with manager`` entered and left on the torch thread.
+
+    Torch modes (a dispatch mode that counts host reads, say) hold only on the thread that
+    enters them, and the models run on the torch thread.
+    """
     value = _THREAD.run(manager.__enter__)
     try:
         yield value

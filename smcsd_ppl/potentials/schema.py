@@ -1,9 +1,12 @@
 """JSON Schema input checks, and the grammar engine's errors as one line.
 
-The engine ignores keywords it does not know, as JSON Schema allows, so a misspelled
-``maxLenght`` would silently constrain nothing: ``check_schema`` names any keyword that
-is neither JSON Schema vocabulary nor an ``x-`` extension. Keywords that are vocabulary
-but not implemented (``not``, ``uniqueItems``, ``if``, ...) are named by the engine.
+A schema is first checked against its meta-schema, so that a mistake such as
+``{"type": "strin"}`` is named in JSON Schema's own terms (where, and what is wrong there)
+rather than in the engine's grammar text. The engine ignores keywords it does not know, as
+JSON Schema allows, so a misspelled ``maxLenght`` would silently constrain nothing:
+``check_schema`` also names any keyword that is neither JSON Schema vocabulary nor an ``x-``
+extension. Keywords that are vocabulary but not implemented (``not``, ``uniqueItems``,
+``if``, ...) are named by the engine.
 """
 
 from __future__ import annotations
@@ -72,7 +75,34 @@ _OTHER = {
 KEYWORDS = frozenset(_ONE | _LIST | _MAP | _OTHER)
 
 
-def check_schema(schema, where: str = "#") -> None:
+def check_schema(schema) -> None:
+    """Raise ``ValueError`` where ``schema`` breaks its meta-schema or uses a word outside its vocabulary."""
+    check_meta_schema(schema)
+    check_keywords(schema)
+
+
+def check_meta_schema(schema) -> None:
+    """Raise ``ValueError``, in one line, at the first place where ``schema`` breaks its meta-schema.
+
+    The meta-schema is the one its ``$schema`` names (JSON Schema 2020-12 without one); the
+    message gives the JSON pointer into ``schema`` and what is wrong there.
+    """
+    import jsonschema
+    from jsonschema.exceptions import best_match
+
+    if not isinstance(schema, (dict, bool)):
+        raise ValueError(f"JSON schema at #: expected an object (dict) or a boolean, got {schema!r}")
+    meta = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    error = best_match(meta(meta.META_SCHEMA).iter_errors(schema))
+    if error is None:
+        return
+    while error.context:  # anyOf, oneOf: the alternative that came closest says what to change
+        error = best_match(error.context)
+    where = "".join("/" + str(part).replace("~", "~0").replace("/", "~1") for part in error.absolute_path)
+    raise ValueError(f"JSON schema at #{where}: {' '.join(error.message.split())}")
+
+
+def check_keywords(schema, where: str = "#") -> None:
     """Raise ``ValueError`` naming the first keyword that is not JSON Schema vocabulary."""
     if isinstance(schema, bool):
         return
@@ -86,19 +116,19 @@ def check_schema(schema, where: str = "#") -> None:
         )
     for key, value in schema.items():
         if key in _ONE and not isinstance(value, list):
-            check_schema(value, f"{where}/{key}")
+            check_keywords(value, f"{where}/{key}")
         elif key in _LIST or (key in _ONE and isinstance(value, list)):  # draft-04 tuple `items`
             if not isinstance(value, list):
                 raise ValueError(f"JSON schema at {where}/{key}: expected a list of schemas, got {value!r}")
             for i, sub in enumerate(value):
-                check_schema(sub, f"{where}/{key}/{i}")
+                check_keywords(sub, f"{where}/{key}/{i}")
         elif key in _MAP:
             if not isinstance(value, dict):
                 raise ValueError(
                     f"JSON schema at {where}/{key}: expected an object of schemas, got {value!r}"
                 )
             for name, sub in value.items():
-                check_schema(sub, f"{where}/{key}/{name}")
+                check_keywords(sub, f"{where}/{key}/{name}")
 
 
 def engine_error(message: str) -> str:

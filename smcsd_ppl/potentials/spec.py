@@ -12,6 +12,8 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .schema import check_schema
+
 CONSTRAINT_KINDS = ("schema", "regex", "grammar")
 
 
@@ -25,7 +27,8 @@ class ConstraintSpec:
         text: the schema's JSON, the pattern or the grammar.
 
     Raises:
-        ValueError: an unknown kind, empty text, or a schema that is not a JSON object.
+        ValueError: an unknown kind, empty text, or a schema that is not a JSON object, breaks
+            its meta-schema or uses a keyword outside JSON Schema's vocabulary.
     """
 
     kind: str
@@ -45,6 +48,7 @@ class ConstraintSpec:
                 raise ValueError(f"the JSON schema is not valid JSON: {err}") from err
             if not isinstance(schema, (dict, bool)):
                 raise ValueError(f"a JSON schema is an object (or true/false), got {type(schema).__name__}")
+            check_schema(schema)  # here, so that a mistake is named before any model loads
 
     def build(self, tokenizer, eos_token_ids: Sequence[int]):
         """The ``GrammarConstraint`` of this text (``ValueError``: it does not compile)."""

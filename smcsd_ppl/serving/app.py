@@ -24,7 +24,7 @@ from ..config import SMCConfig
 from ..engine.client import EngineClosed, QueueFull, RequestCancelled
 from .errors import APIError
 from .metrics import metrics_text
-from .protocol import check_schema, parse_chat, parse_completion
+from .protocol import parse_chat, parse_completion
 from .responses import Answer, diagnostics, request_usage
 from .streaming import ChoiceStreams, EventStream
 
@@ -230,7 +230,6 @@ async def complete(service: Service, request: Request, kind: str):
     body = await service.read_body(request)
     service.check_model(body)
     call = (parse_chat if kind == "chat" else parse_completion)(body, service.defaults)
-    check_schema(call.constraint)
     prompt_ids = await asyncio.to_thread(lambda: [service.encode(p) for p in call.prompts])
     requests = call.requests(prompt_ids)
     tickets = await asyncio.to_thread(service.submit, requests)
