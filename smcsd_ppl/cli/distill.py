@@ -6,9 +6,10 @@ import argparse
 import json
 import pathlib
 
+from ..config import DIVERGENCE_NAMES
 from .loading import load_pair, load_target
-from .options import command
-from .util import check_output_dir, check_threads, csv, err, progress
+from .options import SMC_DEFAULTS, command
+from .util import check_output_dir, check_threads, csv, cut_value, err, progress
 
 
 def add_parsers(sub) -> None:
@@ -70,7 +71,8 @@ def _training_args(g) -> None:
     g.add_argument(
         "--init-draft",
         default=None,
-        help="with --kind features: start from this trained layer draft (it first ignores the states)",
+        help="start from this trained layer draft, e.g. to fine-tune it on another --objective "
+        "(a feature draft first ignores the states)",
     )
     g.add_argument("--unroll", type=int, default=2, help="feature drafts: passes fed their own states")
     g.add_argument("--state-weight", type=float, default=0.5, help="feature drafts: state regression weight")
@@ -83,6 +85,36 @@ def _training_args(g) -> None:
     g.add_argument("--eval-every", type=int, default=100, help="steps between held-out evaluations")
     g.add_argument("--no-bf16", action="store_true", help="train in float32 (default: bf16 autocast)")
     g.add_argument("--seed", type=int, default=0, help="seed of the prompt shuffle, sampling and training")
+    _objective_args(g)
+
+
+def _objective_args(g) -> None:
+    g.add_argument(
+        "--objective",
+        choices=("kl", "chi2", "renyi2"),
+        default="kl",
+        help="kl: cross-entropy against the target's top-k (default); chi2: the variance of SMC-SD's "
+        "weights where the quality cut keeps drafted tokens, their Renyi-2 where it cuts; renyi2: the "
+        "weights' log second moment everywhere (docs/distill.md)",
+    )
+    g.add_argument(
+        "--objective-temperature",
+        type=float,
+        default=1.0,
+        help="chi2, renyi2: T of both models: the temperature SMC-SD will sample at (default 1)",
+    )
+    g.add_argument(
+        "--cut",
+        type=cut_value,
+        default=SMC_DEFAULTS.cut,
+        help=f"chi2: the quality cut the draft will run under (default {SMC_DEFAULTS.cut}; 'off': none)",
+    )
+    g.add_argument(
+        "--cut-divergence",
+        choices=DIVERGENCE_NAMES,
+        default=SMC_DEFAULTS.cut_divergence,
+        help="chi2: the divergence --cut bounds",
+    )
 
 
 def _add_eval_draft(sub) -> None:
@@ -172,6 +204,10 @@ def _distill_config(args: argparse.Namespace):
         eval_every=args.eval_every,
         bf16=not args.no_bf16,
         seed=args.seed,
+        objective=args.objective,
+        objective_temperature=args.objective_temperature,
+        cut=args.cut,
+        cut_divergence=args.cut_divergence,
     )
 
 

@@ -2,12 +2,14 @@
 
 from .data import Example, collect, continue_prompts, corpus_examples, load_examples
 from .evaluate import forward_cost, match_metrics
+from .losses import Objective
 from .prompts import builtin_prompts
 from .train import DistillConfig, Progress, distill
 
 __all__ = [
     "DistillConfig",
     "Example",
+    "Objective",
     "Progress",
     "builtin_prompts",
     "collect",

@@ -1,4 +1,4 @@
-"""How well a draft matches its target: agreement, acceptance probability, forward cost.
+"""How well a draft matches its target: agreement, acceptance, the quality cut, forward cost.
 
 - *agreement*: how often the draft's most likely next token is the target's, on the
   target's greedy continuations of held-out prompts (a feature draft is run as in
@@ -6,6 +6,9 @@
 - *acceptance at T*: the mean of sum_v min(p_T(v), q_T(v)) = E_{x~q}[min(1, p/q)], the
   probability that exact speculative sampling accepts a drafted token, with both models
   at temperature T, at the same positions;
+- *pass rate at T*: the share of those positions the default quality cut keeps
+  (TV(p_T, q_T) = 1 - acceptance <= cut), and *Renyi-2 at T*: the mean log second moment
+  log sum_v p_T^2/q_T of an SMC-SD weight increment over the kept ones;
 - *cost*: one draft forward over 8 rows against one target forward over 1 row (one new
   token each after a cached context, through the engine's batched backend), timed
   interleaved in one process (medians).
@@ -24,8 +27,12 @@ import torch
 import transformers
 
 from ..backends.hf import HFBatchedLM
+from ..config import SMCConfig
 from ..models.feature_draft import final_hidden
 from .data import Example, right_padded
+from .objectives import renyi2
+
+DEFAULT_CUT = SMCConfig().cut  # the TV cut default SMC-SD runs with
 
 
 def _logits(model: transformers.PreTrainedModel, examples: Sequence[Example]) -> list[torch.Tensor]:
@@ -80,14 +87,17 @@ def match_metrics(
     temperatures: Sequence[float] = (1.0, 0.7),
     batch_size: int = 8,
     block_size: int = 8,
+    cut: float = DEFAULT_CUT,
 ) -> dict[str, float]:
-    """Agreement and acceptance of ``draft`` with ``target`` over the examples' continuations.
+    """Agreement, acceptance and the TV ``cut``'s pass rate and kept Renyi-2 of ``draft`` with ``target``.
 
-    ``block_size`` is the drafted block length a feature draft is run with.
+    ``block_size`` is the drafted block length a feature draft is run with. Renyi-2 is
+    None at a temperature where no position passes.
     """
     if not examples:
         raise ValueError("no examples to evaluate on")
-    agree, accept, count = 0.0, {t: 0.0 for t in temperatures}, 0
+    agree, count = 0.0, 0
+    accept, kept, renyi = ({t: 0.0 for t in temperatures} for _ in range(3))
     for first in range(0, len(examples), batch_size):
         group = examples[first : first + batch_size]
         if getattr(draft, "reads_hidden", False):
@@ -99,14 +109,21 @@ def match_metrics(
         for p, q in pairs:
             agree += float((p.argmax(-1) == q.argmax(-1)).sum())
             for t in temperatures:
-                overlap = torch.minimum(torch.softmax(p / t, -1), torch.softmax(q / t, -1)).sum(-1)
+                log_p, log_q = torch.log_softmax(p / t, -1), torch.log_softmax(q / t, -1)
+                overlap = torch.minimum(log_p, log_q).exp().sum(-1)
+                passed = 1 - overlap <= cut  # the TV cut: TV = 1 - overlap
                 accept[t] += float(overlap.sum())
+                kept[t] += float(passed.sum())
+                renyi[t] += float(renyi2(log_p, log_q)[passed].sum())
             count += len(p)
     if count == 0:
         raise ValueError("the examples hold no continuation tokens")
-    return {"positions": count, "agreement": agree / count} | {
-        f"acceptance_T{t:g}": a / count for t, a in accept.items()
-    }
+    out: dict = {"positions": count, "agreement": agree / count}
+    for t in temperatures:
+        out[f"acceptance_T{t:g}"] = accept[t] / count
+        out[f"pass_T{t:g}"] = kept[t] / count
+        out[f"renyi2_T{t:g}"] = renyi[t] / kept[t] if kept[t] else None
+    return out
 
 
 @torch.inference_mode()
