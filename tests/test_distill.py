@@ -18,6 +18,7 @@ from smcsd_ppl.distill import (
     forward_cost,
     load_examples,
     match_metrics,
+    smc_metrics,
 )
 from smcsd_ppl.distill.data import greedy_examples
 from smcsd_ppl.models import LoadedModel
@@ -238,9 +239,13 @@ def test_cli_distill_resume_and_eval_draft(tmp_path, capsys):
     )
     want = match_metrics(pair.target.model, pair.draft.model, examples)
     assert result["positions"] == want["positions"] > 0
-    for key in ("agreement", "acceptance_T1", "acceptance_T0.7"):
+    for key in ("agreement", "acceptance_T1", "acceptance_T0.7", "pass_T1", "pass_T0.7"):
         assert result[key] == pytest.approx(want[key], abs=1e-6), key
     assert result["cost_ratio"] == pytest.approx(result["cost_draft_ms"] / result["cost_target_ms"])
+    # SMC-SD with the draft proposing, default settings, the same budget: what the library measures
+    smc = smc_metrics(pair, PROMPTS[:2], SMCConfig(max_new_tokens=4, proposal="draft"))
+    assert {k: v for k, v in result.items() if k.startswith("smc_")} == smc
+    assert smc["smc_tokens_per_target_call"] > 0 and smc["smc_cycles"] >= 2
     tuned = tmp_path / "tuned"
     chi2 = [*args[: args.index("--out")], "--out", str(tuned), *args[args.index("--out") + 2 :]]
     assert main([*chi2, "--objective", "chi2", "--objective-temperature", "0.7", "--cut", "0.4"]) == 0
@@ -511,3 +516,31 @@ def test_init_draft_fine_tunes_a_layer_draft_and_keeps_its_training_prompts(data
     assert json.loads((tuned / MANIFEST).read_text())["source_layers"] == [0, 1]
     record_training_prompts(tuned, ["a new prompt"])
     assert training_overlap(tuned, ["an earlier prompt", "a new prompt", "held out"]) == 2
+
+
+def fake_generation(tokens: int, calls: int, ess, particles, lengths, passed: float, failed: float):
+    from smcsd_ppl.config import DraftRecord
+    from smcsd_ppl.results import Generation, RunStats, SMCInfo
+
+    stats = RunStats("smcsd", tokens, 1.0, calls, 0, 0.0, 0.0)
+    smc = SMCInfo(0.0, [], list(ess), list(particles), 0.0, 0, draft_lengths=list(lengths))
+    smc.draft_record = DraftRecord(passed, failed)
+    return Generation("", [0] * tokens, "smcsd", stats, smc=smc)
+
+
+def test_smc_summary_pools_requests_and_cycles():
+    from smcsd_ppl.distill.evaluate import smc_summary
+
+    outs = [
+        fake_generation(12, 4, [6.0, 4.0, 1.0], [8, 8, 1], [4, 2, 0], passed=6, failed=2),
+        fake_generation(6, 5, [8.0, 1.0, 1.0, 1.0], [8, 1, 1, 1], [4, 0, 0, 0], passed=1, failed=3),
+    ]
+    got = smc_summary(outs)
+    assert got["smc_tokens_per_target_call"] == pytest.approx(18 / 9)
+    assert got["smc_ess_fraction"] == pytest.approx((0.75 + 0.5 + 1.0) / 3)  # cycles of one particle left out
+    assert got["smc_cycles"] == 7 and got["smc_target_alone"] == pytest.approx(4 / 7)
+    assert got["smc_draft_length"] == pytest.approx(10 / 3) and got["smc_lengths"] == {"0": 4, "2": 1, "4": 2}
+    assert got["smc_pass_rate"] == pytest.approx(7 / 12)
+    paper = smc_summary([fake_generation(9, 2, [5.0], [8], [], passed=0, failed=0)])  # no cut, no schedule
+    assert paper["smc_target_alone"] is None and paper["smc_pass_rate"] is None
+    assert paper["smc_ess_fraction"] == pytest.approx(5 / 8)

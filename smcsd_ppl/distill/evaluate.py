@@ -1,4 +1,4 @@
-"""How well a draft matches its target: agreement, acceptance, the quality cut, forward cost.
+"""How well a draft matches its target: agreement, acceptance, the quality cut, SMC-SD, cost.
 
 - *agreement*: how often the draft's most likely next token is the target's, on the
   target's greedy continuations of held-out prompts (a feature draft is run as in
@@ -9,6 +9,9 @@
 - *pass rate at T*: the share of those positions the default quality cut keeps
   (TV(p_T, q_T) = 1 - acceptance <= cut), and *Renyi-2 at T*: the mean log second moment
   log sum_v p_T^2/q_T of an SMC-SD weight increment over the kept ones;
+- *SMC-SD* (``smc_metrics``): what default SMC-SD does with the draft on the prompts:
+  tokens per target call, ESS / N, and what its schedule chose (draft lengths, the target
+  alone) with the draft's pass rate that led it there;
 - *cost*: one draft forward over 8 rows against one target forward over 1 row (one new
   token each after a cached context, through the engine's batched backend), timed
   interleaved in one process (medians).
@@ -21,16 +24,21 @@ import os
 import pathlib
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import transformers
 
 from ..backends.hf import HFBatchedLM
-from ..config import SMCConfig
+from ..config import DraftRecord, SMCConfig
 from ..models.feature_draft import final_hidden
 from .data import Example, right_padded
 from .objectives import renyi2
+
+if TYPE_CHECKING:
+    from ..api import SMCSD
+    from ..results import Generation
 
 DEFAULT_CUT = SMCConfig().cut  # the TV cut default SMC-SD runs with
 
@@ -124,6 +132,57 @@ def match_metrics(
         out[f"pass_T{t:g}"] = kept[t] / count
         out[f"renyi2_T{t:g}"] = renyi[t] / kept[t] if kept[t] else None
     return out
+
+
+def smc_metrics(
+    pair: SMCSD,
+    texts: Sequence[str],
+    config: SMCConfig | None = None,
+    on_progress: Callable[[int], None] | None = None,
+) -> dict:
+    """SMC-SD with ``pair``'s draft on each text, one request at a time: ``smc_summary`` of the outputs.
+
+    Every request starts from an empty draft record (it probes the draft itself), so the
+    schedule's choices are this draft's alone. ``config``: ``SMCConfig()`` when None;
+    ``on_progress`` gets the requests done.
+    """
+    if pair.draft_record != DraftRecord():
+        raise ValueError("the pair carries a learned draft record; measure a draft from an empty one")
+    if not texts:
+        raise ValueError("no prompts to run SMC-SD on")
+    outs = []
+    for text in texts:
+        outs.append(pair.generate(text, method="smcsd", config=config or SMCConfig()))
+        if on_progress is not None:
+            on_progress(len(outs))
+    return smc_summary(outs)
+
+
+def smc_summary(outs: Sequence[Generation]) -> dict:
+    """What SMC-SD did over ``outs`` (each its own call), pooled over requests and cycles.
+
+    Returns tokens per target call (prefill included), the mean ESS / N over cycles that ran
+    two particles or more, the cycles run, the share of cycles the schedule gave to the
+    target alone, the mean length of the cycles that drafted, how many cycles drafted each
+    length, and the draft's pass rate at the cut (kept positions / (kept + cuts that fired)).
+    Without a cut (the paper's algorithm) there is no schedule: its entries are None.
+    """
+    tokens = sum(len(o.token_ids) for o in outs)
+    calls = sum(o.stats.target_calls for o in outs)
+    ess = [e / n for o in outs for e, n in zip(o.smc.ess_trace, o.smc.particle_trace) if n >= 2]
+    lengths = [n for o in outs for n in o.smc.draft_lengths]
+    drafted = [n for n in lengths if n]
+    passed = sum(o.smc.draft_record.passed for o in outs)
+    seen = passed + sum(o.smc.draft_record.failed for o in outs)
+    return {
+        "smc_tokens_per_target_call": tokens / max(1, calls),
+        "smc_ess_fraction": statistics.fmean(ess) if ess else None,
+        "smc_cycles": sum(len(o.smc.particle_trace) for o in outs),
+        "smc_target_alone": (len(lengths) - len(drafted)) / len(lengths) if lengths else None,
+        "smc_draft_length": statistics.fmean(drafted) if drafted else (0.0 if lengths else None),
+        "smc_lengths": {str(n): lengths.count(n) for n in sorted(set(lengths))},
+        "smc_pass_rate": passed / seen if seen else None,
+    }
 
 
 @torch.inference_mode()
