@@ -59,7 +59,9 @@ def buckets(
     tail_q = z.scatter(-1, top_ids, -torch.inf).logsumexp(-1, keepdim=True)  # log sum_tail e^(l/T)
     with torch.no_grad():
         rest = torch.log((1 - top_p.exp().sum(-1, keepdim=True)).clamp_min(0))  # -inf: no tail mass
-        tail_q1 = logits.float().scatter(-1, top_ids, -torch.inf).logsumexp(-1, keepdim=True)
+        tail_q1 = tail_q  # log sum_tail e^l: at T = 1 the same sum
+        if temperature != 1:
+            tail_q1 = logits.float().scatter(-1, top_ids, -torch.inf).logsumexp(-1, keepdim=True)
         # sum_tail p^(1/T) for p = rest * q_1 / q_1(tail): (log rest - log sum_tail e^l) / T + tail_q
         tail_p = (rest - tail_q1) / temperature + tail_q
     log_p = torch.log_softmax(torch.cat([top_p / temperature, tail_p], -1), -1)
