@@ -95,7 +95,8 @@ def position_losses(
         raise ValueError(f"position_losses takes 'chi2' or 'renyi2', got {objective!r}")
     if cut is None:
         return chi2_of(r)
-    with torch.no_grad():  # where the verify cuts: a prefix-only fact, no gradient through it
+    # where the verify cuts (read on the buckets: at most the full divergence), without gradient
+    with torch.no_grad():
         lq = log_q.detach()
         kept = DIVERGENCES[divergence](log_p.exp(), lq.exp(), log_p, lq) <= cut
     return torch.where(kept, chi2_of(r), r)
