@@ -6,9 +6,10 @@ import argparse
 import json
 import pathlib
 
+from ..config import DIVERGENCE_NAMES
 from .loading import load_pair, load_target
-from .options import command
-from .util import check_output_dir, check_threads, csv, err, progress
+from .options import SMC_DEFAULTS, command, smc_args, smc_config
+from .util import check_output_dir, check_threads, csv, cut_value, err, progress
 
 
 def add_parsers(sub) -> None:
@@ -70,7 +71,8 @@ def _training_args(g) -> None:
     g.add_argument(
         "--init-draft",
         default=None,
-        help="with --kind features: start from this trained layer draft (it first ignores the states)",
+        help="start from this trained layer draft, e.g. to fine-tune it on another --objective "
+        "(a feature draft first ignores the states)",
     )
     g.add_argument("--unroll", type=int, default=2, help="feature drafts: passes fed their own states")
     g.add_argument("--state-weight", type=float, default=0.5, help="feature drafts: state regression weight")
@@ -83,11 +85,48 @@ def _training_args(g) -> None:
     g.add_argument("--eval-every", type=int, default=100, help="steps between held-out evaluations")
     g.add_argument("--no-bf16", action="store_true", help="train in float32 (default: bf16 autocast)")
     g.add_argument("--seed", type=int, default=0, help="seed of the prompt shuffle, sampling and training")
+    _objective_args(g)
+
+
+def _objective_args(g) -> None:
+    g.add_argument(
+        "--objective",
+        choices=("kl", "chi2", "renyi2"),
+        default="kl",
+        help="kl: cross-entropy against the target's top-k (default); chi2: the variance of SMC-SD's "
+        "weights where the quality cut keeps drafted tokens, their Renyi-2 where it cuts; renyi2: the "
+        "weights' log second moment everywhere (docs/distill.md)",
+    )
+    g.add_argument(
+        "--objective-temperature",
+        type=float,
+        default=1.0,
+        help="chi2, renyi2: T of both models: the temperature SMC-SD will sample at (default 1)",
+    )
+    g.add_argument(
+        "--cut",
+        type=cut_value,
+        default=SMC_DEFAULTS.cut,
+        help=f"chi2: the quality cut the draft will run under (default {SMC_DEFAULTS.cut}; 'off': none)",
+    )
+    g.add_argument(
+        "--cut-divergence",
+        choices=DIVERGENCE_NAMES,
+        default=SMC_DEFAULTS.cut_divergence,
+        help="chi2: the divergence --cut bounds",
+    )
 
 
 def _add_eval_draft(sub) -> None:
     ev = command(
-        sub, "eval-draft", "agreement, acceptance probability and forward cost of a draft against its target"
+        sub,
+        "eval-draft",
+        "agreement, acceptance, what SMC-SD does with a draft, and its forward cost",
+        description="Measure a draft against its target on held-out prompts: on the target's greedy "
+        "continuations (--max-new-tokens each), how often the draft agrees, passes the quality cut and "
+        "would be accepted; then SMC-SD with the sampling settings below (the draft proposing, each "
+        "request on its own): tokens per target call, ESS and what the schedule chose; and the cost "
+        "of a draft forward.",
     )
     _prompt_args(
         ev,
@@ -96,9 +135,11 @@ def _add_eval_draft(sub) -> None:
         required=False,
     )
     ev.add_argument("--limit", type=int, default=None, help="at most this many prompts in all")
-    ev.add_argument("--max-new-tokens", type=int, default=64, help="greedy target tokens per prompt")
+    ev.add_argument("--no-smc", action="store_true", help="skip the SMC-SD runs")
     ev.add_argument("--json", action="store_true", help="print one JSON object")
-    ev.set_defaults(run=_eval_draft)
+    smc_args(ev)
+    # the target's greedy tokens and SMC-SD's budget; the draft, not retrieval, proposes
+    ev.set_defaults(run=_eval_draft, max_new_tokens=64, proposal="draft")
 
 
 def _prompt_args(p: argparse.ArgumentParser, what: str, *, required: bool = True) -> None:
@@ -172,6 +213,10 @@ def _distill_config(args: argparse.Namespace):
         eval_every=args.eval_every,
         bf16=not args.no_bf16,
         seed=args.seed,
+        objective=args.objective,
+        objective_temperature=args.objective_temperature,
+        cut=args.cut,
+        cut_divergence=args.cut_divergence,
     )
 
 
@@ -236,11 +281,14 @@ def _train(target, train: list, out: pathlib.Path, config, held_out: list) -> pa
 def _eval_draft(args: argparse.Namespace) -> int:
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
+    config = None if args.no_smc else smc_config(args)  # bad settings fail before any loading
     texts = _texts(args.prompts or ["short_answer"], args.categories, None)[: args.limit]
     check_threads(args.threads)
     pair = load_pair(args, torch_models=True)
     _warn_overlap(args.draft, pair, texts)
-    result = _measure_draft(pair, texts, args.max_new_tokens)
+    # the pass rate on the greedy tokens reads the TV cut SMC-SD runs with (the default's otherwise)
+    tv = args.cut if args.cut is not None and args.cut_divergence == "tv" else SMC_DEFAULTS.cut
+    result = _measure_draft(pair, texts, args.max_new_tokens, config, tv)
     if args.json:
         print(json.dumps(result))
         return 0
@@ -249,23 +297,53 @@ def _eval_draft(args: argparse.Namespace) -> int:
         f"{result['positions']} greedy target tokens"
     )
     print(
-        "| agreement (top-1) | acceptance prob. T=1 | acceptance prob. T=0.7 | draft 8 rows | target 1 row "
-        "| ratio |"
+        "| agreement (top-1) | acceptance prob. T=1 | acceptance prob. T=0.7 | pass rate T=1 "
+        "| pass rate T=0.7 | draft 8 rows | target 1 row | ratio |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     print(
         f"| {result['agreement']:.3f} | {result['acceptance_T1']:.3f} | {result['acceptance_T0.7']:.3f} | "
-        f"{result['cost_draft_ms']:.1f} ms | {result['cost_target_ms']:.1f} ms | {result['cost_ratio']:.2f} |"
+        f"{result['pass_T1']:.3f} | {result['pass_T0.7']:.3f} | {result['cost_draft_ms']:.1f} ms | "
+        f"{result['cost_target_ms']:.1f} ms | {result['cost_ratio']:.2f} |"
     )
     err(
         "agreement: share of positions where the draft's top token is the target's; acceptance prob.: "
-        "the mean per-position probability that speculative sampling accepts a drafted token"
+        "the mean per-position probability that speculative sampling accepts a drafted token; pass "
+        f"rate: share of positions the quality cut (TV <= {tv}) keeps"
     )
+    if config is not None:
+        _print_smc(result, config)
     return 0
 
 
-def _measure_draft(pair, texts: list[str], max_new_tokens: int) -> dict:
-    from ..distill import forward_cost, match_metrics
+def _print_smc(result: dict, config) -> None:
+    """The SMC-SD half of ``eval-draft``'s report."""
+
+    def num(key: str, spec: str = ".3f") -> str:
+        return "-" if result[key] is None else format(result[key], spec)
+
+    print(
+        f"SMC-SD, N={config.n_particles}, K={config.block_size}, cut {config.cut}, proposal "
+        f"{config.proposal}, T_d={config.draft_temperature}, T_t={config.target_temperature}, "
+        f"{result['smc_cycles']} cycles:"
+    )
+    print(
+        "| tokens / target call | ESS / N | cycles with the target alone | mean draft length "
+        "| draft pass rate |"
+    )
+    print("|---|---|---|---|---|")
+    print(
+        f"| {num('smc_tokens_per_target_call', '.2f')} | {num('smc_ess_fraction')} | "
+        f"{num('smc_target_alone')} | {num('smc_draft_length', '.2f')} | {num('smc_pass_rate')} |"
+    )
+    err(
+        "ESS / N: over the cycles that ran two particles or more; mean draft length: over the cycles "
+        "that drafted; draft pass rate: kept drafted positions / (kept + cuts), what the schedule reads"
+    )
+
+
+def _measure_draft(pair, texts: list[str], max_new_tokens: int, config, tv_cut: float) -> dict:
+    from ..distill import forward_cost, match_metrics, smc_metrics
     from ..distill.data import greedy_examples
 
     prompts = [pair.encode(t) for t in texts]
@@ -278,7 +356,10 @@ def _measure_draft(pair, texts: list[str], max_new_tokens: int) -> dict:
             on_progress=bar,
         )
     result = {"prompts": len(texts), "draft": pair.draft.name, "target": pair.target.name}
-    result |= match_metrics(pair.target.model, pair.draft.model, examples)
+    result |= match_metrics(pair.target.model, pair.draft.model, examples, cut=tv_cut) | {"pass_cut": tv_cut}
+    if config is not None:
+        with progress(len(texts), "SMC-SD runs") as bar:
+            result |= smc_metrics(pair, texts, config, on_progress=bar)
     result |= {f"cost_{k}": v for k, v in forward_cost(pair.target.model, pair.draft.model).items()}
     return result
 

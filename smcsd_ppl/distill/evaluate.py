@@ -1,4 +1,4 @@
-"""How well a draft matches its target: agreement, acceptance probability, forward cost.
+"""How well a draft matches its target: agreement, acceptance, the quality cut, SMC-SD, cost.
 
 - *agreement*: how often the draft's most likely next token is the target's, on the
   target's greedy continuations of held-out prompts (a feature draft is run as in
@@ -6,6 +6,12 @@
 - *acceptance at T*: the mean of sum_v min(p_T(v), q_T(v)) = E_{x~q}[min(1, p/q)], the
   probability that exact speculative sampling accepts a drafted token, with both models
   at temperature T, at the same positions;
+- *pass rate at T*: the share of those positions the default quality cut keeps
+  (TV(p_T, q_T) = 1 - acceptance <= cut), and *Renyi-2 at T*: the mean log second moment
+  log sum_v p_T^2/q_T of an SMC-SD weight increment over the kept ones;
+- *SMC-SD* (``smc_metrics``): what default SMC-SD does with the draft on the prompts:
+  tokens per target call, ESS / N, and what its schedule chose (draft lengths, the target
+  alone) with the draft's pass rate that led it there;
 - *cost*: one draft forward over 8 rows against one target forward over 1 row (one new
   token each after a cached context, through the engine's batched backend), timed
   interleaved in one process (medians).
@@ -18,14 +24,23 @@ import os
 import pathlib
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import transformers
 
 from ..backends.hf import HFBatchedLM
+from ..config import DraftRecord, SMCConfig
 from ..models.feature_draft import final_hidden
 from .data import Example, right_padded
+from .objectives import renyi2
+
+if TYPE_CHECKING:
+    from ..api import SMCSD
+    from ..results import Generation
+
+DEFAULT_CUT = SMCConfig().cut  # the TV cut default SMC-SD runs with
 
 
 def _logits(model: transformers.PreTrainedModel, examples: Sequence[Example]) -> list[torch.Tensor]:
@@ -80,14 +95,17 @@ def match_metrics(
     temperatures: Sequence[float] = (1.0, 0.7),
     batch_size: int = 8,
     block_size: int = 8,
+    cut: float = DEFAULT_CUT,
 ) -> dict[str, float]:
-    """Agreement and acceptance of ``draft`` with ``target`` over the examples' continuations.
+    """Agreement, acceptance and the TV ``cut``'s pass rate and kept Renyi-2 of ``draft`` with ``target``.
 
-    ``block_size`` is the drafted block length a feature draft is run with.
+    ``block_size`` is the drafted block length a feature draft is run with. Renyi-2 is
+    None at a temperature where no position passes.
     """
     if not examples:
         raise ValueError("no examples to evaluate on")
-    agree, accept, count = 0.0, {t: 0.0 for t in temperatures}, 0
+    agree, count = 0.0, 0
+    accept, kept, renyi = ({t: 0.0 for t in temperatures} for _ in range(3))
     for first in range(0, len(examples), batch_size):
         group = examples[first : first + batch_size]
         if getattr(draft, "reads_hidden", False):
@@ -99,13 +117,71 @@ def match_metrics(
         for p, q in pairs:
             agree += float((p.argmax(-1) == q.argmax(-1)).sum())
             for t in temperatures:
-                overlap = torch.minimum(torch.softmax(p / t, -1), torch.softmax(q / t, -1)).sum(-1)
+                log_p, log_q = torch.log_softmax(p / t, -1), torch.log_softmax(q / t, -1)
+                overlap = torch.minimum(log_p, log_q).exp().sum(-1)
+                passed = 1 - overlap <= cut  # the TV cut: TV = 1 - overlap
                 accept[t] += float(overlap.sum())
+                kept[t] += float(passed.sum())
+                renyi[t] += float(renyi2(log_p, log_q)[passed].sum())
             count += len(p)
     if count == 0:
         raise ValueError("the examples hold no continuation tokens")
-    return {"positions": count, "agreement": agree / count} | {
-        f"acceptance_T{t:g}": a / count for t, a in accept.items()
+    out: dict = {"positions": count, "agreement": agree / count}
+    for t in temperatures:
+        out[f"acceptance_T{t:g}"] = accept[t] / count
+        out[f"pass_T{t:g}"] = kept[t] / count
+        out[f"renyi2_T{t:g}"] = renyi[t] / kept[t] if kept[t] else None
+    return out
+
+
+def smc_metrics(
+    pair: SMCSD,
+    texts: Sequence[str],
+    config: SMCConfig | None = None,
+    on_progress: Callable[[int], None] | None = None,
+) -> dict:
+    """SMC-SD with ``pair``'s draft on each text, one request at a time: ``smc_summary`` of the outputs.
+
+    Every request starts from an empty draft record (it probes the draft itself), so the
+    schedule's choices are this draft's alone. ``config``: ``SMCConfig()`` when None;
+    ``on_progress`` gets the requests done.
+    """
+    if pair.draft_record != DraftRecord():
+        raise ValueError("the pair carries a learned draft record; measure a draft from an empty one")
+    if not texts:
+        raise ValueError("no prompts to run SMC-SD on")
+    outs = []
+    for text in texts:
+        outs.append(pair.generate(text, method="smcsd", config=config or SMCConfig()))
+        if on_progress is not None:
+            on_progress(len(outs))
+    return smc_summary(outs)
+
+
+def smc_summary(outs: Sequence[Generation]) -> dict:
+    """What SMC-SD did over ``outs`` (each its own call), pooled over requests and cycles.
+
+    Returns tokens per target call (prefill included), the mean ESS / N over cycles that ran
+    two particles or more, the cycles run, the share of cycles the schedule gave to the
+    target alone, the mean length of the cycles that drafted, how many cycles drafted each
+    length, and the draft's pass rate at the cut (kept positions / (kept + cuts that fired)).
+    Without a cut (the paper's algorithm) there is no schedule: its entries are None.
+    """
+    tokens = sum(len(o.token_ids) for o in outs)
+    calls = sum(o.stats.target_calls for o in outs)
+    ess = [e / n for o in outs for e, n in zip(o.smc.ess_trace, o.smc.particle_trace) if n >= 2]
+    lengths = [n for o in outs for n in o.smc.draft_lengths]
+    drafted = [n for n in lengths if n]
+    passed = sum(o.smc.draft_record.passed for o in outs)
+    seen = passed + sum(o.smc.draft_record.failed for o in outs)
+    return {
+        "smc_tokens_per_target_call": tokens / max(1, calls),
+        "smc_ess_fraction": statistics.fmean(ess) if ess else None,
+        "smc_cycles": sum(len(o.smc.particle_trace) for o in outs),
+        "smc_target_alone": (len(lengths) - len(drafted)) / len(lengths) if lengths else None,
+        "smc_draft_length": statistics.fmean(drafted) if drafted else (0.0 if lengths else None),
+        "smc_lengths": {str(n): lengths.count(n) for n in sorted(set(lengths))},
+        "smc_pass_rate": passed / seen if seen else None,
     }
 
 

@@ -25,7 +25,8 @@ def record_training_prompts(draft_dir: str | os.PathLike, texts: Iterable[str]) 
     """Add the hashes of ``texts`` to the manifest of the draft in ``draft_dir`` (atomically)."""
     path = pathlib.Path(draft_dir) / MANIFEST
     manifest = json.loads(path.read_text())
-    manifest["training_prompts"] = sorted({prompt_hash(t) for t in texts})
+    known = set(manifest.get("training_prompts", ()))  # a draft it started from, say
+    manifest["training_prompts"] = sorted(known | {prompt_hash(t) for t in texts})
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(manifest, indent=2) + "\n")
     tmp.replace(path)

@@ -1,11 +1,12 @@
-"""Training a draft by distillation: KL from the target's top-k next-token distribution.
+"""Training a draft by distillation on the target's top-k next-token distribution.
 
 The draft is a few of the target's own decoder layers, copied and trained, that may also
 read the target's hidden states (``drafts.student``, ``feature_draft.feature_student``);
 the target's embeddings and LM head are shared and frozen. The loss at every position is
 the cross-entropy of the draft against the target's stored top-k distribution (the KL up
-to a constant); a feature draft also regresses the target's hidden states, and is trained
-on its own predicted states too (``unroll`` passes), as it runs inside a block. A
+to a constant), or the variance of SMC-SD's weights under the quality cut (``objectives``);
+a feature draft also regresses the target's hidden states, and is trained on its own
+predicted states too (``unroll`` passes), as it runs inside a block. A
 checkpoint (weights, optimizer, schedule, data cursor, RNG) is written atomically every
 ``save_every`` steps, so an interrupted run resumes exactly.
 """
@@ -29,7 +30,7 @@ from ..models.drafts import MANIFEST, draft_modules, fingerprint, load_draft, sa
 from ..models.feature_draft import feature_student
 from .data import Example
 from .evaluate import match_metrics
-from .losses import feature_kd_loss, hidden_states, kd_loss
+from .losses import Objective, feature_kd_loss, hidden_states, kd_loss
 
 CHECKPOINT = "checkpoint.pt"
 LOG = "train_log.jsonl"
@@ -43,8 +44,9 @@ class DistillConfig:
     Attributes:
         kind: ``"layers"`` (a stack of target layers) or ``"features"`` (the same, also
             reading the target's hidden states; ``feature_draft``).
-        init_draft: a saved layer draft (directory) a feature draft starts from: its layers
-            and norm are loaded, and the draft first ignores the states.
+        init_draft: a saved layer draft (directory) to start from: its layers and norm are
+            loaded (a feature draft first ignores the states), e.g. to fine-tune a KL-trained
+            draft on a weight objective.
         layers: decoder layers of the draft, initialised from the target's first ``layers``
             layers (they keep the residual stream the embeddings feed: measured on
             SmolLM2-135M, agreement starts at 0.06 from layers 0-3 but at 0.00 from layers
@@ -62,6 +64,11 @@ class DistillConfig:
         seed: seeds data order and initialisation.
         unroll: passes of a feature draft per batch, each fed the previous pass's states.
         state_weight: weight of a feature draft's hidden-state regression loss.
+        objective: ``"kl"`` (cross-entropy against the top-k), ``"chi2"`` or ``"renyi2"``
+            (the variance of SMC-SD's weights; ``objectives``).
+        objective_temperature: T of both models in a weight objective.
+        cut: the quality cut a ``chi2`` objective assumes (None: none).
+        cut_divergence: the divergence that cut bounds.
     """
 
     kind: str = "layers"
@@ -80,12 +87,15 @@ class DistillConfig:
     seed: int = 0
     unroll: int = 2
     state_weight: float = 0.5
+    objective: str = "kl"
+    objective_temperature: float = 1.0
+    cut: float | None = Objective.cut
+    cut_divergence: str = Objective.divergence
 
     def __post_init__(self) -> None:
         if self.kind not in ("layers", "features"):
             raise ValueError(f"kind must be 'layers' or 'features', got {self.kind!r}")
-        if self.init_draft is not None and self.kind != "features":
-            raise ValueError("init_draft starts a feature draft from a layer draft: it needs kind='features'")
+        _ = self.loss_objective  # refuses an unknown objective, temperature or cut
         for name in ("layers", "steps", "batch_tokens", "save_every", "eval_every", "unroll"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -96,6 +106,22 @@ class DistillConfig:
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
         if self.warmup < 0 or self.weight_decay < 0 or self.state_weight < 0:
             raise ValueError("warmup, weight_decay and state_weight must be >= 0")
+
+    @property
+    def loss_objective(self) -> Objective:
+        """The per-position loss these settings train on."""
+        return Objective(self.objective, self.objective_temperature, self.cut, self.cut_divergence)
+
+    def settings(self) -> dict:
+        """The settings a checkpoint records; a KL run's leave out the weight objective's, as before it."""
+        values = dataclasses.asdict(self)
+        if self.objective == "kl":  # so that KL runs started before the weight objectives resume
+            for name in _WEIGHT_OBJECTIVE_FIELDS:
+                del values[name]
+        return values
+
+
+_WEIGHT_OBJECTIVE_FIELDS = ("objective", "objective_temperature", "cut", "cut_divergence")
 
 
 @dataclass(frozen=True)
@@ -218,18 +244,20 @@ def _setup(target: LoadedModel, train: Sequence[Example], config: DistillConfig,
         "target": target.name,
         "fingerprint": fingerprint(target.model),
         "source_layers": sources,
-        "config": dataclasses.asdict(config) | {"source_layers": sources},
+        "config": config.settings() | {"source_layers": sources},
     }
+    if init is not None and init["training_prompts"]:  # what it learned from is no held-out data either
+        manifest["training_prompts"] = init["training_prompts"]
     torch.manual_seed(config.seed)
     states = None
     if config.kind == "features":
         model = feature_student(target.model, sources).train()
-        if init is not None:
-            for name in ("layers", "norm"):
-                draft_modules(model)[name].load_state_dict(init["modules"][name])
         states = hidden_states(target, train, config.batch_tokens)
     else:
         model = student(target, sources).train()
+    if init is not None:
+        for name in ("layers", "norm"):
+            draft_modules(model)[name].load_state_dict(init["modules"][name])
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule(config))
@@ -273,9 +301,10 @@ def _step(run: _Run, train: Sequence[Example], indices: list[int], state: dict) 
             autocast=run.autocast,
             unroll=config.unroll,
             state_weight=config.state_weight,
+            objective=config.loss_objective,
         )
     else:
-        loss, scored = kd_loss(run.model, group, autocast=run.autocast)
+        loss, scored = kd_loss(run.model, group, autocast=run.autocast, objective=config.loss_objective)
     run.opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(run.params, config.grad_clip)
@@ -321,7 +350,7 @@ def _checkpoint(run: _Run, state: dict) -> None:
 
 
 def _init_draft(directory: str, target: LoadedModel) -> dict:
-    """The source layers and trained tensors of the layer draft a feature draft starts from."""
+    """The source layers, trained tensors and training prompts of the layer draft a run starts from."""
     draft = load_draft(directory, target)
     if getattr(draft.model, "reads_hidden", False):
         raise ValueError(f"{directory!r} is a feature draft; init_draft takes a layer draft")
@@ -330,7 +359,8 @@ def _init_draft(directory: str, target: LoadedModel) -> dict:
         name: {k: v.float() for k, v in m.state_dict().items()}
         for name, m in draft_modules(draft.model).items()
     }
-    return {"source_layers": manifest["source_layers"], "modules": modules}
+    prompts = manifest.get("training_prompts", [])
+    return {"source_layers": manifest["source_layers"], "modules": modules, "training_prompts": prompts}
 
 
 def _append_log(path: pathlib.Path, record: dict) -> None:
