@@ -4,7 +4,9 @@ Both roles keep SMC-SD properly weighted for the target p^alpha x constraint:
 
 * proposal: q is restricted to allowed tokens and renormalized, so the drafted
   tokens' log q already is the proposal's density (the weight p/q_masked carries
-  the allowed mass of q);
+  the allowed mass of q). A weighted constraint tilts q by its factors as well (q times
+  the factor, renormalized): the draft proposes what the tilted target favours, and
+  the weight still reads the density it drew from;
 * critic: the draft samples freely and the constraint weighs the block: a block
   with an impossible token has weight zero. The row keeps only the valid prefix
   (nothing invalid is fed to later forwards) and the particle is resampled away.
@@ -30,6 +32,7 @@ from collections.abc import Sequence
 import torch
 
 from ..backends.base import to_device
+from ..verification import draw_restricted
 
 
 def masks_for(pairs: Sequence[tuple[object, tuple[int, ...]]]) -> list[torch.Tensor]:
@@ -40,6 +43,19 @@ def masks_for(pairs: Sequence[tuple[object, tuple[int, ...]]]) -> list[torch.Ten
 def factors_for(pairs: Sequence[tuple[object, tuple[int, ...]]]) -> list[torch.Tensor]:
     """``next_log_weights`` for (constraint, context) pairs, one batched call per constraint."""
     return _per_constraint(pairs, lambda c, contexts: c.next_log_weights(contexts))
+
+
+def masks_and_factors(
+    pairs: Sequence[tuple[object, tuple[int, ...]]],
+) -> tuple[list[torch.Tensor], dict[int, torch.Tensor]]:
+    """Every pair's mask, and the factors of the weighted constraints' pairs (by pair index).
+
+    A weighted constraint's mask is where its factors are finite: one call gives both.
+    """
+    weighted = [n for n, (c, _) in enumerate(pairs) if c.weighted]
+    factors = dict(zip(weighted, factors_for([pairs[n] for n in weighted])))
+    hard = iter(masks_for([p for n, p in enumerate(pairs) if n not in factors]))
+    return [torch.isfinite(factors[n]) if n in factors else next(hard) for n in range(len(pairs))], factors
 
 
 def _per_constraint(pairs, ask) -> list[torch.Tensor]:
@@ -77,6 +93,7 @@ class Masking:
         # the block ends there and the bonus is drawn from the target (a prefix-only cut).
         self.cut_at: dict[int, int] = {}
         self.history: dict[int, list[torch.Tensor]] = {}  # request index -> its mask at each position
+        self.tilts: dict[int, torch.Tensor] = {}  # request index -> its weighted factors [V] (latest)
         self.position = 0  # of the token the latest masks are for
         self.host_drafted: list[list[int]] = []  # drafted tokens per step, read once each
 
@@ -97,7 +114,8 @@ class Masking:
             self.host_drafted.append(d.tolist())
         steps = self.host_drafted[: len(drafted)]
         contexts = [(c.constraint, c.context + tuple(d[r] for d in steps)) for _, r, c in live]
-        masks = masks_for(contexts)
+        masks, factors = masks_and_factors(contexts)
+        self.tilts = {live[n][0]: f for n, f in factors.items()}
         out = {}
         for (i, _, _), mask, some in zip(live, masks, _nonempty(masks)):
             self.history.setdefault(i, []).append(mask)
@@ -108,7 +126,7 @@ class Masking:
         return out
 
     def restrict(self, q: torch.Tensor, allowed: dict[int, torch.Tensor]) -> None:
-        """Zero disallowed tokens of q ``[R, V]`` in place and renormalize, per row."""
+        """Zero disallowed tokens of q ``[R, V]`` in place, tilt by weighted factors, renormalize, per row."""
         items = [(i, r) for i, r, _ in self.items if i in allowed]
         if not items:
             return
@@ -117,6 +135,12 @@ class Masking:
         index = torch.tensor(rows, device=q.device)
         kept = q if every else q.index_select(0, index)
         kept.mul_(torch.stack([allowed[i] for i, _ in items]).to(q.device))  # one op for all rows
+        tilted = [(j, self.tilts[i]) for j, (i, _) in enumerate(items) if i in self.tilts]
+        if tilted:  # factors shifted by their largest: exp never overflows, the ratio is the same
+            at = torch.tensor([j for j, _ in tilted], device=q.device)
+            f = torch.stack([f for _, f in tilted]).to(q.device, q.dtype)
+            f = f - f.amax(-1, keepdim=True).clamp_min(torch.finfo(q.dtype).min)
+            kept.index_copy_(0, at, kept.index_select(0, at) * f.exp())
         total = kept.sum(-1, keepdim=True)
         kept.div_(total.clamp_min(torch.finfo(q.dtype).tiny))
         for j, ((i, _), ok) in enumerate(zip(items, (total[:, 0] > 0).tolist())):
@@ -277,3 +301,110 @@ def _hard_masks(blocks, rows) -> list[list[torch.Tensor]]:
     for i, mask in zip(need, masks_for(pairs)):
         masks[i] = masks[i][: blocks[i].limit] + [mask]
     return [masks[i] for i in rows]
+
+
+LOOKAHEAD_BRANCHES = 32  # a token is drawn by lookahead where at most this many may come next
+
+
+def one_step_phi(
+    asks: Sequence[tuple[object, tuple[int, ...], int]],  # (constraint, prefix x, token t)
+    power: torch.Tensor,  # [n, V] log p_T^alpha(. | x) of each ask
+) -> list[float]:
+    """The one-step estimate log Phi-hat(x t): the mass of p_T^alpha(. | x) on what may follow x t.
+
+    A forward on t would give the law after x t itself; the law t was drawn from stands in for
+    it, so the estimate needs no forward. 0 when t is an EOS (the output is complete).
+    """
+    out = [0.0] * len(asks)
+    open_ = [n for n, (c, _, t) in enumerate(asks) if t not in c.eos_token_ids]
+    if open_:
+        masks = masks_for([(asks[n][0], (*asks[n][1], asks[n][2])) for n in open_])
+        allowed = torch.stack(masks).to(power.device)
+        rows = torch.tensor(open_, device=power.device)
+        mass = torch.logsumexp(power[rows].masked_fill(~allowed, -math.inf), -1).tolist()
+        for n, m in zip(open_, mass):
+            out[n] = m
+    return out
+
+
+def lookahead_draws(
+    asks: Sequence[tuple[object, tuple[int, ...]]],  # (a hard constraint, the prefix x)
+    logits: torch.Tensor,  # [n, V] l / T_t after each x
+    u: torch.Tensor,  # [n] a uniform per ask
+    alpha: float,
+) -> list[tuple[int, float, float] | None]:
+    """Tokens drawn from p_T^alpha(t | x) Phi-hat(x t) where at most ``LOOKAHEAD_BRANCHES`` may follow x.
+
+    Each drawn ask gets (t, log of the mass drawn from, log Phi-hat(x t)); its weight against the
+    masked target is the mass over Phi-hat(x t). None where x allows one token or many (the
+    caller keeps its own draw) or where every branch has Phi-hat = 0.
+    """
+    out: list[tuple[int, float, float] | None] = [None] * len(asks)
+    allowed = masks_for(list(asks))
+    few = [n for n, m in enumerate(allowed) if 1 < int(m.sum()) <= LOOKAHEAD_BRANCHES]
+    if not few:
+        return out
+    branches = {n: allowed[n].nonzero().flatten().tolist() for n in few}
+    flat = [(n, t) for n in few for t in branches[n]]
+    power = alpha * torch.log_softmax(logits.float(), -1)  # [n, V]
+    rows = torch.tensor([n for n, _ in flat], device=logits.device)
+    phi = one_step_phi([(*asks[n], t) for n, t in flat], power[rows])
+    factor = torch.full((len(few), logits.shape[-1]), -math.inf)
+    at = {n: j for j, n in enumerate(few)}
+    for (n, t), f in zip(flat, phi):
+        factor[at[n], t] = f
+    log_phi = dict(zip(flat, phi))
+    sub = torch.tensor(few, device=logits.device)
+    drawn, log_z = draw_restricted(logits[sub], alpha, factor.to(logits.device), u.to(logits.device)[sub])
+    for n, t, z in zip(few, drawn.tolist(), log_z.tolist()):
+        if math.isfinite(z) and math.isfinite(log_phi[n, t]):
+            out[n] = (t, z, log_phi[n, t])
+    return out
+
+
+def look_ahead(
+    blocks: Sequence,
+    kept: list[int],
+    bonus: list[int],
+    has_bonus: list[bool],
+    log_w: list[float],
+    bonus_log_z: list[float],
+    logits: torch.Tensor,  # [R, k+1, V] l / T_t at the drafted positions and after the last
+    u: torch.Tensor,  # [R] the uniform each row's bonus was drawn with
+    alpha: float,
+) -> tuple[list[int], list[float], list[float | None]]:
+    """The one-step lookahead at the end of each block that asks: (bonus, log-weight, log Phi-hat).
+
+    Where few tokens may follow the kept prefix x, a proposal row's bonus is redrawn from
+    p_T^alpha(b | x) Phi-hat(x b) (``lookahead_draws``, the same uniform) and weighs the mass it
+    was drawn from over Phi-hat(x b). Every asking row's particle then twists by
+    log Phi-hat(x b), which is divided out before its next step and at its end, so the weights
+    stay proper for the untwisted target. Rows that do not ask keep their bonus and weight.
+    """
+    bonus, log_w, future = list(bonus), list(log_w), [None] * len(blocks)
+    asking = [i for i, b in enumerate(blocks) if b.constraint and b.constraint.lookahead and has_bonus[i]]
+    if not asking:
+        return bonus, log_w, future
+    prefix = {i: blocks[i].constraint.context + tuple(blocks[i].tokens[: kept[i]]) for i in asking}
+    rows = torch.tensor(asking, device=logits.device)
+    here = logits[rows, torch.tensor([kept[i] for i in asking], device=logits.device)]  # [n, V]
+    # A row mixed with retrieval drew its bonus from the mixture: only rows the target drew are redrawn.
+    redraw = [n for n, i in enumerate(asking) if blocks[i].constraint.mode == "proposal"]
+    redraw = [n for n in redraw if not blocks[asking[n]].target_share]
+    asks = [(blocks[asking[n]].constraint.constraint, prefix[asking[n]]) for n in redraw]
+    drawn = lookahead_draws(asks, here[redraw], u[rows[redraw]], alpha) if redraw else []
+    phi: dict[int, float] = {}
+    for n, d in zip(redraw, drawn):
+        if d is not None:
+            i = asking[n]
+            bonus[i], mass, phi[i] = d
+            log_w[i] += mass - bonus_log_z[i] - phi[i]
+    rest = [n for n, i in enumerate(asking) if i not in phi]
+    if rest:
+        power = alpha * torch.log_softmax(here[rest].float(), -1)
+        asks = [(blocks[asking[n]].constraint.constraint, prefix[asking[n]], bonus[asking[n]]) for n in rest]
+        phi |= {asking[n]: f for n, f in zip(rest, one_step_phi(asks, power))}
+    for i in asking:
+        complete = bonus[i] in blocks[i].constraint.constraint.eos_token_ids
+        future[i] = phi[i] if math.isfinite(phi[i]) and not complete else None
+    return bonus, log_w, future
