@@ -20,7 +20,7 @@ from ..config import SMCConfig
 from ..ends import row_ends
 from ..proposals.blocks import RowProposal
 from ..verification import BlockBatch, draw_restricted, verify_blocks
-from . import constrained
+from . import constrained, lookahead
 from .blocks import (
     BlockRequest,
     CycleAnswer,
@@ -165,9 +165,7 @@ def _leads(store, requests, c: SMCConfig, eos, flush: Flush) -> dict[int, Lead]:
     # A lookahead row draws its lead by the future validity each token leaves, where few may come.
     ask = [j for j, i in enumerate(todo) if _looks_ahead(requests[i])]
     asks = [(requests[todo[j]].constraint.constraint, requests[todo[j]].constraint.context) for j in ask]
-    for j, d in zip(
-        ask, constrained.lookahead_draws(asks, logits[ask], flush.uniforms[rows, 0][ask], c.alpha)
-    ):
+    for j, d in zip(ask, lookahead.lookahead_draws(asks, logits[ask], flush.uniforms[rows, 0][ask], c.alpha)):
         if d is not None:
             tokens[j], log_z[j] = d[0], d[1] - d[2]  # the mass drawn from over Phi-hat of the lead
     out = {}
@@ -233,7 +231,7 @@ def _blocks(
     log_w = verdict.log_w.tolist()
     if any(math.isnan(w) for w in log_w):  # NaN logits show here, already on the host
         store.check_finite()
-    bonus, log_w, futures = constrained.look_ahead(
+    bonus, log_w, futures = lookahead.look_ahead(
         drafted, kept, bonus, has_bonus, log_w, verdict.bonus_log_z.tolist(), logits, u[rows, -1], c.alpha
     )
     out, nexts = [], []
