@@ -33,6 +33,7 @@ import torch
 
 from .constraints import Constraint
 
+MAX_CONTEXTS = 200_000  # contexts one dynamic programme may visit: past that it is not enumerable
 NextLogWeights = Callable[[tuple[int, ...]], torch.Tensor]
 """Generated tokens -> the target's log-weight of every next token ``[V]`` (alpha log p_T)."""
 
@@ -113,6 +114,11 @@ class FutureValidity(Constraint):
     def _next(self, x: tuple[int, ...]) -> list[tuple[int, float]]:
         """The allowed next tokens of ``x`` that still fit the horizon, with their log-weights."""
         if x not in self._moves:
+            if len(self._moves) >= MAX_CONTEXTS:
+                raise ValueError(
+                    f"future validity visits over {MAX_CONTEXTS} contexts here: the language and budget "
+                    "are too large to enumerate; use twist='lookahead' (or FutureValidity(depth=k))"
+                )
             if len(x) >= self.horizon:  # no token fits, not even an EOS
                 self._moves[x] = []
             else:
