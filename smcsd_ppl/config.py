@@ -10,6 +10,7 @@ RESAMPLING_SCHEMES = ("systematic", "multinomial", "stratified", "residual")
 SELECTIONS = ("sample", "argmax")
 DIVERGENCE_NAMES = ("tv", "renyi2", "kl")  # see verification.DIVERGENCES
 PROPOSAL_NAMES = ("auto", "draft", "retrieval", "mixture")  # see proposals.blocks
+TWIST_NAMES = ("future-validity", "lookahead")  # see potentials.twist
 # Below this, tempered log-probabilities (log p / T) grow past what float weights resolve: the ESS
 # and the resampling of near-greedy particles stop meaning anything. Use selection="argmax" or
 # the "ar" method at a low temperature instead.
@@ -55,6 +56,14 @@ class SMCConfig:
             forward), ``"mixture"`` (retrieval mixed with the draft model), or ``"auto"``: the
             draft schedule picks draft or retrieval per request and cycle by their recent pass
             rates (with ``cut=None``, the paper's algorithm, ``auto`` is the draft).
+        twist: how a hard constraint's future validity Phi (the chance that a prefix can still
+            be completed validly) guides SMC-SD, one of ``TWIST_NAMES``, or None (off).
+            ``"future-validity"``: Phi exact by dynamic programming where the target's
+            next-token law can be read for any context (a mock), which tilts the draft and
+            the target's draws by it; elsewhere as ``"lookahead"``. ``"lookahead"``: a one-step
+            estimate of Phi from the logits the verify already has, as a LLaMPPL twist on each
+            block's end. Either way the twist cancels at the end; it does nothing without a
+            constraint.
     """
 
     n_particles: int = 8
@@ -72,6 +81,7 @@ class SMCConfig:
     cut_divergence: str = "tv"
     token_level: bool = False
     proposal: str = "auto"
+    twist: str | None = None
 
     def __post_init__(self) -> None:
         _check_int("n_particles", self.n_particles, 1)
@@ -103,6 +113,10 @@ class SMCConfig:
             raise ValueError(f"proposal must be one of {PROPOSAL_NAMES}, got {self.proposal!r}")
         if self.selection not in SELECTIONS:
             raise ValueError(f"selection must be one of {SELECTIONS}, got {self.selection!r}")
+        if self.twist is not None and self.twist not in TWIST_NAMES:
+            raise ValueError(f"twist must be one of {TWIST_NAMES} or None, got {self.twist!r}")
+        if self.twist is not None and self.ignore_eos:
+            raise ValueError("a twist toward valid completions needs EOS: drop ignore_eos or the twist")
 
 
 def available_cores() -> int:

@@ -8,12 +8,20 @@ the constraint asks for is the target conditioned on the whole output being vali
 p(y) phi(y) / Z. SMC-SD's weights carry the masked-away mass, so its returned outputs
 approach the latter as N grows.
 
-The case: a mock target over ``(``, ``)``, ``a`` and EOS that likes to open brackets and
-dislikes closing them, and the language of balanced brackets of at most ``MAX_LENGTH``
-tokens (``a`` never allowed). Masked locally, the model opens deep and is then forced
-through closing brackets it would rarely write; conditioned globally, short outputs win.
+The cases (``GRAMMARS``), each a mock target over four tokens (the last is EOS) with a
+perturbed copy as draft:
+
+* ``dyck``: a target that likes to open brackets and dislikes closing them, and the
+  language of balanced brackets of at most ``MAX_LENGTH`` tokens (``a`` never allowed).
+  Masked locally, the model opens deep and is then forced through closing brackets it
+  would rarely write; conditioned globally, short outputs win.
+* ``garden``: a finite automaton with a garden path: outputs are ``a b b b`` or one to five
+  ``c``; the target likes to start with ``a`` and dislikes ``b``, so masking takes the path
+  and is then forced down it.
+
 Both distributions are enumerated exactly; SMC-SD's returned outputs (``result.token_ids``)
-are counted over many seeded runs.
+are counted over many seeded runs, with or without a future-validity twist
+(``SMCConfig.twist``).
 """
 
 from __future__ import annotations
@@ -66,15 +74,71 @@ class BalancedBrackets(Constraint):
         return out
 
 
+class FiniteAutomaton(Constraint):
+    """The language of a deterministic automaton over the mock's tokens, at most ``max_length`` long.
+
+    Args:
+        transitions: (state, token) -> next state; the start state is 0.
+        accepting: states where an output may end (EOS allowed).
+        max_length: tokens an output may have before its EOS.
+    """
+
+    def __init__(self, transitions: dict[tuple[int, int], int], accepting: set[int], max_length: int) -> None:
+        super().__init__(V, [EOS])
+        self.transitions, self.accepting, self.max_length = transitions, accepting, max_length
+
+    def state(self, context: Sequence[int]) -> int | None:
+        """The state after ``context`` (None: off the automaton)."""
+        state = 0
+        for t in context:
+            state = self.transitions.get((state, int(t)))
+            if state is None:
+                return None
+        return state
+
+    def next_mask(self, contexts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Tokens with a transition (while the length allows one more), EOS in accepting states."""
+        out = torch.zeros(len(contexts), V, dtype=torch.bool)
+        for i, c in enumerate(contexts):
+            state = self.state(c)
+            if state is None:
+                continue
+            if len(c) < self.max_length:
+                for (s, t), _ in self.transitions.items():
+                    out[i, t] |= s == state
+            out[i, EOS] = state in self.accepting and len(c) > 0
+        return out
+
+
+def garden_path() -> FiniteAutomaton:
+    """``a b b b``, or one to five ``c`` (tokens 0 = a, 1 = b, 2 = c)."""
+    a, b, c = OPEN, CLOSE, OTHER
+    return FiniteAutomaton({(0, a): 1, (1, b): 2, (2, b): 3, (3, b): 4, (0, c): 5, (5, c): 5}, {4, 5}, 5)
+
+
 def dyck_pair(seed: int = 0, noise: float = 0.8) -> tuple[MockLM, MockLM]:
     """A target that prefers ``(`` to ``)``, and a draft that is a perturbed copy of it."""
+    return _pair(seed, noise, {OPEN: 1.0, CLOSE: -0.5})
+
+
+def garden_pair(seed: int = 0, noise: float = 0.8) -> tuple[MockLM, MockLM]:
+    """A target that likes ``a`` and dislikes ``b``, and a draft that is a perturbed copy of it."""
+    return _pair(seed, noise, {OPEN: 1.5, CLOSE: -1.0})
+
+
+def _pair(seed: int, noise: float, bias: dict[int, float]) -> tuple[MockLM, MockLM]:
+    """A random order-2 target with its logits shifted by ``bias``, and a perturbed copy as draft."""
     g = torch.Generator().manual_seed(seed)
     table = torch.randn(V, V, V, generator=g)
-    table[..., OPEN] += 1.0
-    table[..., CLOSE] -= 0.5
+    for token, shift in bias.items():
+        table[..., token] += shift
     target = MockLM(table=table)
     draft = MockLM(table=table + noise * torch.randn(table.shape, generator=g))
     return target, draft
+
+
+GRAMMARS = {"dyck": (BalancedBrackets, dyck_pair), "garden": (garden_path, garden_pair)}
+"""Each case: (the constraint's factory, the mock pair's factory from a seed)."""
 
 
 def _outputs(target: MockLM, constraint: Constraint, local: bool) -> dict[tuple[int, ...], float]:
@@ -121,13 +185,23 @@ def sampling_noise(dist: dict, runs: int, seed: int, repeats: int = 50) -> float
 
 
 def returned_outputs(
-    target: MockLM, draft: MockLM, *, n: int, mode: str, runs: int, seed: int, alone: bool = False, **cfg
+    target: MockLM,
+    draft: MockLM,
+    *,
+    n: int,
+    mode: str,
+    runs: int,
+    seed: int,
+    alone: bool = False,
+    constraint: Constraint | None = None,
+    **cfg,
 ) -> dict[tuple[int, ...], float]:
     """Empirical distribution of SMC-SD's returned outputs over ``runs`` requests.
 
     A request whose particles all died returns no output: it counts as the outcome ``()``,
     outside every valid output. ``alone`` decodes with the target alone (a record saying
     the draft does not pay): at N = 1 that is autoregressive decoding under the mask.
+    ``constraint``: the language (default: balanced brackets); ``cfg``: ``SMCConfig`` fields.
     """
     config = SMCConfig(
         **{
@@ -142,7 +216,7 @@ def returned_outputs(
             **cfg,
         }
     )
-    constraint = BalancedBrackets()
+    constraint = BalancedBrackets() if constraint is None else constraint
     record = DraftRecord(0, 50) if alone else None  # decoding alone needs a cut (the schedule) too
     counts: Counter = Counter()
     per_call = max(1, 4096 // n)  # requests per call: the rows of one call stay few thousand
@@ -167,8 +241,9 @@ class ExactnessRow:
     runs: int
 
 
-def _label(mode: str, cut: float | None) -> str:
-    return f"smcsd_{mode}, cut {'off' if cut is None else cut}"
+def _label(mode: str, cut: float | None, twist: str | None = None) -> str:
+    label = f"smcsd_{mode}, cut {'off' if cut is None else cut}"
+    return label if twist is None else f"{label}, twist {twist}"
 
 
 def grammar_exactness(
@@ -178,18 +253,26 @@ def grammar_exactness(
     *,
     runs: int = 2000,
     seed: int = 0,
+    twists: Sequence[str | None] = (None,),
+    grammar: str = "dyck",
 ) -> tuple[list[ExactnessRow], dict[str, float]]:
-    """SMC-SD's TV to the exact p x phi (and to the local projection) per mode, cut and N.
+    """SMC-SD's TV to the exact p x phi (and to the local projection) per mode, cut, twist and N.
 
+    ``grammar`` names the case (``GRAMMARS``); ``seed`` seeds its mock pair and the runs.
     Returns the rows and the reference figures: ``local_tv`` (the local projection against
     p x phi, exact: what AR and speculative decoding under the mask sample), ``ar_masked_tv``
     (the engine's own AR under the mask, sampled, against p x phi), ``ar_vs_local_tv`` (the
     same sample against the local projection: sampling noise only), ``z`` (P_p(valid)) and
     ``noise`` (the mean TV of ``runs`` draws from p x phi itself: the floor of every sampled row).
     """
-    target, draft = dyck_pair(seed)
-    exact, local, z = exact_distributions(target, BalancedBrackets())
-    ar = returned_outputs(target, draft, n=1, mode="proposal", runs=runs, seed=seed, alone=True, cut=0.3)
+    if grammar not in GRAMMARS:
+        raise ValueError(f"unknown grammar {grammar!r}; choose from {', '.join(GRAMMARS)}")
+    language, pair = GRAMMARS[grammar]
+    target, draft = pair(seed)
+    constraint = language()
+    exact, local, z = exact_distributions(target, constraint)
+    common = dict(mode="proposal", runs=runs, seed=seed, constraint=constraint)
+    ar = returned_outputs(target, draft, n=1, alone=True, cut=0.3, **common)
     refs = {
         "local_tv": total_variation(exact, local),
         "ar_masked_tv": total_variation(exact, ar),
@@ -198,14 +281,20 @@ def grammar_exactness(
         "noise": sampling_noise(exact, runs, seed),
     }
     rows = []
-    for cut in cuts:
-        for mode in modes:
-            for n in ns:
-                got = returned_outputs(
-                    target, draft, n=n, mode=mode, runs=runs, seed=seed + 7919 * n, cut=cut
-                )
-                tvs = total_variation(exact, got), total_variation(local, got)
-                rows.append(ExactnessRow(_label(mode, cut), n, *tvs, got.get((), 0.0), runs))
+    for twist in twists:
+        for cut in cuts:
+            for mode in modes:
+                for n in ns:
+                    got = returned_outputs(
+                        target,
+                        draft,
+                        **(common | dict(mode=mode, seed=seed + 7919 * n)),
+                        n=n,
+                        cut=cut,
+                        twist=twist,
+                    )
+                    tvs = total_variation(exact, got), total_variation(local, got)
+                    rows.append(ExactnessRow(_label(mode, cut, twist), n, *tvs, got.get((), 0.0), runs))
     return rows, refs
 
 

@@ -193,8 +193,13 @@ def compare_json(
     *,
     repeats: int = 1,
     on_run: Callable[[Run], None] | None = None,
+    twist: str | None = None,
 ) -> list[Run]:
-    """Every method on every text of every task, ``repeats`` times with seeds ``seed + repeat``."""
+    """Every method on every text of every task, ``repeats`` times with seeds ``seed + repeat``.
+
+    ``twist``: also run each SMC-SD method with this ``SMCConfig.twist``, right after the
+    method without it (same seeds), as the row ``"<method>, twist <twist>"``.
+    """
     from genlm.control import JsonSchema
 
     config = config or SMCConfig(draft_temperature=0.7, target_temperature=0.7, max_new_tokens=96)
@@ -217,12 +222,26 @@ def compare_json(
         call = dataclasses.replace(config, seed=config.seed + rep)
         for task in tasks:
             for item in TASKS[task][2]:
-                for method in methods:
+                for method, twisted in _variants(methods, twist):
                     constraint = theirs[task] if method == "genlm_awrs" else ours[task]
-                    runs.append(run_method(method, pair, task, item, constraint, call, lms))
+                    with_twist = dataclasses.replace(call, twist=twisted)
+                    run = run_method(method, pair, task, item, constraint, with_twist, lms)
+                    if twisted is not None:
+                        run = dataclasses.replace(run, method=f"{method}, twist {twisted}")
+                    runs.append(run)
                     if on_run is not None:
                         on_run(runs[-1])
     return runs
+
+
+def _variants(methods: Sequence[str], twist: str | None) -> list[tuple[str, str | None]]:
+    """(method, twist) in run order: each SMC-SD method again with ``twist`` right after it."""
+    out = []
+    for m in methods:
+        out.append((m, None))
+        if twist is not None and m in ("smcsd", "smcsd_paper"):
+            out.append((m, twist))
+    return out
 
 
 @dataclass(frozen=True)

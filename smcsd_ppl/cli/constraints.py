@@ -7,8 +7,8 @@ import argparse
 from ..names import ENGINE_NAMES, JSON_METHODS, JSON_TASKS
 from .compare import side_by_side_args
 from .loading import load_pair, load_target
-from .options import command, smc_config
-from .util import PROG, check_output_file, check_threads, csv, cut_value, progress
+from .options import command, smc_config, twist_arg
+from .util import PROG, check_output_file, check_threads, csv, cut_value, progress, twist_value
 
 
 def add_parsers(sub) -> None:
@@ -39,8 +39,18 @@ def add_parsers(sub) -> None:
     ex.add_argument(
         "--cuts", default="off", help="comma-separated quality cuts ('off': the paper's algorithm)"
     )
+    ex.add_argument(
+        "--twists",
+        default="off",
+        help="comma-separated twists (off, future-validity, lookahead): one row of each per mode and cut",
+    )
+    ex.add_argument(
+        "--grammar", default="dyck", help="the case: dyck (balanced brackets) or garden (an automaton)"
+    )
     ex.add_argument("--runs", type=int, default=2000, help="seeded runs per setting")
-    ex.add_argument("--seed", type=int, default=0, help="seed of the mock models and the runs")
+    ex.add_argument(
+        "--seeds", default="0", help="comma-separated seeds of the mock models and the runs: one table each"
+    )
     ex.add_argument("--plot", default=None, help="write the TV-against-N plot to this PNG")
     ex.set_defaults(run=_exactness)
 
@@ -48,6 +58,7 @@ def add_parsers(sub) -> None:
     js.add_argument("--tasks", default="flat,nested", help="comma-separated: flat, nested")
     js.add_argument("--methods", default=",".join(JSON_METHODS), help="comma-separated methods")
     side_by_side_args(js, max_new_tokens=96)
+    twist_arg(js)
     js.set_defaults(run=_compare_json)
 
 
@@ -115,28 +126,72 @@ def _exactness(args: argparse.Namespace) -> int:
     ns = csv(args.particles, int, "--particles")
     modes = csv(args.modes, str, "--modes")
     cuts = [cut_value(c) for c in csv(args.cuts, str, "--cuts")]
+    twists = [_twist(t) for t in csv(args.twists, str, "--twists")]
+    seeds = csv(args.seeds, int, "--seeds")
     if args.runs < 1 or min(ns) < 1:
         raise ValueError("--runs and every N must be at least 1")
     if args.plot:
         check_output_file(args.plot, "--plot")
-    from ..bench.grammar_exact import grammar_exactness, plot_exactness
+    from ..bench.grammar_exact import GRAMMARS, grammar_exactness, plot_exactness
 
-    rows, refs = grammar_exactness(ns, modes, cuts, runs=args.runs, seed=args.seed)
-    print(
-        f"{PROG} grammar-exactness: P_p(valid) = {refs['z']:.4f}; TV from p x phi of the local projection "
-        f"(AR / SD under the mask, exact) {refs['local_tv']:.3f}; of the engine's AR under the mask "
-        f"(sampled) {refs['ar_masked_tv']:.3f} (from the exact projection: {refs['ar_vs_local_tv']:.3f}); "
-        f"sampling noise at {args.runs} runs {refs['noise']:.3f}"
-    )
+    if args.grammar not in GRAMMARS:
+        raise ValueError(f"unknown --grammar {args.grammar!r}; choose from {', '.join(GRAMMARS)}")
+    tables = []
+    for seed in seeds:
+        rows, refs = grammar_exactness(
+            ns, modes, cuts, runs=args.runs, seed=seed, twists=twists, grammar=args.grammar
+        )
+        tables.append((seed, rows, refs))
+        print(
+            f"{PROG} grammar-exactness, {args.grammar}, seed {seed}: P_p(valid) = {refs['z']:.4f}; TV from "
+            f"p x phi of the local projection (AR / SD under the mask, exact) {refs['local_tv']:.3f}; of the "
+            f"engine's AR under the mask (sampled) {refs['ar_masked_tv']:.3f} (from the exact projection: "
+            f"{refs['ar_vs_local_tv']:.3f}); sampling noise at {args.runs} runs {refs['noise']:.3f}"
+        )
+        _table(rows, ns)
+    if len(seeds) > 1:
+        _summary(tables, ns)
+    if args.plot:
+        plot_exactness(tables[0][1], tables[0][2], args.plot)
+        print(f"wrote {args.plot} (seed {seeds[0]})")
+    return 0
+
+
+def _twist(text: str) -> str | None:
+    try:
+        return twist_value(text)
+    except argparse.ArgumentTypeError as err:
+        raise ValueError(f"--twists: {err}") from None
+
+
+def _table(rows, ns) -> None:
+    """One seed's rows: N down, methods across."""
     methods = list(dict.fromkeys(r.method for r in rows))
     print("| N | " + " | ".join(methods) + " |\n" + "|---" * (len(methods) + 1) + "|")
     for n in ns:
         cells = [_cell(next(r for r in rows if r.method == m and r.n == n)) for m in methods]
         print(f"| {n} | " + " | ".join(cells) + " |")
-    if args.plot:
-        plot_exactness(rows, refs, args.plot)
-        print(f"wrote {args.plot}")
-    return 0
+
+
+def _summary(tables, ns) -> None:
+    """Across seeds: each method's TV per seed, and how far above its seed's sampling noise."""
+    seeds = [s for s, _, _ in tables]
+    print(
+        f"\nTV from p x phi on every seed ({', '.join(map(str, seeds))}); in brackets the sampling noise of "
+        "each seed's runs, the floor no sampler goes under"
+    )
+    print(
+        "| method | N | " + " | ".join(f"seed {s}" for s in seeds) + " |\n" + "|---" * (len(seeds) + 2) + "|"
+    )
+    noise = " | ".join(f"({refs['noise']:.3f})" for _, _, refs in tables)
+    local = " | ".join(f"{refs['local_tv']:.3f}" for _, _, refs in tables)
+    print(f"| AR / SD under the mask (exact) | any | {local} |\n| sampling noise | | {noise} |")
+    for method in dict.fromkeys(r.method for r in tables[0][1]):
+        for n in ns:
+            tvs = [
+                next(r for r in rows if r.method == method and r.n == n).tv_global for _, rows, _ in tables
+            ]
+            print(f"| {method} | {n} | " + " | ".join(f"{tv:.3f}" for tv in tvs) + " |")
 
 
 def _cell(row) -> str:
@@ -156,8 +211,9 @@ def _compare_json(args: argparse.Namespace) -> int:
     pair = load_pair(args)
     from ..bench.json_tasks import TASKS, compare_json, summarize
 
-    config = smc_config(args)
-    total = args.repeats * len(methods) * sum(len(TASKS[t][2]) for t in tasks)
+    config = smc_config(args, twist=None)  # the twisted rows come as variants
+    rows = len(methods) + (args.twist is not None) * sum(m in ("smcsd", "smcsd_paper") for m in methods)
+    total = args.repeats * rows * sum(len(TASKS[t][2]) for t in tasks)
     with progress(total, "runs") as bar:
         done = [0]
 
@@ -165,7 +221,7 @@ def _compare_json(args: argparse.Namespace) -> int:
             done[0] += 1
             bar(done[0])
 
-        runs = compare_json(pair, tasks, methods, config, repeats=args.repeats, on_run=tick)
+        runs = compare_json(pair, tasks, methods, config, repeats=args.repeats, on_run=tick, twist=args.twist)
     print(
         f"N={args.particles}, K={args.block_size}, T={args.temperature}, cut {args.cut}, max "
         f"{args.max_new_tokens} new tokens, {args.dtype} on {args.device}, {args.repeats} repeat(s). "

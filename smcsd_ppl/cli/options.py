@@ -9,7 +9,7 @@ import argparse
 import dataclasses
 
 from ..config import DIVERGENCE_NAMES, PROPOSAL_NAMES, RESAMPLING_SCHEMES, SELECTIONS, SMCConfig
-from .util import cut_value
+from .util import cut_value, twist_value
 
 SMC_DEFAULTS = SMCConfig()  # one set of defaults for the API and the command line
 
@@ -80,6 +80,7 @@ def smc_args(p: argparse.ArgumentParser, *, seed: bool = True) -> None:
         help="what draws the blocks: the draft model, retrieval from the prompt and the output so far "
         "(no draft forward), their mixture, or auto (the schedule picks draft or retrieval by pass rate)",
     )
+    twist_arg(g)
     g.add_argument(
         "--ess-threshold", type=float, default=d.ess_threshold, help="resample when ESS < this x N"
     )
@@ -100,6 +101,19 @@ def smc_args(p: argparse.ArgumentParser, *, seed: bool = True) -> None:
         "--token-level",
         action="store_true",
         help="draft nothing: token-level SMC with the target as proposal (the baseline of SMC-SD's blocks)",
+    )
+
+
+def twist_arg(g) -> None:
+    """``--twist``: how a constraint's future validity guides SMC-SD (off by default)."""
+    g.add_argument(
+        "--twist",
+        type=twist_value,
+        default=SMC_DEFAULTS.twist,
+        metavar="{future-validity,lookahead,off}",
+        help="twist a constraint by its future validity (the chance a prefix can still be completed "
+        "validly): future-validity is exact where the target can be enumerated (a mock), else the "
+        "lookahead; lookahead estimates it one token ahead from the verify's own logits (default: off)",
     )
 
 

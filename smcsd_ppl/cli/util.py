@@ -169,6 +169,18 @@ def progress(total: int, unit: str):
         yield update
 
 
+def twist_value(text: str) -> str | None:
+    """``--twist``'s value: a twist's name (``config.TWIST_NAMES``), or ``off``."""
+    from ..config import TWIST_NAMES
+
+    name = text.strip().lower()
+    if name in ("off", "none"):
+        return None
+    if name not in TWIST_NAMES:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(TWIST_NAMES)} or 'off', got {text!r}")
+    return name
+
+
 def cut_value(text: str) -> float | None:
     """``--cut``'s value: a number, or ``off`` for the paper's uncut algorithm."""
     if text.strip().lower() in ("off", "none"):

@@ -32,11 +32,13 @@ class RowConstraint:
             renormalized); ``"critic"``: the draft samples freely and a block with an
             impossible token is cut before it and gets zero weight.
         context: the tokens the particle has generated so far.
+        lookahead: also estimate the future validity of the block's end (``ScoredBlock.log_future``).
     """
 
     constraint: Constraint
     mode: str
     context: tuple[int, ...]
+    lookahead: bool = False
 
     def __post_init__(self) -> None:
         check_constraint(self.constraint)
@@ -118,6 +120,8 @@ class ScoredBlock:
         stops: the particle ends here (an EOS, the budget, a dead end).
         dead: a constraint allowed nothing where the block ended.
         diverged: the quality cut ended the block.
+        log_future: the one-step estimate of log Phi at the block's end, where its
+            constraint asked for it (``RowConstraint.lookahead``) and the particle goes on.
     """
 
     row: int
@@ -129,6 +133,7 @@ class ScoredBlock:
     stops: bool
     dead: bool = False
     diverged: bool = False
+    log_future: float | None = None
 
     @property
     def tokens(self) -> list[int]:

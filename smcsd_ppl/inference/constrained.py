@@ -4,7 +4,9 @@ Both roles keep SMC-SD properly weighted for the target p^alpha x constraint:
 
 * proposal: q is restricted to allowed tokens and renormalized, so the drafted
   tokens' log q already is the proposal's density (the weight p/q_masked carries
-  the allowed mass of q);
+  the allowed mass of q). A weighted constraint tilts q by its factors as well (q times
+  the factor, renormalized): the draft proposes what the tilted target favours, and
+  the weight still reads the density it drew from;
 * critic: the draft samples freely and the constraint weighs the block: a block
   with an impossible token has weight zero. The row keeps only the valid prefix
   (nothing invalid is fed to later forwards) and the particle is resampled away.
@@ -42,6 +44,19 @@ def factors_for(pairs: Sequence[tuple[object, tuple[int, ...]]]) -> list[torch.T
     return _per_constraint(pairs, lambda c, contexts: c.next_log_weights(contexts))
 
 
+def masks_and_factors(
+    pairs: Sequence[tuple[object, tuple[int, ...]]],
+) -> tuple[list[torch.Tensor], dict[int, torch.Tensor]]:
+    """Every pair's mask, and the factors of the weighted constraints' pairs (by pair index).
+
+    A weighted constraint's mask is where its factors are finite: one call gives both.
+    """
+    weighted = [n for n, (c, _) in enumerate(pairs) if c.weighted]
+    factors = dict(zip(weighted, factors_for([pairs[n] for n in weighted])))
+    hard = iter(masks_for([p for n, p in enumerate(pairs) if n not in factors]))
+    return [torch.isfinite(factors[n]) if n in factors else next(hard) for n in range(len(pairs))], factors
+
+
 def _per_constraint(pairs, ask) -> list[torch.Tensor]:
     """``ask(constraint, contexts)`` once per distinct constraint, its rows put back in order."""
     out: list[torch.Tensor | None] = [None] * len(pairs)
@@ -77,6 +92,7 @@ class Masking:
         # the block ends there and the bonus is drawn from the target (a prefix-only cut).
         self.cut_at: dict[int, int] = {}
         self.history: dict[int, list[torch.Tensor]] = {}  # request index -> its mask at each position
+        self.tilts: dict[int, torch.Tensor] = {}  # request index -> its weighted factors [V] (latest)
         self.position = 0  # of the token the latest masks are for
         self.host_drafted: list[list[int]] = []  # drafted tokens per step, read once each
 
@@ -97,7 +113,8 @@ class Masking:
             self.host_drafted.append(d.tolist())
         steps = self.host_drafted[: len(drafted)]
         contexts = [(c.constraint, c.context + tuple(d[r] for d in steps)) for _, r, c in live]
-        masks = masks_for(contexts)
+        masks, factors = masks_and_factors(contexts)
+        self.tilts = {live[n][0]: f for n, f in factors.items()}
         out = {}
         for (i, _, _), mask, some in zip(live, masks, _nonempty(masks)):
             self.history.setdefault(i, []).append(mask)
@@ -108,7 +125,7 @@ class Masking:
         return out
 
     def restrict(self, q: torch.Tensor, allowed: dict[int, torch.Tensor]) -> None:
-        """Zero disallowed tokens of q ``[R, V]`` in place and renormalize, per row."""
+        """Zero disallowed tokens of q ``[R, V]`` in place, tilt by weighted factors, renormalize, per row."""
         items = [(i, r) for i, r, _ in self.items if i in allowed]
         if not items:
             return
@@ -117,6 +134,12 @@ class Masking:
         index = torch.tensor(rows, device=q.device)
         kept = q if every else q.index_select(0, index)
         kept.mul_(torch.stack([allowed[i] for i, _ in items]).to(q.device))  # one op for all rows
+        tilted = [(j, self.tilts[i]) for j, (i, _) in enumerate(items) if i in self.tilts]
+        if tilted:  # factors shifted by their largest: exp never overflows, the ratio is the same
+            at = torch.tensor([j for j, _ in tilted], device=q.device)
+            f = torch.stack([f for _, f in tilted]).to(q.device, q.dtype)
+            f = f - f.amax(-1, keepdim=True).clamp_min(torch.finfo(q.dtype).min)
+            kept.index_copy_(0, at, kept.index_select(0, at) * f.exp())
         total = kept.sum(-1, keepdim=True)
         kept.div_(total.clamp_min(torch.finfo(q.dtype).tiny))
         for j, ((i, _), ok) in enumerate(zip(items, (total[:, 0] > 0).tolist())):

@@ -24,6 +24,7 @@ import torch
 from llamppl import Model
 
 from ..potentials.constraints import Constraint
+from ..potentials.twist import Twister
 from .blocks import BlockRequest, CycleAnswer, CycleRequest, RowConstraint, ScoredBlock, check_constraint
 from .context import LMContext
 
@@ -77,7 +78,8 @@ class CycleBarrier:
 class Runtime:
     """What one step shares with the particles it steps (made by each step, bound to its copies).
 
-    ``generator`` is the step's host generator: token-level draws use it.
+    ``generator`` is the step's host generator: token-level draws use it; ``twist``: how
+    hard constraints are twisted by their future validity (None: they are not).
     """
 
     barrier: CycleBarrier
@@ -85,6 +87,7 @@ class Runtime:
     decode: Callable[[Sequence[int]], str]
     eos: frozenset[int]
     generator: torch.Generator
+    twist: Twister | None = None
 
 
 class SMCSDModel(Model):
@@ -178,7 +181,10 @@ class SMCSDModel(Model):
             context: the context to extend (default: the main context).
 
         Finishes the particle at an EOS token (drafted or bonus), when the context's
-        ``max_new_tokens`` is reached, or when the constraint allows nothing more.
+        ``max_new_tokens`` is reached, or when the constraint allows nothing more. Under the
+        run's ``twist`` a hard constraint is twisted by its future validity: exactly (the
+        constraint becomes a ``FutureValidity``), or by the cycle's one-step estimate, which
+        enters as ``self.twist`` and is divided out before the next step and at the end.
         """
         if self.finished:
             raise ValueError("a finished particle cannot extend")
@@ -190,8 +196,16 @@ class SMCSDModel(Model):
             )
         constraint = self.constraint if constraint is None else constraint
         check_constraint(constraint)
+        twist, lookahead = self.runtime.twist, False
+        if twist is not None and constraint is not None and not constraint.weighted:
+            if twist.exact:
+                constraint = twist.twisted(constraint, ctx.prompt_ids)
+            else:
+                lookahead = True
         row_constraint = (
-            None if constraint is None else RowConstraint(constraint, mode or self.mode, tuple(ctx.generated))
+            None
+            if constraint is None
+            else RowConstraint(constraint, mode or self.mode, tuple(ctx.generated), lookahead)
         )
         budget = self.runtime.max_new_tokens - len(ctx.generated)
         request = BlockRequest(ctx.row, budget, row_constraint, ctx.take_unsent(), ctx.mask)
@@ -204,6 +218,8 @@ class SMCSDModel(Model):
         self.score(block.log_weight)
         if block.stops:
             self.finish()
+        elif block.log_future is not None:
+            self.twist(block.log_future)
         return block
 
     # LLaMPPL's primitives, tracked so that a call a step forgot to await is reported.

@@ -24,6 +24,7 @@ import torch
 from .. import smc
 from ..config import DraftRecord, SMCConfig
 from ..ends import row_ends
+from ..potentials.twist import Twister
 from ..proposals.blocks import RequestIndex
 from . import proposing
 from .blocks import CycleAnswer, CycleRequest, ScoredBlock
@@ -85,6 +86,7 @@ class SMCSDKernel:
             getattr(store.draft, "n_params", None), getattr(store.target, "n_params", None)
         )
         self.row_cost = row_position_cost(store.device.type, getattr(store.target, "row_position_cost", None))
+        self.twisters: dict[tuple, Twister] = {}
 
     def settings(self, pop: Population) -> SMCConfig:
         """A request's own settings (the run's unless it was admitted with others)."""
@@ -234,7 +236,18 @@ class SMCSDKernel:
     def _runtime(self, pop: Population, barrier: CycleBarrier) -> Runtime:
         """What a request's particles share in a step: the barrier, its budget, its token-level draws."""
         generator = host_generator(mix64(step_key(pop.seed, pop.cycles + 1)) >> 1)
-        return Runtime(barrier, self.settings(pop).max_new_tokens, self.decode, self.eos, generator)
+        c = self.settings(pop)
+        return Runtime(barrier, c.max_new_tokens, self.decode, self.eos, generator, self._twister(c))
+
+    def _twister(self, c: SMCConfig) -> Twister | None:
+        """The twist of requests with settings ``c`` (one per setting: its dynamic programmes are kept)."""
+        if c.twist is None:
+            return None
+        key = (c.twist, c.target_temperature, c.alpha, c.max_new_tokens)
+        if key not in self.twisters:
+            exact = c.twist == "future-validity"
+            self.twisters[key] = Twister(self.store.target, *key[1:], exact=exact)
+        return self.twisters[key]
 
     def _plan(self, pop: Population, slot: int, context: int, ctx) -> RowPlan:
         """A live row's plan for the step: its draft length and proposal, its draws' key, temperatures."""

@@ -24,6 +24,7 @@ EXTRA_FIELDS = {
     "draft_temperature": "draft_temperature",
     "ignore_eos": "ignore_eos",
     "proposal": "proposal",
+    "twist": "twist",  # "future-validity" or "lookahead"; "off" (or null) for none
 }
 CONSTRAINT_FIELDS = ("regex", "grammar")  # extra fields: the constraint's text
 MAX_CHOICES = 32  # prompts x n of one HTTP request
@@ -141,6 +142,8 @@ def _config(body: dict, base: SMCConfig) -> SMCConfig:
     for name, field in EXTRA_FIELDS.items():
         if body.get(name) is not None:
             changes[field] = (name, body[name])
+    if changes.get("twist", (None, None))[1] == "off":
+        changes["twist"] = ("twist", None)
     budget = next((k for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None), None)
     if budget:
         changes["max_new_tokens"] = (budget, body[budget])
