@@ -16,10 +16,10 @@ import math
 
 import pytest
 import torch
+from smcsd_ppl.inference.loop import run_smc_sd
 
 from smcsd_ppl.bench import grammar_exact as ge
 from smcsd_ppl.config import SMCConfig
-from smcsd_ppl.inference.loop import run_smc_sd
 from smcsd_ppl.inference.program import SMCSDModel
 from smcsd_ppl.inference.rows import RowStore
 from smcsd_ppl.potentials.twist import FutureValidity, lm_step
