@@ -211,23 +211,10 @@ class SMCSD:
             engine.close()
 
     def use_draft_backend(self, draft_lm: BatchedLM) -> None:
-        """Draft with another backend from the next call on (a mixture, an adapter).
-
-        Only before the first SMC-SD call: a running engine holds the old pair's rows.
-        """
+        """Draft with another backend from the next call on (a mixture, an adapter): before any SMC-SD."""
         if self._engine is not None:
             raise RuntimeError("use_draft_backend must come before the pair's first SMC-SD call")
-        c = self.core
-        self.core = PairCore(
-            c.target_lm,
-            draft_lm,
-            tokenizer=c.tokenizer,
-            eos_token_ids=c.eos_token_ids,
-            chat=c.chat,
-            target=c.target,
-            draft=c.draft,
-            backend=c.backend,
-        )
+        self.core = self.core.with_draft(draft_lm)
 
     def call(self, fn: Callable[[], object]) -> object:
         """``fn()`` on the torch thread with the pair's rows to itself (the batch drains first)."""

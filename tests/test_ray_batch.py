@@ -71,15 +71,28 @@ def outputs(path: Path) -> dict:
     return by_id
 
 
+def assert_same(got: dict, want: dict) -> None:
+    """The same records: every token and count equal; floats (log Z, ESS) to float32's rounding,
+    which other batch shapes move in the sixth digit."""
+    assert got.keys() == want.keys()
+    for pid, record in want.items():
+        assert got[pid].keys() == record.keys(), pid
+        for field, value in record.items():
+            if isinstance(value, float):
+                assert got[pid][field] == pytest.approx(value, rel=1e-4, abs=1e-5), (pid, field)
+            else:
+                assert got[pid][field] == value, (pid, field)
+
+
 def test_two_workers_write_the_one_process_records(cluster, prompts_file, one_process, tmp_path):
     out = tmp_path / "ray.jsonl"
     argv = ["batch", str(prompts_file), "--out", str(out), *SETTINGS, "--ray", "--workers", "2"]
     assert main([*argv, "--prompts-per-batch", "2"]) == 0
-    assert outputs(out) == one_process
+    assert_same(outputs(out), one_process)
     assert len({r["seed"] for r in one_process.values()}) == len(TEXTS)
     # Rerun: everything resumed (the settings still checked, by a worker), nothing written twice.
     assert main(argv) == 0
-    assert outputs(out) == one_process
+    assert_same(outputs(out), one_process)
     # Other settings: refused in one line before anything is written.
     size = out.stat().st_size
     assert main([*argv, "--seed", "1"]) == 2
@@ -103,7 +116,7 @@ def test_a_killed_worker_and_an_interrupted_driver_lose_nothing(cluster, prompts
     assert killed and len(out.read_text().splitlines()) == 4  # Ray restarted the actor and reran its batch
     summary = run_batch_on_ray(load, prompts, out, CONFIG, pool=POOL)
     assert summary.resumed == 4 and len(summary.records) == len(TEXTS)
-    assert outputs(out) == one_process
+    assert_same(outputs(out), one_process)
 
 
 def _kill_one_actor() -> int:

@@ -20,9 +20,9 @@ from ray import serve  # noqa: E402
 
 from smcsd_ppl.cli import build_parser, serve_ray  # noqa: E402
 from smcsd_ppl.cli.loading import load_pair  # noqa: E402
-from smcsd_ppl.cli.options import smc_config  # noqa: E402
-from smcsd_ppl.cli.server import serving_app  # noqa: E402
+from smcsd_ppl.cli.serve import serve_settings  # noqa: E402
 from smcsd_ppl.serving.server import BackgroundServer  # noqa: E402
+from smcsd_ppl.serving.settings import build_server  # noqa: E402
 
 REQUESTS = 16
 SETTINGS = [
@@ -66,7 +66,7 @@ def answers(url: str) -> list[dict]:
 def single_process_answers():
     args = build_parser().parse_args(["serve", *SETTINGS])
     pair = load_pair(args)
-    with BackgroundServer(serving_app(pair, smc_config(args), args)) as server:
+    with BackgroundServer(build_server(serve_settings(args, engine="thread"), pair)) as server:
         return answers(server.url)
 
 
@@ -75,7 +75,7 @@ def test_two_replicas_answer_each_request_once_as_one_process_does(single_proces
     args = build_parser().parse_args(["serve", "--ray", "--replicas", "2", "--port", str(port), *SETTINGS])
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        url = serve_ray.start(args)
+        url = serve_ray.start(args, serve_settings(args, engine="thread"))
         replicas = serve.status().applications["smcsd"].deployments["smcsd"].replica_states
         assert replicas.get("RUNNING") == 2, replicas
         got = answers(url)

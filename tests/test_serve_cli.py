@@ -8,6 +8,8 @@ import signal
 import socket
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -70,3 +72,43 @@ def test_serve_prints_where_it_serves_answers_and_stops_on_ctrl_c():
         server.send_signal(signal.SIGINT)
         _out, err = server.communicate(timeout=60)
     assert server.returncode == 0 and err.rstrip().endswith("stopped"), err
+
+
+def _gauge(url: str, name: str) -> float:
+    text = httpx.get(url.removesuffix("/v1") + "/metrics", timeout=10).text
+    found = re.search(rf"^smcsd_{name} (\S+)$", text, re.M)
+    return float(found.group(1)) if found else -1.0
+
+
+@pytest.mark.slow
+def test_sigterm_drains_eight_running_requests_and_exits_0():
+    """New requests get 503; the eight running end with their text and a finish reason; exit 0."""
+    env = os.environ | {"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, "-m", "smcsd_ppl", "serve", "--port", "0", "--dtype", "float32"]
+    command += ["--particles", "2", "--max-new-tokens", "300", "--grace-seconds", "2"]
+    server = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=ROOT, text=True
+    )
+    try:
+        url = re.search(r"at (http://\S+/v1)", server.stdout.readline()).group(1)
+        ask = {"prompt": "Tell a long story about a dragon.", "max_tokens": 300, "ignore_eos": True}
+        with ThreadPoolExecutor(8) as pool:
+            replies = [
+                pool.submit(httpx.post, f"{url}/completions", json=ask | {"seed": i}, timeout=300)
+                for i in range(8)
+            ]
+            deadline = time.monotonic() + 120
+            while _gauge(url, "requests_running") < 8 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert _gauge(url, "requests_running") == 8
+            server.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+            late = httpx.post(f"{url}/completions", json=ask, timeout=60)
+            assert late.status_code == 503, late.text
+            answers = [r.result().json()["choices"][0] for r in replies]
+        _out, err = server.communicate(timeout=120)
+    finally:
+        server.kill()
+    assert server.returncode == 0, err
+    assert all(a["text"] and a["finish_reason"] in ("length", "abort") for a in answers), answers
+    assert any(a["finish_reason"] == "abort" for a in answers)  # 300 tokens take longer than the grace

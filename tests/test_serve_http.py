@@ -286,10 +286,13 @@ def test_api_key_body_size_full_queue_and_shutdown(tiny_smcsd):
         error_of(client.post("/v1/completions", json={"prompt": "x" * 3000}, headers=key), 413)
         # rows for one, one slot in the queue: of many at once, some are refused, the rest finish
         ask = {"prompt": "The sun", "max_tokens": 40}
-        codes = []
+        codes, waits = [], []
 
         def call():
-            codes.append(client.post("/v1/completions", json=ask, headers=key).status_code)
+            reply = client.post("/v1/completions", json=ask, headers=key)
+            codes.append(reply.status_code)
+            if reply.status_code == 429:
+                waits.append(reply.headers.get("retry-after"))
 
         threads = [threading.Thread(target=call) for _ in range(8)]
         for t in threads:
@@ -297,6 +300,7 @@ def test_api_key_body_size_full_queue_and_shutdown(tiny_smcsd):
         for t in threads:
             t.join()
         assert 429 in codes and 200 in codes and set(codes) <= {200, 429}, codes
+        assert waits and all(w == "1" for w in waits), waits  # a refusal says when to come back
         assert counter(client, "smcsd_requests_total", 'outcome="rejected"') >= codes.count(429)
         wait_idle(client)
     # after shutdown the engine refuses work

@@ -16,10 +16,10 @@ import math
 
 import pytest
 import torch
-from smcsd_ppl.inference.loop import run_smc_sd
 
 from smcsd_ppl.bench import grammar_exact as ge
 from smcsd_ppl.config import SMCConfig
+from smcsd_ppl.engine.run import run_smc_sd
 from smcsd_ppl.inference.program import SMCSDModel
 from smcsd_ppl.inference.rows import RowStore
 from smcsd_ppl.potentials.twist import FutureValidity, lm_step
@@ -127,6 +127,7 @@ def test_the_twists_mutants_fail_the_bound_the_twist_passes(grammar, mutant):
     assert tv > EXACT_BOUND, (mutant.__name__, tv)
 
 
+@pytest.mark.slow  # a comparison of two estimates (100 s); exactness and mutants stay in the fast tier
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("grammar", ["dyck", "garden"])
 def test_the_one_step_lookahead_beats_smcsd_without_a_twist(grammar, seed):

@@ -101,7 +101,7 @@ def _objective_args(g) -> None:
         "--objective-temperature",
         type=float,
         default=1.0,
-        help="chi2, renyi2: T of both models: the temperature SMC-SD will sample at (default 1)",
+        help="chi2, renyi2: T of both models: the temperature SMC-SD will sample at (default: %(default)s)",
     )
     g.add_argument(
         "--cut",

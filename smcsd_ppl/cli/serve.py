@@ -49,7 +49,7 @@ def server_args(p: argparse.ArgumentParser) -> None:
         type=float,
         default=30.0,
         help="on SIGTERM or Ctrl-C: new requests get 503, running ones may finish for this long, then "
-        "end with their text so far and finish_reason 'abort' (default 30)",
+        "end with their text so far and finish_reason 'abort' (default: %(default)s)",
     )
     g.add_argument(
         "--engine",

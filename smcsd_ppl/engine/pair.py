@@ -79,6 +79,19 @@ class PairCore:
             return self._encode
         return lambda prompt: encode_prompt(self.tokenizer, prompt, chat=self.chat)
 
+    def with_draft(self, draft_lm: BatchedLM) -> PairCore:
+        """This pair with another draft backend, over a new row store."""
+        return PairCore(
+            self.target_lm,
+            draft_lm,
+            tokenizer=self.tokenizer,
+            eos_token_ids=self.eos_token_ids,
+            chat=self.chat,
+            target=self.target,
+            draft=self.draft,
+            backend=self.backend,
+        )
+
     def decode(self, ids: Sequence[int]) -> str:
         """Text of token ids (special tokens dropped), up to its last whole character.
 

@@ -129,7 +129,8 @@ def refusal(err: BaseException) -> APIError:
     if isinstance(err, APIError):
         return err
     if isinstance(err, QueueFull):
-        return APIError(429, f"the queue is full, try again later: {err}", code="queue_full")
+        # A row frees within a few cycles (a second or so on a CPU): ask clients back after one.
+        return APIError(429, f"the queue is full, try again later: {err}", code="queue_full", retry_after=1)
     if isinstance(err, (EngineClosed, RequestCancelled)):
         return APIError(503, f"the server is shutting down: {err}", code="shutting_down")
     if isinstance(err, ValueError):
@@ -168,7 +169,7 @@ def build_app(
 
     @app.exception_handler(APIError)
     async def api_error(_request, err: APIError):
-        return JSONResponse(err.body(), status_code=err.status)
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
 
     @app.exception_handler(HTTPException)
     async def http_error(_request, err: HTTPException):  # unknown routes and methods

@@ -24,11 +24,25 @@ class APIError(Exception):
         message: one line for the caller.
         param: the body field at fault, if one is.
         code: a short machine-readable reason (``"queue_full"``, ``"model_not_found"``, ...).
+        retry_after: seconds after which the same request may succeed (sent as ``Retry-After``).
     """
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: int | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, " ".join(message.split()), param, code
+        self.retry_after = retry_after
+
+    def headers(self) -> dict[str, str]:
+        """The response's extra headers."""
+        return {} if self.retry_after is None else {"Retry-After": str(self.retry_after)}
 
     def body(self) -> dict:
         """The JSON body of the response."""
