@@ -62,7 +62,7 @@ from llamppl import (
 
 from .api import SMCSD
 from .config import SMCConfig
-from .engine.run import final_populations
+from .engine.run import core_over, final_populations
 from .inference.context import LMContext
 from .inference.program import SMCSDModel as Model
 from .inference.record import Recorder, write_record
@@ -256,18 +256,8 @@ async def _run(lm: CachedCausalLM, model: Model, config: SMCConfig, **kwargs) ->
     def run() -> list[Model]:
         lm.running = True
         try:
-            _, [pop] = asyncio.run(
-                final_populations(
-                    [model],
-                    pair.rows(),
-                    config,
-                    eos,
-                    record=pair.draft_record,
-                    encode=lm.encode,
-                    decode=pair.decode,
-                    **kwargs,
-                )
-            )
+            core = core_over(pair.rows(), config, eos, pair.decode, lm.encode, pair.draft_record)
+            [pop] = asyncio.run(final_populations(core, [model], config, **kwargs))
         finally:
             lm.running = False
         return final_particles(pop)

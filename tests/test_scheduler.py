@@ -16,6 +16,7 @@ from helpers import EOS, config, exact_target, marginal_tv, mock_pair, total_var
 from smcsd_ppl.config import SMCConfig
 from smcsd_ppl.engine.client import Engine, EngineClosed, QueueFull, RequestCancelled, ServeRequest
 from smcsd_ppl.engine.pair import PairCore
+from smcsd_ppl.inference.rows import RowStore
 from smcsd_ppl.inference.streams import RowStreams
 
 PROMPTS = ([0, 1], [2], [1, 1, 0], [2, 0])
@@ -24,7 +25,7 @@ PROMPTS = ([0, 1], [2], [1, 1, 0], [2, 0])
 def MockPair() -> PairCore:
     """A pair core over the mock target and draft (token ids as letters)."""
     target, draft = mock_pair(rare_eos=True)
-    return PairCore(target, draft, eos_token_ids=[EOS], decode=lambda ids: "".join("abcd"[t] for t in ids))
+    return PairCore.over(RowStore(target, draft), [EOS], decode=lambda ids: "".join("abcd"[t] for t in ids))
 
 
 def settings(seed: int, **kw) -> SMCConfig:

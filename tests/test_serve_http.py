@@ -404,3 +404,22 @@ def test_shutdown_lets_a_running_request_finish_then_closes_the_engine(tiny_smcs
         assert stats.rows_in_use == stats.running == stats.queued == 0
         with pytest.raises(EngineClosed):
             engine.submit(ServeRequest([5, 6], UNENDING))
+
+
+def test_a_round_of_the_fault_load_test_finds_a_sound_server(tiny_smcsd):
+    """`smcsd load-test --faults` at CI size: every fault its 4xx, no 5xx or hang, idle after."""
+    from smcsd_ppl.bench import faults
+
+    with owned(tiny_smcsd, DEFAULTS, max_queue=4, max_rows=32) as engine:
+        app = build_app(engine, model_name=MODEL, defaults=DEFAULTS)
+        with BackgroundServer(app) as server:
+            target = faults.Server(server.url, MODEL, max_tokens=6)
+            records = faults.run_round(target, clients=4, per_client=6, burst=12, seed=3, timeout=120)
+            rounds = [{"round": 1, "gauges": faults.gauges_after(target)}]
+    rows = {r["kind"]: r for r in faults.summarize(records)}
+    assert not faults.problems(list(rows.values()), rounds)
+    expected = {"not_json": "400", "bad_schema": "422", "unknown_model": "404", "huge_prompt": "400"}
+    for kind, code in expected.items():
+        if kind in rows:
+            assert set(rows[kind]["codes"]) == {code}, rows[kind]
+    assert set(rows["burst"]["codes"]) <= {"200", "429"} and "200" in rows["burst"]["codes"]

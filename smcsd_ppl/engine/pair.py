@@ -42,8 +42,6 @@ class PairCore:
         chat: bool = True,
         target: LoadedModel | None = None,
         draft: LoadedModel | None = None,
-        decode: Callable[[Sequence[int]], str] | None = None,
-        encode: Callable[[str], list[int]] | None = None,
         backend: str = "hf",
     ) -> None:
         self.backend = backend
@@ -52,7 +50,9 @@ class PairCore:
         self.tokenizer, self.chat = tokenizer, chat
         self.eos_token_ids = [int(e) for e in eos_token_ids]
         self.target, self.draft = target, draft
-        self._decode, self._encode = decode, encode
+        # A tokenizer's decode and encode, unless ``over`` was given its own (a mock's).
+        self._decode: Callable[[Sequence[int]], str] | None = None
+        self._encode: Callable[[str], list[int]] | None = None
         self._facts: PairFacts | None = None
         # What SMC-SD's adaptive drafting knows of this draft before a request: a value each
         # request starts from and none changes (assign a learned one to change it).
@@ -68,8 +68,8 @@ class PairCore:
         encode: Callable[[str], list[int]] | None = None,
     ) -> PairCore:
         """A core over an existing row store (a custom loop's, a test's)."""
-        core = cls(store.target, store.draft, eos_token_ids=eos_token_ids, decode=decode, encode=encode)
-        core.store = store
+        core = cls(store.target, store.draft, eos_token_ids=eos_token_ids)
+        core.store, core._decode, core._encode = store, decode, encode
         return core
 
     @property

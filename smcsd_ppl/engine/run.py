@@ -39,37 +39,36 @@ async def run_requests(core: EngineCore, requests: Sequence[Request]) -> list[Po
 
 
 def core_over(store: RowStore, config: SMCConfig, eos: Sequence[int], decode, encode, record) -> EngineCore:
-    """An engine core over ``store`` whose batch runs ``config``, with no row limit of its own."""
+    """An engine core over ``store`` whose batch runs ``config``, with no row limit of its own.
+
+    ``decode`` and ``encode``: text of ids and ids of text (default: ids as text, no encode);
+    ``record``: what is known of the draft before the run.
+    """
     pair = PairCore.over(store, eos, decode=decode or _ids_text, encode=encode)
     pair.draft_record = record
     return EngineCore(pair, config, max_rows=2**62)
 
 
 async def final_populations(
+    core: EngineCore,
     programs: Sequence[SMCSDModel],
-    store: RowStore,
     config: SMCConfig,
-    eos: Sequence[int],
     *,
-    record: DraftRecord | None = None,
-    encode: Callable[[str], list[int]] | None = None,
-    decode: Callable[[Sequence[int]], str] | None = None,
     on_cycle: Callable[[StepInfo], None] | None = None,
     reshape: Reshape | None = None,
-) -> tuple[EngineCore, list[Population]]:
-    """Run ``programs`` as one batch over ``store``, request i seeded ``request_seed(config.seed, i)``.
+) -> list[Population]:
+    """Run ``programs`` as one batch of ``core``, request i seeded ``request_seed(config.seed, i)``.
 
-    Returns the core that ran them and their final populations, in order. ``on_cycle`` is
-    called after every step (these requests, in order); ``reshape`` changes every request's
+    Returns their final populations, in order, and closes the core. ``on_cycle`` is called
+    after every step (these requests, in order); ``reshape`` changes every request's
     population around each step (``inference.steer.Steering``).
     """
-    core = core_over(store, config, eos, decode, encode, record or DraftRecord())
     requests = [
         Request(p, config, request_seed(config.seed, i), observer=on_cycle, reshape=reshape)
         for i, p in enumerate(programs)
     ]
     try:
-        return core, await run_requests(core, requests)
+        return await run_requests(core, requests)
     finally:
         core.close()
 
@@ -95,10 +94,12 @@ async def smc_sd(
         config: the run's settings.
         eos: EOS ids in force.
         record: what is known of the draft before the run (default: nothing; it probes).
-        kwargs: ``encode``, ``decode``, ``on_cycle``, ``reshape``, as ``final_populations`` takes them.
+        kwargs: ``encode`` and ``decode`` (text of the programs' strings; default: ids as
+            text), ``on_cycle`` and ``reshape`` (as ``final_populations`` takes them).
     """
     record = record or DraftRecord()
-    core, pops = await final_populations(programs, store, config, eos, record=record, **kwargs)
+    core = core_over(store, config, eos, kwargs.pop("decode", None), kwargs.pop("encode", None), record)
+    pops = await final_populations(core, programs, config, **kwargs)
     return [result_of(pop, core.kernel, record) for pop in pops]
 
 
