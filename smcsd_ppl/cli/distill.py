@@ -347,20 +347,20 @@ def _measure_draft(pair, texts: list[str], max_new_tokens: int, config, tv_cut: 
     from ..distill.data import greedy_examples
 
     prompts = [pair.encode(t) for t in texts]
+    target, draft = pair.target.model, pair.draft.model
+    # Model work on the pair's torch thread, as its calls run: one OpenMP team in the process.
     with progress(len(prompts), "prompts") as bar:
-        examples = greedy_examples(
-            pair.target.model,
-            prompts,
-            eos_ids=pair.eos_token_ids,
-            max_new_tokens=max_new_tokens,
-            on_progress=bar,
+        examples = pair.call(
+            lambda: greedy_examples(
+                target, prompts, eos_ids=pair.eos_token_ids, max_new_tokens=max_new_tokens, on_progress=bar
+            )
         )
     result = {"prompts": len(texts), "draft": pair.draft.name, "target": pair.target.name}
-    result |= match_metrics(pair.target.model, pair.draft.model, examples, cut=tv_cut) | {"pass_cut": tv_cut}
+    result |= pair.call(lambda: match_metrics(target, draft, examples, cut=tv_cut)) | {"pass_cut": tv_cut}
     if config is not None:
         with progress(len(texts), "SMC-SD runs") as bar:
             result |= smc_metrics(pair, texts, config, on_progress=bar)
-    result |= {f"cost_{k}": v for k, v in forward_cost(pair.target.model, pair.draft.model).items()}
+    result |= {f"cost_{k}": v for k, v in pair.call(lambda: forward_cost(target, draft)).items()}
     return result
 
 

@@ -160,6 +160,9 @@ def _engine_main(conn, spec, base: SMCConfig, max_rows: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server stops us (a terminal's Ctrl-C reaches both)
     torch_thread().adopt()  # this thread runs every torch operation of the process
     try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # the parent shows its own status line
         with warnings.catch_warnings(record=True) as caught:  # the parent says them, not our stderr
             warnings.simplefilter("always")
             pair = spec.load()
