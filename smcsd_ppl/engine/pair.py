@@ -22,13 +22,11 @@ class PairCore:
     Args:
         target_lm: the target's batched backend.
         draft_lm: the draft's (same vocabulary, same device).
-        tokenizer: the shared tokenizer (None: token-id prompts only, ``decode`` given).
+        tokenizer: the shared tokenizer (None: token-id prompts only, a decode given to ``over``).
         eos_token_ids: the target's EOS ids.
         chat: wrap text prompts in the tokenizer's chat template when it has one.
         target: the loaded target (None for backends built without PyTorch models).
         draft: the loaded draft, likewise.
-        decode: token ids -> text, for pairs without a tokenizer (mock backends).
-        encode: text -> token ids, instead of the tokenizer's.
         backend: what runs the models (``"hf"``, ``"vllm"``, or a test's name).
     """
 
