@@ -74,16 +74,17 @@ class SMCSD:
                 f"draft {draft.name!r} and target {target.name!r} use different tokenizers; "
                 "SMC-SD and speculative sampling need the same vocabulary"
             )
-        target_lm, draft_lm = torch_thread().run(
-            functools.partial(
-                batched_pair,
-                target,
-                draft,
-                backend=backend,
-                max_cache_bytes=max_cache_bytes,
-                vllm_options=vllm_options,
-            )
+        build = functools.partial(
+            batched_pair,
+            target,
+            draft,
+            backend=backend,
+            max_cache_bytes=max_cache_bytes,
+            vllm_options=vllm_options,
         )
+        # vLLM's engines start on the calling thread (some of its versions install signal handlers,
+        # which only the main thread may); PyTorch backends on the torch thread, as every call.
+        target_lm, draft_lm = build() if backend == "vllm" else torch_thread().run(build)
         self.core = PairCore(
             target_lm,
             draft_lm,
@@ -121,7 +122,8 @@ class SMCSD:
         """
         set_threads(threads)
         watch = LoadWatch()
-        pair = torch_thread().run(functools.partial(cls._built, target, draft, device, dtype, kwargs))
+        built = functools.partial(cls._built, target, draft, device, dtype, kwargs)
+        pair = built() if kwargs.get("backend") == "vllm" else torch_thread().run(built)  # see __init__
         load = watch.stop() if str(device).startswith("cpu") and not chosen_by_user(threads) else None
         if load is not None and load.busy:
             note = f"{load.describe()}; pass threads=N to SMCSD.load, or set OMP_NUM_THREADS, to choose"
