@@ -21,8 +21,8 @@ def test_unknown_proposals_are_probed_side_by_side_only_where_retrieval_knows_so
     fresh = schedule_from(DraftRecord(), 8, 6, True, 0.4, BOTH, 0.05)
     assert fresh.advanced(retrievable=True).plan == (("draft", 4), ("retrieval", 8))
     assert fresh.advanced(retrievable=False).plan == (("draft", 4),)  # exactly as before
-    # Rows cost more: the draft is still probed (a request starting with the target alone
-    # draws its first token wrongly: a known bug), and retrieval beside it.
+    # Rows cost more: the draft is still probed (a seed's first cycle is the same on every
+    # machine), and retrieval beside it.
     costly = schedule_from(DraftRecord(), 8, 6, True, 0.4, BOTH, 0.1)
     assert costly.advanced(retrievable=True).plan == (("draft", 4), ("retrieval", 8))
 

@@ -199,8 +199,8 @@ class DraftSchedule:
         if self.draft_off:  # no drafting, no new evidence: stay
             return 0
         if self.probing:
-            # Always probed, even where a draft could not pay: a request that starts with the
-            # target alone draws its first token at the wrong temperature (a known bug, open).
+            # Probed even where no draft could pay (a CPU's r = 0.4): then a seed's first cycle,
+            # and so its answer, does not hang on the machine's cost estimate (docs/algorithm.md).
             return max(1, self.block_size // 2)
         return self._best(self.passed / (self.passed + self.failed), self.cost)
 
