@@ -162,12 +162,6 @@ def _leads(store, requests, c: SMCConfig, eos, flush: Flush) -> dict[int, Lead]:
     factor = constrained.next_factors([requests[i].constraint for i in todo], logits.shape[-1], logits.device)
     lead, log_z = draw_restricted(logits, c.alpha, factor, flush.uniforms[rows, 0])
     tokens, log_z = lead.tolist(), log_z.tolist()  # one host read
-    # A lookahead row draws its lead by the future validity each token leaves, where few may come.
-    ask = [j for j, i in enumerate(todo) if _looks_ahead(requests[i])]
-    asks = [(requests[todo[j]].constraint.constraint, requests[todo[j]].constraint.context) for j in ask]
-    for j, d in zip(ask, lookahead.lookahead_draws(asks, logits[ask], flush.uniforms[rows, 0][ask], c.alpha)):
-        if d is not None:
-            tokens[j], log_z[j] = d[0], d[1] - d[2]  # the mass drawn from over Phi-hat of the lead
     out = {}
     for j, i in enumerate(todo):
         r, t, w = requests[i], tokens[j], log_z[j]
@@ -178,12 +172,6 @@ def _leads(store, requests, c: SMCConfig, eos, flush: Flush) -> dict[int, Lead]:
             ended = ScoredBlock(r.row, t, (), 0, None, w, True, dead=w == -math.inf)
         out[i] = Lead(t, w, ended)
     return out
-
-
-def _looks_ahead(request: BlockRequest) -> bool:
-    """Whether a request's lead is drawn by lookahead: it asks, and no observation masks it."""
-    c = request.constraint
-    return c is not None and c.lookahead and request.mask is None
 
 
 def _after_lead(request: BlockRequest, lead: Lead | None) -> BlockRequest:
@@ -231,18 +219,16 @@ def _blocks(
     log_w = verdict.log_w.tolist()
     if any(math.isnan(w) for w in log_w):  # NaN logits show here, already on the host
         store.check_finite()
-    bonus, log_w, futures = lookahead.look_ahead(
-        drafted, kept, bonus, has_bonus, log_w, verdict.bonus_log_z.tolist(), logits, u[rows, -1], c.alpha
-    )
     out, nexts = [], []
     for i, b in enumerate(drafted):
         nxt = bonus[i] if has_bonus[i] else None
         ends = bool(dead[i]) or row_ends(nxt, kept[i] + 1, b.budget, eos)
         block = ScoredBlock(b.row, None, tuple(b.tokens), kept[i], nxt, log_w[i], ends, bool(dead[i]))
-        out.append(replace(block, diverged=bool(diverged[i]), log_future=None if ends else futures[i]))
+        out.append(replace(block, diverged=bool(diverged[i])))
         nexts.append(None if ends else nxt)  # an ending row queues nothing and leaves
     store.commit(rows, [b.tokens for b in drafted], kept, nexts, [b.fed for b in drafted], hidden)
-    return out
+    futures = lookahead.look_ahead(store, drafted, kept, nexts, flush.target_t, c.alpha)
+    return [replace(b, log_future=f) for b, f in zip(out, futures)]
 
 
 def block_batch(
