@@ -61,8 +61,9 @@ class SMCConfig:
             ``"future-validity"``: Phi exact by dynamic programming where the target's
             next-token law can be read for any context (a mock), which tilts the draft and
             the target's draws by it; elsewhere as ``"lookahead"``. ``"lookahead"``: a one-step
-            estimate of Phi from the logits the verify already has, as a LLaMPPL twist on each
-            block's end. Either way the twist cancels at the end; it does nothing without a
+            estimate of Phi, the target's allowed mass after each block's end (one forward of
+            one position, whose law the next block's first token is drawn from), as a LLaMPPL
+            twist on the block's end. Either way the twist cancels at the end; it does nothing without a
             constraint.
     """
 

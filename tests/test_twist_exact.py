@@ -4,7 +4,7 @@ The cases are the mock grammars of ``smcsd_ppl.bench.grammar_exact`` (balanced b
 an automaton with a garden path), where locally masked decoding lands 0.4-0.95 (TV) from the
 grammar-conditional law p x phi / Z. With the exact twist (Phi by dynamic programming) the
 returned outputs must come within 0.05 of that law at N = 8; with the one-step lookahead (the
-estimate a real pair gets: the verify's own logits, no extra forward) they must come closer than
+estimate a real pair gets: the target's law after each block) they must come closer than
 SMC-SD without a twist, seed for seed. The mutants (the twist not cancelled at the end; Phi
 ignored) must fail the exact bound.
 """

@@ -21,7 +21,7 @@ next-token law (``step``), which needs that law at any context: exact for a boun
 grammar on an enumerable target (a mock; ``depth=None``), a k-step lookahead estimate
 otherwise (``depth=k``: the chance that the next k tokens stay allowed). On a real pair,
 where each context costs a forward, the run's ``twist`` setting uses a one-step estimate
-from the logits the verify already has instead (``inference.cycle``).
+after each block instead (``inference.lookahead``).
 """
 
 from __future__ import annotations
