@@ -33,6 +33,9 @@ RUNS = 1000  # sampling noise at these runs: 0.010-0.016 TV (``ge.sampling_noise
 EXACT_BOUND = 0.05  # the bar for the exact twist at N = 8
 N = 8
 CUT = 0.3  # the library's default quality cut
+# Z-pooled particles (8,000 of them) of proper weights come within 0.011 of the exact law here;
+# a lookahead twist left in the weights lands at 0.043, under the exact twist's bar above.
+POOLED_BOUND = 0.025
 
 
 def case(grammar: str, seed: int):
@@ -165,12 +168,12 @@ def pooled(program, twist: str, runs: int = 2000) -> tuple[float, float, float]:
 @pytest.mark.parametrize("twist", ["future-validity", "lookahead"])
 def test_twisted_weights_stay_proper_and_keep_the_evidence(twist):
     tv, z, se = pooled(SMCSDModel, twist)
-    assert tv < 0.05 and abs(z - 1) < 4 * se + 0.01, (tv, z, se)
+    assert tv < POOLED_BOUND and abs(z - 1) < 4 * se + 0.01, (tv, z, se)
 
 
 def test_a_lookahead_twist_left_in_the_weights_is_caught():
     tv, _, _ = pooled(Untwisted, "lookahead")
-    assert tv > 0.05, tv
+    assert tv > POOLED_BOUND, tv
 
 
 def test_the_twist_changes_nothing_without_a_constraint():
