@@ -113,7 +113,8 @@ def twist_arg(g) -> None:
         metavar="{future-validity,lookahead,off}",
         help="twist a constraint by its future validity (the chance a prefix can still be completed "
         "validly): future-validity is exact where the target can be enumerated (a mock), else the "
-        "lookahead; lookahead estimates it one token ahead, from the target's law after each block (default: off)",
+        "lookahead; lookahead estimates it one token ahead, from the target's law after each block "
+        "(default: off)",
     )
 
 
