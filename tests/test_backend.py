@@ -9,11 +9,15 @@ cache's reuse and growth, budgets, bounds, errors and dtypes.
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from helpers import scratch_logits
 from tiny import MAX_POSITIONS, llama
 
+from smcsd_ppl import SMCConfig
 from smcsd_ppl.backends import hf, kv
 from smcsd_ppl.backends.hf import HFBatchedLM
 
@@ -141,6 +145,37 @@ def test_mostly_hole_blocks_leave_no_holes_behind(tiny_llama):
     for i, r in enumerate(rows.tolist()):
         seq = real[r] + more[i][holes[i]].tolist()
         torch.testing.assert_close(out[i][holes[i]], scratch_logits(tiny_llama, seq, 2), atol=ATOL, rtol=RTOL)
+
+
+def test_a_dropped_backend_frees_its_cache_without_the_garbage_collector(tiny_llama):
+    # A cycle through the cache (a layer pointing back at it) keeps every call's KV buffers
+    # until a full collection, dozens of calls later: the process's memory climbs meanwhile.
+    lm = HFBatchedLM(tiny_llama)
+    lm.prefill(PROMPTS)
+    keys = weakref.ref(lm.cache.layers[0].keys)
+    gc.disable()
+    try:
+        del lm
+        assert keys() is None
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("method", ["smcsd", "ar", "sd", "hf_prompt_lookup", "racer_sampling"])
+def test_no_call_leaves_tensors_to_the_garbage_collector(tiny_smcsd, method):
+    config = SMCConfig(max_new_tokens=8, seed=0)
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        tiny_smcsd.generate("hello there", method=method, config=config)
+        gc.collect()
+        cyclic = [o for o in gc.garbage if isinstance(o, torch.Tensor)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert not cyclic, f"{len(cyclic)} tensors freed only by the garbage collector"
 
 
 def test_drop_more_than_held_raises(tiny_llama):

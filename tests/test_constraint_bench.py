@@ -79,6 +79,7 @@ def test_the_command_line_names_what_the_benchmarks_run():
     [
         (["constraint-engines", "--engines", "llguidance,foo"], "unknown engine 'foo'"),
         (["grammar-exactness", "--particles", "0,8"], "every N must be at least 1"),
+        (["grammar-exactness", "--twists", "off,depth-0"], "depth-k with k >= 1"),
         (["compare-json", "--methods", "beam"], "unknown method 'beam'"),
         (["compare-json", "--tasks", "deep"], "unknown task 'deep'"),
     ],

@@ -17,6 +17,7 @@ layers), built on the device from the lengths: no per-forward host read, no
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -32,7 +33,14 @@ class RowLayer(CacheLayerMixin):
 
     def __init__(self, owner: RowCache) -> None:
         super().__init__()
-        self.owner = owner
+        # Weak: a layer pointing back at the cache that holds it is a reference cycle, and a
+        # cycle frees the buffers only at a full garbage collection, dozens of calls later.
+        self._owner = weakref.ref(owner)
+
+    @property
+    def owner(self) -> RowCache:
+        """The cache this layer belongs to."""
+        return self._owner()
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Allocate zeroed buffers at the owner's capacity (zeros: masked columns stay finite)."""

@@ -21,7 +21,7 @@ perturbed copy as draft:
 
 Both distributions are enumerated exactly; SMC-SD's returned outputs (``result.token_ids``)
 are counted over many seeded runs, with or without a future-validity twist
-(``SMCConfig.twist``).
+(``SMCConfig.twist``, or ``depth-k``: Phi estimated k tokens ahead, below).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from ..engine.run import run_smc_sd
 from ..inference.program import SMCSDModel
 from ..inference.rows import RowStore
 from ..potentials import Constraint
+from ..potentials.twist import FutureValidity, lm_step
 
 OPEN, CLOSE, OTHER, EOS = 0, 1, 2, 3
 V, MAX_LENGTH, PROMPT = 4, 6, (2, 2)
@@ -241,6 +242,35 @@ class ExactnessRow:
     runs: int
 
 
+DEPTH = "depth-"
+"""A twist ``depth-k``: Phi estimated k tokens ahead by the dynamic programme (mock targets only)."""
+
+
+def depth_of(twist: str | None) -> int | None:
+    """The k of a twist named ``depth-k`` (None for any other twist); a bad k is an error."""
+    if twist is None or not twist.startswith(DEPTH):
+        return None
+    k = twist.removeprefix(DEPTH)
+    if not k.isdigit() or int(k) < 1:
+        raise ValueError(f"a depth twist is depth-k with k >= 1 tokens, got {twist!r}")
+    return int(k)
+
+
+def twisted_by(twist: str | None, target: MockLM, constraint: Constraint) -> tuple[Constraint, str | None]:
+    """What the programs get for ``twist``: (their constraint, the run's ``SMCConfig.twist``).
+
+    ``depth-k`` is the k-step estimate of Phi, the chance that the next k tokens stay allowed
+    (``FutureValidity(depth=k)``): it reads the target's law at every context k tokens on,
+    which a mock's table gives for free and a real model would pay a forward per context for.
+    It enters as a weighted constraint, like any potential; its factors telescope, so the
+    weights stay proper whatever k.
+    """
+    k = depth_of(twist)
+    if k is None:
+        return constraint, twist
+    return FutureValidity(constraint, lm_step(target, PROMPT), HORIZON, depth=k), None
+
+
 def _label(mode: str, cut: float | None, twist: str | None = None) -> str:
     label = f"smcsd_{mode}, cut {'off' if cut is None else cut}"
     return label if twist is None else f"{label}, twist {twist}"
@@ -258,12 +288,13 @@ def grammar_exactness(
 ) -> tuple[list[ExactnessRow], dict[str, float]]:
     """SMC-SD's TV to the exact p x phi (and to the local projection) per mode, cut, twist and N.
 
-    ``grammar`` names the case (``GRAMMARS``); ``seed`` seeds its mock pair and the runs.
-    Returns the rows and the reference figures: ``local_tv`` (the local projection against
-    p x phi, exact: what AR and speculative decoding under the mask sample), ``ar_masked_tv``
-    (the engine's own AR under the mask, sampled, against p x phi), ``ar_vs_local_tv`` (the
-    same sample against the local projection: sampling noise only), ``z`` (P_p(valid)) and
-    ``noise`` (the mean TV of ``runs`` draws from p x phi itself: the floor of every sampled row).
+    ``grammar`` names the case (``GRAMMARS``); ``seed`` seeds its mock pair and the runs;
+    ``twists``: ``SMCConfig.twist`` values or ``depth-k`` (``twisted_by``). Returns the rows
+    and the reference figures: ``local_tv`` (the local projection against p x phi, exact: what
+    AR and speculative decoding under the mask sample), ``ar_masked_tv`` (the engine's own AR
+    under the mask, sampled, against p x phi), ``ar_vs_local_tv`` (the same sample against the
+    local projection: sampling noise only), ``z`` (P_p(valid)) and ``noise`` (the mean TV of
+    ``runs`` draws from p x phi itself: the floor of every sampled row).
     """
     if grammar not in GRAMMARS:
         raise ValueError(f"unknown grammar {grammar!r}; choose from {', '.join(GRAMMARS)}")
@@ -282,16 +313,17 @@ def grammar_exactness(
     }
     rows = []
     for twist in twists:
+        twisted_language, setting = twisted_by(twist, target, constraint)
         for cut in cuts:
             for mode in modes:
                 for n in ns:
                     got = returned_outputs(
                         target,
                         draft,
-                        **(common | dict(mode=mode, seed=seed + 7919 * n)),
+                        **(common | dict(mode=mode, seed=seed + 7919 * n, constraint=twisted_language)),
                         n=n,
                         cut=cut,
-                        twist=twist,
+                        twist=setting,
                     )
                     tvs = total_variation(exact, got), total_variation(local, got)
                     rows.append(ExactnessRow(_label(mode, cut, twist), n, *tvs, got.get((), 0.0), runs))

@@ -42,7 +42,8 @@ def add_parsers(sub) -> None:
     ex.add_argument(
         "--twists",
         default="off",
-        help="comma-separated twists (off, future-validity, lookahead): one row of each per mode and cut",
+        help="comma-separated twists (off, future-validity, lookahead, or depth-k: Phi estimated k tokens "
+        "ahead): one row of each per mode and cut",
     )
     ex.add_argument(
         "--grammar", default="dyck", help="the case: dyck (balanced brackets) or garden (an automaton)"
@@ -158,9 +159,12 @@ def _exactness(args: argparse.Namespace) -> int:
 
 
 def _twist(text: str) -> str | None:
+    from ..bench.grammar_exact import depth_of
+
+    name = text.strip().lower()
     try:
-        return twist_value(text)
-    except argparse.ArgumentTypeError as err:
+        return name if depth_of(name) else twist_value(text)
+    except (argparse.ArgumentTypeError, ValueError) as err:
         raise ValueError(f"--twists: {err}") from None
 
 
