@@ -142,9 +142,10 @@ def untwisted(grammar: str, seed: int) -> float:
     return tv_returned(grammar, seed)
 
 
-# The k-step estimate: Phi read DEPTH tokens ahead at every token. One token ahead is not
-# enough everywhere (Dyck seed 2, where SMC-SD alone is already near the law, gets worse:
-# docs/constraints.md); three, half the budget, beats no twist on every seed of both grammars.
+# The k-step estimate: Phi read DEPTH tokens ahead at every token. One or two tokens ahead
+# make the garden path's seed 2 worse than no twist (its dead end lies further on; with DEPTH = 1
+# this test fails there: docs/constraints.md); three, half the budget, beat no twist on every
+# seed of both grammars.
 DEPTH = 3
 
 
