@@ -10,7 +10,7 @@ RESAMPLING_SCHEMES = ("systematic", "multinomial", "stratified", "residual")
 SELECTIONS = ("sample", "argmax")
 DIVERGENCE_NAMES = ("tv", "renyi2", "kl")  # see verification.DIVERGENCES
 PROPOSAL_NAMES = ("auto", "draft", "retrieval", "mixture")  # see proposals.blocks
-TWIST_NAMES = ("future-validity", "lookahead")  # see potentials.twist
+TWIST_NAMES = ("future-validity", "structure", "lookahead")  # see potentials.twist
 # Below this, tempered log-probabilities (log p / T) grow past what float weights resolve: the ESS
 # and the resampling of near-greedy particles stop meaning anything. Use selection="argmax" or
 # the "ar" method at a low temperature instead.
@@ -63,8 +63,10 @@ class SMCConfig:
             the target's draws by it; elsewhere as ``"lookahead"``. ``"lookahead"``: a one-step
             estimate of Phi, the target's allowed mass after each block's end (one forward of
             one position, whose law the next block's first token is drawn from), as a LLaMPPL
-            twist on the block's end. Either way the twist cancels at the end; it does nothing without a
-            constraint.
+            twist on the block's end. ``"structure"``: the same, read on through the finite
+            structure after the end (where masks allow few tokens) in the same forward, which
+            also tilts the next block's first token (``inference.structure``). Either way
+            the twist cancels at the end; it does nothing without a constraint.
     """
 
     n_particles: int = 8

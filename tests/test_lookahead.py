@@ -14,8 +14,10 @@ import torch
 from smcsd_ppl.bench import grammar_exact as ge
 from smcsd_ppl.config import SMCConfig
 from smcsd_ppl.engine.run import run_smc_sd
+from smcsd_ppl.inference import structure
 from smcsd_ppl.inference.program import SMCSDModel
 from smcsd_ppl.inference.rows import RowStore
+from smcsd_ppl.potentials.twist import FutureValidity, lm_step
 
 
 class Recording(SMCSDModel):
@@ -45,3 +47,61 @@ def test_the_lookahead_twist_is_the_valid_mass_of_the_law_after_the_block(gramma
         law = torch.log_softmax(target.next_logits(list(ge.PROMPT) + list(y)).double() / 0.7, -1)
         allowed = constraint.next_mask([y])[0]
         assert amt == pytest.approx(float(torch.logsumexp(law[allowed], -1)), abs=1e-5), y
+
+
+class RecordingTilt(Recording):
+    """Records each lead's tilt too, with the prefix it was made for."""
+
+    tilts: list[tuple[tuple[int, ...], tuple]] = []
+
+    async def step(self):
+        block = await self.extend()
+        if block.tilt:
+            RecordingTilt.tilts.append((tuple(self.main_context.generated), block.tilt))
+
+
+@pytest.mark.parametrize("grammar", ["dyck", "garden"])
+def test_reading_the_whole_structure_gives_the_exact_phi_and_tilt(grammar, monkeypatch):
+    # With room for every continuation, the structure read is the whole bounded language: its
+    # estimate is Phi itself, at each block's end and after each token the next lead may be.
+    monkeypatch.setattr(structure, "NODES", 10_000)
+    monkeypatch.setattr(structure.grow, "__defaults__", (structure.WIDTH, 10_000))
+    language, pair = ge.GRAMMARS[grammar]
+    target, draft = pair(0)
+    constraint = language()
+    exact = FutureValidity(constraint, lm_step(target, ge.PROMPT, temperature=0.7), ge.HORIZON)
+    Recording.seen, RecordingTilt.tilts = [], []
+    config = SMCConfig(
+        n_particles=2, block_size=2, draft_temperature=1.0, target_temperature=0.7,
+        max_new_tokens=ge.HORIZON, seed=3, twist="structure",
+    )  # fmt: skip
+    programs = [RecordingTilt(list(ge.PROMPT), constraint) for _ in range(40)]
+    run_smc_sd(programs, RowStore(target, draft), config, [ge.EOS])
+    assert len(Recording.seen) >= 10 and len(RecordingTilt.tilts) >= 10, (
+        len(Recording.seen),
+        len(RecordingTilt.tilts),
+    )
+    for y, amt in Recording.seen:
+        assert amt == pytest.approx(exact.log_phi(y), abs=1e-5), y
+    for y, tilt in RecordingTilt.tilts:
+        assert dict(tilt) == pytest.approx({t: exact.log_phi((*y, t)) for t, _ in tilt}, abs=1e-5), y
+        allowed = constraint.next_mask([y])[0].nonzero().flatten().tolist()
+        assert {t for t, _ in tilt} == set(allowed) - {ge.EOS}, y
+
+
+def test_a_wide_mask_is_read_one_token_ahead(monkeypatch):
+    # Nothing narrow enough to follow: the structure twist is the one-step lookahead, no tree forward.
+    monkeypatch.setattr(structure.grow, "__defaults__", (0, structure.NODES))
+    Recording.seen = []
+    language, pair = ge.GRAMMARS["dyck"]
+    target, draft = pair(0)
+    config = SMCConfig(
+        n_particles=2, block_size=2, draft_temperature=1.0, target_temperature=0.7,
+        max_new_tokens=ge.HORIZON, seed=3, twist="structure",
+    )  # fmt: skip
+    programs = [Recording(list(ge.PROMPT), language()) for _ in range(10)]
+    run_smc_sd(programs, RowStore(target, draft), config, [ge.EOS])
+    assert Recording.seen
+    for y, amt in Recording.seen:
+        law = torch.log_softmax(target.next_logits(list(ge.PROMPT) + list(y)).double() / 0.7, -1)
+        assert amt == pytest.approx(float(torch.logsumexp(law[language().next_mask([y])[0]], -1)), abs=1e-5)

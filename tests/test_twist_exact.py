@@ -156,6 +156,14 @@ def test_the_k_step_estimate_beats_no_twist_at_n_8(grammar, seed):
     assert estimate < untwisted(grammar, seed), (estimate, untwisted(grammar, seed))
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("grammar", ["dyck", "garden"])
+def test_the_structure_estimate_beats_no_twist_at_n_8(grammar, seed):
+    # What a real pair can run: the structure after each block's end, read in its bonus's forward.
+    estimate = tv_returned(grammar, seed, "structure")
+    assert estimate < untwisted(grammar, seed), (estimate, untwisted(grammar, seed))
+
+
 def test_an_estimate_that_ignores_phi_does_not():
     # With Phi = 1 the estimate's factors vanish: the same requests as no twist, the same TV.
     ignored = tv_returned("dyck", 0, constraint=twisted("dyck", 0, PhiIgnored, depth=DEPTH))
@@ -193,7 +201,7 @@ def pooled(program, twist: str, runs: int = 2000) -> tuple[float, float, float]:
     return ge.total_variation(exact, est), float(zs.mean()), float(zs.std() / math.sqrt(runs))
 
 
-@pytest.mark.parametrize("twist", ["future-validity", "lookahead"])
+@pytest.mark.parametrize("twist", ["future-validity", "structure", "lookahead"])
 def test_twisted_weights_stay_proper_and_keep_the_evidence(twist):
     tv, z, se = pooled(SMCSDModel, twist)
     assert tv < POOLED_BOUND and abs(z - 1) < 4 * se + 0.01, (tv, z, se)
@@ -208,13 +216,13 @@ def test_the_twist_changes_nothing_without_a_constraint():
     # Same outputs, weights and forwards: the twist is off for an unconstrained request.
     target, draft, _, _ = case("dyck", 0)
     out = {}
-    for twist in (None, "future-validity", "lookahead"):
+    for twist in (None, "future-validity", "structure", "lookahead"):
         store = RowStore(target, draft)
         config = SMCConfig(block_size=2, max_new_tokens=6, seed=3, twist=twist)
         results = run_smc_sd([SMCSDModel(list(ge.PROMPT)) for _ in range(20)], store, config, [ge.EOS])
         out[twist] = [(r.token_ids, r.info.log_z) for r in results], target.stats.calls
         target.stats.calls = 0
-    assert out[None] == out["future-validity"] == out["lookahead"]
+    assert out[None] == out["future-validity"] == out["structure"] == out["lookahead"]
 
 
 def test_the_twist_is_a_body_field_of_the_http_api():

@@ -42,8 +42,8 @@ def add_parsers(sub) -> None:
     ex.add_argument(
         "--twists",
         default="off",
-        help="comma-separated twists (off, future-validity, lookahead, or depth-k: Phi estimated k tokens "
-        "ahead): one row of each per mode and cut",
+        help="comma-separated twists (off, future-validity, structure, lookahead, or depth-k: Phi "
+        "estimated k tokens ahead): one row of each per mode and cut",
     )
     ex.add_argument(
         "--grammar", default="dyck", help="the case: dyck (balanced brackets) or garden (an automaton)"

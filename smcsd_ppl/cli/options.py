@@ -110,11 +110,12 @@ def twist_arg(g) -> None:
         "--twist",
         type=twist_value,
         default=SMC_DEFAULTS.twist,
-        metavar="{future-validity,lookahead,off}",
+        metavar="{future-validity,structure,lookahead,off}",
         help="twist a constraint by its future validity (the chance a prefix can still be completed "
-        "validly): future-validity is exact where the target can be enumerated (a mock), else the "
-        "lookahead; lookahead estimates it one token ahead, from the target's law after each block "
-        "(default: off)",
+        "validly): future-validity is exact where the target can be enumerated (a mock), else "
+        "lookahead, which reads one token ahead of each block; structure reads on through the finite "
+        "structure there (an enum, a key, punctuation) in the same forward, a tree of up to 16 "
+        "tokens per row, and tilts the next token by it (default: off)",
     )
 
 

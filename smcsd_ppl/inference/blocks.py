@@ -33,12 +33,18 @@ class RowConstraint:
             impossible token is cut before it and gets zero weight.
         context: the tokens the particle has generated so far.
         lookahead: also estimate the future validity of the block's end (``ScoredBlock.log_future``).
+        structure: estimate it through the finite structure after the end, not one token
+            (``inference.structure``).
+        tilt: (token, log Phi-hat(context token)) for the tokens the last block's structure
+            read followed: the block's lead is drawn tilted by them.
     """
 
     constraint: Constraint
     mode: str
     context: tuple[int, ...]
     lookahead: bool = False
+    structure: bool = False
+    tilt: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         check_constraint(self.constraint)
@@ -120,8 +126,10 @@ class ScoredBlock:
         stops: the particle ends here (an EOS, the budget, a dead end).
         dead: a constraint allowed nothing where the block ended.
         diverged: the quality cut ended the block.
-        log_future: the one-step estimate of log Phi at the block's end, where its
-            constraint asked for it (``RowConstraint.lookahead``) and the particle goes on.
+        log_future: the estimate of log Phi at the block's end, where its constraint asked
+            for it (``RowConstraint.lookahead``) and the particle goes on.
+        tilt: log Phi-hat after each token the structure read followed from the block's end
+            (``RowConstraint.tilt`` of the particle's next block).
     """
 
     row: int
@@ -134,6 +142,7 @@ class ScoredBlock:
     dead: bool = False
     diverged: bool = False
     log_future: float | None = None
+    tilt: tuple[tuple[int, float], ...] = ()
 
     @property
     def tokens(self) -> list[int]:

@@ -109,6 +109,15 @@ def run_blocks(
     return [out[i] for i in range(len(requests))]
 
 
+def _tilt_rows(tilts: Sequence[dict[int, float]], vocab: int) -> torch.Tensor:
+    """``[n, V]`` log-tilts: each row's (token: log Phi-hat) where it has one, 0 elsewhere."""
+    out = torch.zeros(len(tilts), vocab)
+    for j, tilt in enumerate(tilts):
+        if tilt:
+            out[j, list(tilt)] = torch.tensor(list(tilt.values()), dtype=out.dtype)
+    return out
+
+
 @dataclass(frozen=True)
 class Lead:
     """A row's lead token, the log mass it was drawn from, and its block if the lead ends the row."""
@@ -152,6 +161,7 @@ def _leads(store, requests, c: SMCConfig, eos, flush: Flush) -> dict[int, Lead]:
     if not todo:
         return {}
     rows = [requests[i].row for i in todo]
+    tilts = lookahead.lead_tilts(store, rows, [requests[i].constraint for i in todo], flush.target_t, c.alpha)
     logits = store.next_logits(rows).float() / flush.target_t[rows, None].to(store.device)  # [m, V]
     masks = [requests[i].mask for i in todo]
     if any(m is not None for m in masks):  # a mask_dist observation: the target within it
@@ -160,11 +170,14 @@ def _leads(store, requests, c: SMCConfig, eos, flush: Flush) -> dict[int, Lead]:
         )
         logits = logits.masked_fill(~within.to(logits.device), -math.inf)
     factor = constrained.next_factors([requests[i].constraint for i in todo], logits.shape[-1], logits.device)
+    if any(tilts):  # drawn from p Phi-hat(x t) / Phi-hat(x) over the structure read (inference.structure)
+        factor = factor + _tilt_rows(tilts, logits.shape[-1]).to(factor.device)
     lead, log_z = draw_restricted(logits, c.alpha, factor, flush.uniforms[rows, 0])
     tokens, log_z = lead.tolist(), log_z.tolist()  # one host read
     out = {}
     for j, i in enumerate(todo):
-        r, t, w = requests[i], tokens[j], log_z[j]
+        # A tilted lead weighs p / q = Phi-hat(x) / Phi-hat(x t): the tilt is no part of the target.
+        r, t, w = requests[i], tokens[j], log_z[j] - tilts[j].get(tokens[j], 0.0)
         if w == -math.inf and r.constraint is not None and not r.constraint.context:
             raise ValueError("the constraint allows no first token: no output can satisfy it")
         ended = None
@@ -228,7 +241,7 @@ def _blocks(
         nexts.append(None if ends else nxt)  # an ending row queues nothing and leaves
     store.commit(rows, [b.tokens for b in drafted], kept, nexts, [b.fed for b in drafted], hidden)
     futures = lookahead.look_ahead(store, drafted, kept, nexts, flush.target_t, c.alpha)
-    return [replace(b, log_future=f) for b, f in zip(out, futures)]
+    return [replace(b, log_future=f, tilt=tilt) for b, (f, tilt) in zip(out, futures)]
 
 
 def block_batch(

@@ -1,7 +1,7 @@
 """The one-step lookahead: each block's end twisted by the target's valid mass one token on.
 
-Under ``SMCConfig.twist = "lookahead"`` (and ``"future-validity"`` where Phi cannot be
-computed exactly), once a constrained row's block has committed its bonus b, the row reads b
+Under ``SMCConfig.twist = "lookahead"`` (and ``"structure"``, which reads on from here:
+``inference.structure``), once a constrained row's block has committed its bonus b, the row reads b
 at once: one target forward of one position, which gives the law after the new prefix x b.
 Its mass on what the constraint allows next,
 
@@ -27,7 +27,7 @@ from dataclasses import replace
 import torch
 
 from ..verification.sampling import power_log_normalizer, restrict_power
-from . import constrained
+from . import constrained, structure
 
 
 def look_ahead(
@@ -37,13 +37,16 @@ def look_ahead(
     nexts: Sequence[int | None],
     target_t: torch.Tensor,  # [R] each backend row's T_t
     alpha: float,
-) -> list[float | None]:
-    """The log Phi-hat(x b) of each asking block that goes on (None elsewhere), once the rows are committed.
+) -> list[tuple[float | None, tuple]]:
+    """Each block's (log Phi-hat(x b), the next lead's tilt), once the rows are committed.
+
+    The estimate is None for a block that does not ask or ends; the tilt, (token, log Phi-hat(x b
+    token)) for each token followed from x b, is empty but where the structure is read.
 
     A block asks when its constraint looks ahead and it queued a bonus b (``nexts``). A feature
     draft's rows cannot be read ahead of the draft, so they are not twisted.
     """
-    out: list[float | None] = [None] * len(blocks)
+    out: list[tuple[float | None, tuple]] = [(None, ())] * len(blocks)
     asking = [
         i
         for i, b in enumerate(blocks)
@@ -52,13 +55,60 @@ def look_ahead(
     if not asking or store.reads_hidden:
         return out
     rows = [blocks[i].row for i in asking]
-    logits = store.next_logits(rows).float() / target_t[rows, None].to(store.device)  # [n, V]
     after = [_after(blocks[i].constraint, blocks[i].tokens[: kept[i]], nexts[i]) for i in asking]
+    logits, read = read_structure(store, rows, after, target_t, alpha)  # with the bonus, in one forward
     factor = constrained.next_factors(after, logits.shape[-1], logits.device)
     _, log_phi = restrict_power(alpha * logits, power_log_normalizer(logits, 1.0, alpha), factor)
-    for i, f in zip(asking, log_phi.tolist()):
-        out[i] = f if math.isfinite(f) else None  # nothing may follow: the next lead's weight says so
+    for i, f, structured in zip(asking, log_phi.tolist(), read):
+        f, tilt = structured or (f, ())
+        # -inf: nothing may follow, which the next lead's weight says
+        out[i] = (f, tilt) if math.isfinite(f) else (None, ())
     return out
+
+
+def lead_tilts(
+    store, rows: Sequence[int], ends: Sequence, target_t: torch.Tensor, alpha: float
+) -> list[dict]:
+    """Each lead's tilt, {token: log Phi-hat(x token)}: its last block's, or read now (a context's first).
+
+    ``ends``: the rows' ``RowConstraint`` (None: unconstrained, no tilt).
+    """
+    tilts = [dict(e.tilt) if e is not None else {} for e in ends]
+    reading = [n for n, e in enumerate(ends) if e is not None and e.structure and not e.tilt]
+    if reading and not store.reads_hidden:  # a feature draft's rows are not read ahead
+        _, read = read_structure(
+            store, [rows[n] for n in reading], [ends[n] for n in reading], target_t, alpha
+        )
+        for n, structured in zip(reading, read):
+            tilts[n] = dict(structured[1]) if structured else {}
+    return tilts
+
+
+def read_structure(store, rows: Sequence[int], ends: Sequence, target_t: torch.Tensor, alpha: float):
+    """Each row's tempered next-token logits ``[n, V]``, and through the structure after it (or None).
+
+    The rows' queued tokens and the trees grown from ``ends`` (``RowConstraint``; those that ask
+    for ``structure``) are read in one target forward; where no tree grows (or the backend has
+    none) this is ``next_logits``. The second list holds ``structure.log_phi``'s (log Phi-hat,
+    tilt) for each row read on, None for the others.
+    """
+    trees = [structure.Tree() for _ in ends]
+    reading_on = [n for n, e in enumerate(ends) if e.structure]
+    for n, tree in zip(reading_on, structure.grow([ends[n] for n in reading_on])):
+        trees[n] = tree
+    grown = [n for n, t in enumerate(trees) if len(t.tokens) > 1]
+    if not grown or not hasattr(store.target, "extend_tree"):
+        raw = store.next_logits(rows)
+        return raw.float() / target_t[rows, None].to(raw.device), [None] * len(rows)
+    branches = [(t.tokens[1:], [p - 1 for p in t.parents[1:]]) for t in trees]
+    raw, nodes = store.next_logits_and_trees(rows, branches)
+    logits = raw.float() / target_t[rows, None].to(raw.device)
+    out: list = [None] * len(rows)
+    for n in grown:
+        laws = torch.cat([logits[n : n + 1], nodes[n].float() / target_t[rows[n]].to(raw.device)])
+        law = alpha * torch.log_softmax(laws, -1).cpu()
+        out[n] = structure.log_phi(trees[n], law, ends[n].constraint.eos_token_ids)
+    return logits, out
 
 
 def _after(constraint, kept: Sequence[int], bonus: int):

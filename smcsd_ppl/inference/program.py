@@ -196,22 +196,13 @@ class SMCSDModel(Model):
             )
         constraint = self.constraint if constraint is None else constraint
         check_constraint(constraint)
-        twist, lookahead = self.runtime.twist, False
-        if twist is not None and constraint is not None and not constraint.weighted:
-            if twist.exact:
-                constraint = twist.twisted(constraint, ctx.prompt_ids)
-            else:
-                lookahead = True
-        row_constraint = (
-            None
-            if constraint is None
-            else RowConstraint(constraint, mode or self.mode, tuple(ctx.generated), lookahead)
-        )
+        row_constraint = None if constraint is None else self._row_constraint(constraint, mode, ctx)
         budget = self.runtime.max_new_tokens - len(ctx.generated)
         request = BlockRequest(ctx.row, budget, row_constraint, ctx.take_unsent(), ctx.mask)
         block: ScoredBlock = await self.runtime.barrier.submit(request)
         ctx.generated.extend(block.tokens)  # the row holds them already (the bonus queued)
         ctx.mask = None
+        ctx.tilt = (len(ctx.generated), block.tilt)  # for the lead after these tokens, and no other
         self.last_block = block
         if block.log_weight == float("-inf") and row_constraint is not None:
             self.killed_by = row_constraint.mode  # a constraint, not a condition, ended it (for messages)
@@ -221,6 +212,19 @@ class SMCSDModel(Model):
         elif block.log_future is not None:
             self.twist(block.log_future)
         return block
+
+    def _row_constraint(self, constraint, mode: str | None, ctx) -> RowConstraint:
+        """The block's constraint, under the run's twist: exact (a ``FutureValidity``), or estimated."""
+        twist, lookahead = self.runtime.twist, False
+        if twist is not None and not constraint.weighted:
+            if twist.exact:
+                constraint = twist.twisted(constraint, ctx.prompt_ids)
+            else:
+                lookahead = True
+        # the tilt its last block read holds for the lead after exactly those tokens
+        tilt = ctx.tilt[1] if lookahead and ctx.tilt[0] == len(ctx.generated) else ()
+        structure = lookahead and twist.structure
+        return RowConstraint(constraint, mode or self.mode, tuple(ctx.generated), lookahead, structure, tilt)
 
     # LLaMPPL's primitives, tracked so that a call a step forgot to await is reported.
     def sample(self, dist, proposal=None):

@@ -162,6 +162,46 @@ class RowStore:
                 self.known[r], self.target_pending[r] = logits[r], []
         return torch.stack([self.known[r] for r in rows])
 
+    @torch.inference_mode()
+    def next_logits_and_trees(
+        self, rows: Sequence[int], trees: Sequence[tuple[list[int], list[int]]]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``next_logits(rows)``, and the logits of a token tree read after each row, in ONE forward.
+
+        ``trees[i]`` is (tokens, parents) after row ``rows[i]``'s queued tokens (parent -1: the
+        row's end). The queued tokens are read as the tree's trunk and kept; the tree is
+        forgotten. Returns the next-token logits ``[n, V]`` and each tree's ``[nodes, V]``.
+        """
+        if self.reads_hidden and self.draft_ready:
+            raise ValueError(
+                "token-level steps need a token draft: this draft reads the target's hidden states"
+            )
+        trunks = [self.target_pending[r] if self.known[r] is None else [] for r in rows]
+        width = max(len(t) + len(tree[0]) for t, tree in zip(trunks, trees))
+        tokens = torch.zeros(self.n_rows, width, dtype=torch.long)
+        parents = torch.full((self.n_rows, width), -1, dtype=torch.long)
+        valid = torch.zeros(self.n_rows, width, dtype=torch.bool)
+        for r, trunk, (nodes, ups) in zip(rows, trunks, trees):
+            n = len(trunk)
+            tokens[r, : n + len(nodes)] = torch.tensor(trunk + list(nodes), dtype=torch.long)
+            # the trunk is a chain; the tree hangs from its last token (the row's end, -1 without one)
+            parents[r, :n] = torch.arange(n) - 1
+            parents[r, n : n + len(nodes)] = torch.tensor(
+                [n - 1 if u < 0 else n + u for u in ups], dtype=torch.long
+            )
+            valid[r, : n + len(nodes)] = True
+        logits = self.target.extend_tree(tokens, parents, valid)  # [R, width, V]
+        keep = torch.zeros_like(valid)
+        for r, trunk in zip(rows, trunks):
+            keep[r, : len(trunk)] = True
+        self.target.keep_path(keep)
+        out = []
+        for r, trunk, (nodes, _) in zip(rows, trunks, trees):
+            if trunk:
+                self.known[r], self.target_pending[r] = logits[r, len(trunk) - 1], []
+            out.append(logits[r, len(trunk) : len(trunk) + len(nodes)])
+        return torch.stack([self.known[r] for r in rows]), out
+
     def draft_input(self, asked: Sequence[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The draft's next input: the queued tokens of the ``asked`` rows, holes elsewhere.
 

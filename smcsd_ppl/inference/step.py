@@ -245,8 +245,7 @@ class SMCSDKernel:
             return None
         key = (c.twist, c.target_temperature, c.alpha, c.max_new_tokens)
         if key not in self.twisters:
-            exact = c.twist == "future-validity"
-            self.twisters[key] = Twister(self.store.target, *key[1:], exact=exact)
+            self.twisters[key] = Twister(self.store.target, *key[1:], name=c.twist)
         return self.twisters[key]
 
     def _plan(self, pop: Population, slot: int, context: int, ctx) -> RowPlan:

@@ -20,8 +20,9 @@ Phi is computed by dynamic programming over the constraint's masks and the targe
 next-token law (``step``), which needs that law at any context: exact for a bounded
 grammar on an enumerable target (a mock; ``depth=None``), a k-step lookahead estimate
 otherwise (``depth=k``: the chance that the next k tokens stay allowed). On a real pair,
-where each context costs a forward, the run's ``twist`` setting uses a one-step estimate
-after each block instead (``inference.lookahead``).
+where each context costs a forward, the run's ``twist`` setting estimates Phi at each block's
+end instead: through the finite structure ahead, read in one tree forward
+(``inference.structure``), or one token ahead (``inference.lookahead``).
 """
 
 from __future__ import annotations
@@ -153,14 +154,18 @@ def enumerable(lm) -> bool:
 class Twister:
     """What a run's programs twist their constraints with, under one set of settings.
 
-    Exact where the target is enumerable (a ``FutureValidity`` per constraint and prompt,
-    its dynamic programme shared by every particle); elsewhere ``exact`` is False and a
-    program asks the cycle for the one-step estimate instead.
+    ``name`` is the run's ``SMCConfig.twist``. ``"future-validity"`` is exact where the target
+    is enumerable (a ``FutureValidity`` per constraint and prompt, its dynamic programme
+    shared by every particle); elsewhere ``exact`` is False and a program asks the cycle for
+    an estimate at its blocks' ends instead: one token ahead (``"lookahead"``, and
+    ``"future-validity"`` on a real target, where a forward's positions cost) or through the
+    finite structure ahead (``structure``: ``"structure"``).
     """
 
-    def __init__(self, target, temperature: float, alpha: float, horizon: int, exact: bool) -> None:
+    def __init__(self, target, temperature: float, alpha: float, horizon: int, name: str) -> None:
         self.target, self.temperature, self.alpha, self.horizon = target, temperature, alpha, horizon
-        self.exact = exact and enumerable(target)
+        self.exact = name == "future-validity" and enumerable(target)
+        self.structure = name == "structure"
         self._twisted: dict[tuple[int, tuple[int, ...]], FutureValidity] = {}
 
     def twisted(self, constraint: Constraint, prompt: Sequence[int]) -> FutureValidity:
