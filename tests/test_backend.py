@@ -317,3 +317,26 @@ def test_indices_on_the_device_keep_logits_exact(tiny_llama, monkeypatch):
     out = lm.extend(torch.tensor([[1], [2], [3], [4]]))
     for i, s in enumerate(seqs):
         torch.testing.assert_close(out[i], scratch_logits(tiny_llama, s + [i + 1], 1), atol=ATOL, rtol=RTOL)
+
+
+def test_a_tree_read_with_the_queued_tokens_leaves_the_rows_as_a_plain_read(tiny_llama):
+    # RowStore.next_logits_and_trees (the structure twist): the queued tokens and a tree after
+    # them in one forward; the rows then hold the queued tokens only, as after next_logits.
+    from smcsd_ppl.inference.rows import RowStore
+
+    store = RowStore(HFBatchedLM(tiny_llama), HFBatchedLM(tiny_llama))
+    store.start(PROMPTS[:3], [0, 1, 2])
+    store.queue({0: [21], 1: [22, 23]})  # row 2 has nothing queued: its tree hangs from its end
+    trees = [([30, 31, 32], [-1, 0, -1]), ([], []), ([40], [-1])]
+    logits, nodes = store.next_logits_and_trees([0, 1, 2], trees)
+    seqs = [PROMPTS[0] + [21], PROMPTS[1] + [22, 23], PROMPTS[2]]
+    paths = [[[30], [30, 31], [32]], [], [[40]]]
+    for r in range(3):
+        torch.testing.assert_close(logits[r], scratch_logits(tiny_llama, seqs[r]), atol=ATOL, rtol=RTOL)
+        for j, path in enumerate(paths[r]):
+            want = scratch_logits(tiny_llama, seqs[r] + path)
+            torch.testing.assert_close(nodes[r][j], want, atol=ATOL, rtol=RTOL)
+    store.queue({r: [50] for r in range(3)})
+    after = store.next_logits([0, 1, 2])
+    for r in range(3):
+        torch.testing.assert_close(after[r], scratch_logits(tiny_llama, seqs[r] + [50]), atol=ATOL, rtol=RTOL)

@@ -8,6 +8,9 @@ string's own law and steered particles away from closing anything.
 
 from __future__ import annotations
 
+import json
+
+import jsonschema
 import pytest
 import torch
 
@@ -105,3 +108,41 @@ def test_a_wide_mask_is_read_one_token_ahead(monkeypatch):
     for y, amt in Recording.seen:
         law = torch.log_softmax(target.next_logits(list(ge.PROMPT) + list(y)).double() / 0.7, -1)
         assert amt == pytest.approx(float(torch.logsumexp(law[language().next_mask([y])[0]], -1)), abs=1e-5)
+
+
+def test_the_structure_twist_runs_on_the_hf_backend_under_a_json_schema(tiny_smcsd, monkeypatch):
+    # On a real backend (and a real grammar engine) the trees are read in the bonus's forward.
+    from test_grammar import SCHEMA
+
+    from smcsd_ppl.potentials import JsonSchemaConstraint
+
+    trees = []
+    read = RowStore.next_logits_and_trees
+    monkeypatch.setattr(
+        RowStore, "next_logits_and_trees", lambda self, rows, t: trees.append(t) or read(self, rows, t)
+    )
+    tok = tiny_smcsd.tokenizer
+    schema = JsonSchemaConstraint(SCHEMA, tok, tiny_smcsd.eos_token_ids)  # finite: every output ends
+    config = SMCConfig(n_particles=4, block_size=4, max_new_tokens=100, seed=1, twist="structure")
+    out = tiny_smcsd.run([SMCSDModel("x", schema) for _ in range(2)], config)
+    assert trees and any(nodes for t in trees for nodes, _ in t)
+    for g in out:
+        jsonschema.validate(json.loads(g.text), SCHEMA)
+
+
+def test_a_tree_past_the_context_falls_back_to_one_token_ahead(tiny_smcsd):
+    from test_grammar import SCHEMA
+
+    from smcsd_ppl.backends.hf import HFBatchedLM
+    from smcsd_ppl.inference import lookahead
+    from smcsd_ppl.inference.blocks import RowConstraint
+    from smcsd_ppl.potentials import JsonSchemaConstraint
+
+    model = tiny_smcsd.target.model
+    store = RowStore(HFBatchedLM(model), HFBatchedLM(model))
+    store.start([[5] * (store.target.max_length - 4)], [0])  # 4 columns left: no room for a tree
+    schema = JsonSchemaConstraint(SCHEMA, tiny_smcsd.tokenizer, tiny_smcsd.eos_token_ids)
+    end = RowConstraint(schema, "proposal", (), lookahead=True, structure=True)
+    assert len(structure.grow([end])[0].tokens) > 5
+    logits, read = lookahead.read_structure(store, [0], [end], torch.ones(1), 1.0)
+    assert read == [None] and torch.equal(logits, store.next_logits([0]).float())

@@ -97,18 +97,26 @@ def read_structure(store, rows: Sequence[int], ends: Sequence, target_t: torch.T
     for n, tree in zip(reading_on, structure.grow([ends[n] for n in reading_on])):
         trees[n] = tree
     grown = [n for n, t in enumerate(trees) if len(t.tokens) > 1]
+    one_step = [None] * len(rows)
     if not grown or not hasattr(store.target, "extend_tree"):
-        raw = store.next_logits(rows)
-        return raw.float() / target_t[rows, None].to(raw.device), [None] * len(rows)
+        return _tempered(store.next_logits(rows), rows, target_t), one_step
     branches = [(t.tokens[1:], [p - 1 for p in t.parents[1:]]) for t in trees]
-    raw, nodes = store.next_logits_and_trees(rows, branches)
-    logits = raw.float() / target_t[rows, None].to(raw.device)
+    try:
+        raw, nodes = store.next_logits_and_trees(rows, branches)
+    except ValueError:  # past the context or the KV budget, refused before any row moved
+        return _tempered(store.next_logits(rows), rows, target_t), one_step
+    logits = _tempered(raw, rows, target_t)
     out: list = [None] * len(rows)
     for n in grown:
         laws = torch.cat([logits[n : n + 1], nodes[n].float() / target_t[rows[n]].to(raw.device)])
         law = alpha * torch.log_softmax(laws, -1).cpu()
         out[n] = structure.log_phi(trees[n], law, ends[n].constraint.eos_token_ids)
     return logits, out
+
+
+def _tempered(raw: torch.Tensor, rows: Sequence[int], target_t: torch.Tensor) -> torch.Tensor:
+    """Untempered next-token logits ``[n, V]`` of ``rows``, divided by each row's T_t."""
+    return raw.float() / target_t[rows, None].to(raw.device)
 
 
 def _after(constraint, kept: Sequence[int], bonus: int):
