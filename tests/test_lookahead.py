@@ -33,23 +33,33 @@ class Recording(SMCSDModel):
         super().twist(amt)
 
 
-@pytest.mark.parametrize("grammar", ["dyck", "garden"])
-def test_the_lookahead_twist_is_the_valid_mass_of_the_law_after_the_block(grammar):
+def run_mock(grammar: str, program, twist: str, runs: int):
+    """``runs`` requests of ``program`` on a mock grammar (seed 0) under ``twist``: (target, constraint)."""
     language, pair = ge.GRAMMARS[grammar]
     target, draft = pair(0)
     constraint = language()
     Recording.seen = []
     config = SMCConfig(
         n_particles=2, block_size=2, draft_temperature=1.0, target_temperature=0.7,
-        max_new_tokens=ge.HORIZON, seed=3, twist="lookahead",
+        max_new_tokens=ge.HORIZON, seed=3, twist=twist,
     )  # fmt: skip
-    programs = [Recording(list(ge.PROMPT), constraint) for _ in range(20)]
+    programs = [program(list(ge.PROMPT), constraint) for _ in range(runs)]
     run_smc_sd(programs, RowStore(target, draft), config, [ge.EOS])
+    return target, constraint
+
+
+def one_step(target, constraint, y) -> float:
+    """The valid mass of the target's law (T = 0.7) after the prefix y."""
+    law = torch.log_softmax(target.next_logits(list(ge.PROMPT) + list(y)).double() / 0.7, -1)
+    return float(torch.logsumexp(law[constraint.next_mask([y])[0]], -1))
+
+
+@pytest.mark.parametrize("grammar", ["dyck", "garden"])
+def test_the_lookahead_twist_is_the_valid_mass_of_the_law_after_the_block(grammar):
+    target, constraint = run_mock(grammar, Recording, "lookahead", 20)
     assert len(Recording.seen) >= 20
     for y, amt in Recording.seen:
-        law = torch.log_softmax(target.next_logits(list(ge.PROMPT) + list(y)).double() / 0.7, -1)
-        allowed = constraint.next_mask([y])[0]
-        assert amt == pytest.approx(float(torch.logsumexp(law[allowed], -1)), abs=1e-5), y
+        assert amt == pytest.approx(one_step(target, constraint, y), abs=1e-5), y
 
 
 class RecordingTilt(Recording):
@@ -67,19 +77,10 @@ class RecordingTilt(Recording):
 def test_reading_the_whole_structure_gives_the_exact_phi_and_tilt(grammar, monkeypatch):
     # With room for every continuation, the structure read is the whole bounded language: its
     # estimate is Phi itself, at each block's end and after each token the next lead may be.
-    monkeypatch.setattr(structure, "NODES", 10_000)
     monkeypatch.setattr(structure.grow, "__defaults__", (structure.WIDTH, 10_000))
-    language, pair = ge.GRAMMARS[grammar]
-    target, draft = pair(0)
-    constraint = language()
+    RecordingTilt.tilts = []
+    target, constraint = run_mock(grammar, RecordingTilt, "structure", 40)
     exact = FutureValidity(constraint, lm_step(target, ge.PROMPT, temperature=0.7), ge.HORIZON)
-    Recording.seen, RecordingTilt.tilts = [], []
-    config = SMCConfig(
-        n_particles=2, block_size=2, draft_temperature=1.0, target_temperature=0.7,
-        max_new_tokens=ge.HORIZON, seed=3, twist="structure",
-    )  # fmt: skip
-    programs = [RecordingTilt(list(ge.PROMPT), constraint) for _ in range(40)]
-    run_smc_sd(programs, RowStore(target, draft), config, [ge.EOS])
     assert len(Recording.seen) >= 10 and len(RecordingTilt.tilts) >= 10, (
         len(Recording.seen),
         len(RecordingTilt.tilts),
@@ -95,19 +96,10 @@ def test_reading_the_whole_structure_gives_the_exact_phi_and_tilt(grammar, monke
 def test_a_wide_mask_is_read_one_token_ahead(monkeypatch):
     # Nothing narrow enough to follow: the structure twist is the one-step lookahead, no tree forward.
     monkeypatch.setattr(structure.grow, "__defaults__", (0, structure.NODES))
-    Recording.seen = []
-    language, pair = ge.GRAMMARS["dyck"]
-    target, draft = pair(0)
-    config = SMCConfig(
-        n_particles=2, block_size=2, draft_temperature=1.0, target_temperature=0.7,
-        max_new_tokens=ge.HORIZON, seed=3, twist="structure",
-    )  # fmt: skip
-    programs = [Recording(list(ge.PROMPT), language()) for _ in range(10)]
-    run_smc_sd(programs, RowStore(target, draft), config, [ge.EOS])
+    target, constraint = run_mock("dyck", Recording, "structure", 10)
     assert Recording.seen
     for y, amt in Recording.seen:
-        law = torch.log_softmax(target.next_logits(list(ge.PROMPT) + list(y)).double() / 0.7, -1)
-        assert amt == pytest.approx(float(torch.logsumexp(law[language().next_mask([y])[0]], -1)), abs=1e-5)
+        assert amt == pytest.approx(one_step(target, constraint, y), abs=1e-5), y
 
 
 def test_the_structure_twist_runs_on_the_hf_backend_under_a_json_schema(tiny_smcsd, monkeypatch):

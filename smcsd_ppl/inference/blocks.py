@@ -36,7 +36,7 @@ class RowConstraint:
         structure: estimate it through the finite structure after the end, not one token
             (``inference.structure``).
         tilt: (token, log Phi-hat(context token)) for the tokens the last block's structure
-            read followed: the block's lead is drawn tilted by them.
+            read followed: the block's lead is drawn tilted by them (None: not read there).
     """
 
     constraint: Constraint
@@ -44,7 +44,7 @@ class RowConstraint:
     context: tuple[int, ...]
     lookahead: bool = False
     structure: bool = False
-    tilt: tuple[tuple[int, float], ...] = ()
+    tilt: tuple[tuple[int, float], ...] | None = None
 
     def __post_init__(self) -> None:
         check_constraint(self.constraint)
@@ -129,7 +129,7 @@ class ScoredBlock:
         log_future: the estimate of log Phi at the block's end, where its constraint asked
             for it (``RowConstraint.lookahead``) and the particle goes on.
         tilt: log Phi-hat after each token the structure read followed from the block's end
-            (``RowConstraint.tilt`` of the particle's next block).
+            (``RowConstraint.tilt`` of the particle's next block; None: not read).
     """
 
     row: int
@@ -142,7 +142,7 @@ class ScoredBlock:
     dead: bool = False
     diverged: bool = False
     log_future: float | None = None
-    tilt: tuple[tuple[int, float], ...] = ()
+    tilt: tuple[tuple[int, float], ...] | None = None
 
     @property
     def tokens(self) -> list[int]:

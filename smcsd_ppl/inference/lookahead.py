@@ -37,16 +37,16 @@ def look_ahead(
     nexts: Sequence[int | None],
     target_t: torch.Tensor,  # [R] each backend row's T_t
     alpha: float,
-) -> list[tuple[float | None, tuple]]:
+) -> list[tuple[float | None, tuple | None]]:
     """Each block's (log Phi-hat(x b), the next lead's tilt), once the rows are committed.
 
     The estimate is None for a block that does not ask or ends; the tilt, (token, log Phi-hat(x b
-    token)) for each token followed from x b, is empty but where the structure is read.
+    token)) for each token followed from x b, is None but where the structure was read.
 
     A block asks when its constraint looks ahead and it queued a bonus b (``nexts``). A feature
     draft's rows cannot be read ahead of the draft, so they are not twisted.
     """
-    out: list[tuple[float | None, tuple]] = [(None, ())] * len(blocks)
+    out: list[tuple[float | None, tuple | None]] = [(None, None)] * len(blocks)
     asking = [
         i
         for i, b in enumerate(blocks)
@@ -59,10 +59,11 @@ def look_ahead(
     logits, read = read_structure(store, rows, after, target_t, alpha)  # with the bonus, in one forward
     factor = constrained.next_factors(after, logits.shape[-1], logits.device)
     _, log_phi = restrict_power(alpha * logits, power_log_normalizer(logits, 1.0, alpha), factor)
-    for i, f, structured in zip(asking, log_phi.tolist(), read):
-        f, tilt = structured or (f, ())
+    for i, f, end, structured in zip(asking, log_phi.tolist(), after, read):
+        # read with nothing to follow (a wide mask, no room): no tilt, and no second read at the lead
+        f, tilt = structured or (f, () if end.structure else None)
         # -inf: nothing may follow, which the next lead's weight says
-        out[i] = (f, tilt) if math.isfinite(f) else (None, ())
+        out[i] = (f, tilt) if math.isfinite(f) else (None, None)
     return out
 
 
@@ -73,8 +74,8 @@ def lead_tilts(
 
     ``ends``: the rows' ``RowConstraint`` (None: unconstrained, no tilt).
     """
-    tilts = [dict(e.tilt) if e is not None else {} for e in ends]
-    reading = [n for n, e in enumerate(ends) if e is not None and e.structure and not e.tilt]
+    tilts = [dict(e.tilt or ()) if e is not None else {} for e in ends]
+    reading = [n for n, e in enumerate(ends) if e is not None and e.structure and e.tilt is None]
     if reading and not store.reads_hidden:  # a feature draft's rows are not read ahead
         _, read = read_structure(
             store, [rows[n] for n in reading], [ends[n] for n in reading], target_t, alpha

@@ -222,7 +222,7 @@ class SMCSDModel(Model):
             else:
                 lookahead = True
         # the tilt its last block read holds for the lead after exactly those tokens
-        tilt = ctx.tilt[1] if lookahead and ctx.tilt[0] == len(ctx.generated) else ()
+        tilt = ctx.tilt[1] if lookahead and ctx.tilt[0] == len(ctx.generated) else None
         structure = lookahead and twist.structure
         return RowConstraint(constraint, mode or self.mode, tuple(ctx.generated), lookahead, structure, tilt)
 
