@@ -52,6 +52,8 @@ class SMCSD:
             reference) or ``"vllm"`` (both models on vLLM engines; see docs/scaling.md).
         vllm_options: more ``vllm.LLM`` arguments for both engines (``tensor_parallel_size``,
             ``max_model_len``, ...).
+        engine, deterministic: ``ar`` and ``smcsd_paper`` on the static path's compiled graphs,
+            and its fixed row bucket (``engine.pair.PairCore``; docs/benchmarks.md).
     """
 
     def __init__(
@@ -63,6 +65,8 @@ class SMCSD:
         max_cache_bytes: int = DEFAULT_CACHE_BUDGET,
         backend: str = "hf",
         vllm_options: dict | None = None,
+        engine: str = "eager",
+        deterministic: bool = False,
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
@@ -82,8 +86,7 @@ class SMCSD:
             max_cache_bytes=max_cache_bytes,
             vllm_options=vllm_options,
         )
-        # vLLM's engines start on the calling thread (some of its versions install signal handlers,
-        # which only the main thread may); PyTorch backends on the torch thread, as every call.
+        # vLLM's engines start on the calling thread (signal handlers); PyTorch's on the torch thread
         target_lm, draft_lm = build() if backend == "vllm" else torch_thread().run(build)
         self.core = PairCore(
             target_lm,
@@ -94,6 +97,8 @@ class SMCSD:
             target=target,
             draft=draft,
             backend=backend,
+            engine=engine,
+            deterministic=deterministic,
         )
         # RACER's index and cues, kept across calls only if the caller sets one (as the RACER
         # reference does): faster on repeated content, but later outputs depend on earlier calls.
@@ -141,7 +146,6 @@ class SMCSD:
         t = load_model(target, device=device, dtype=dtype)
         return cls(t, resolve_draft(draft, t, device=device, dtype=dtype), **kwargs)
 
-    # The pair core's parts, by their familiar names.
     target = property(lambda self: self.core.target, doc="The loaded target.")
     draft = property(lambda self: self.core.draft, doc="The loaded draft.")
     target_lm = property(lambda self: self.core.target_lm, doc="The target's batched backend.")
@@ -151,21 +155,16 @@ class SMCSD:
     eos_token_ids = property(lambda self: self.core.eos_token_ids, doc="The target's EOS ids.")
     backend = property(lambda self: self.core.backend, doc="What runs the models: ``hf`` or ``vllm``.")
 
-    @property
-    def draft_record(self) -> DraftRecord:
-        """What SMC-SD's adaptive drafting knows of this draft before a request (assign to change)."""
-        return self.core.draft_record
-
-    @draft_record.setter
-    def draft_record(self, record: DraftRecord) -> None:
-        self.core.draft_record = record
+    draft_record = property(
+        lambda self: self.core.draft_record,
+        lambda self, record: setattr(self.core, "draft_record", record),
+        doc="What SMC-SD's adaptive drafting knows of this draft before a request (assign to change).",
+    )
 
     def calibrate(self, prompt: str, config: SMCConfig | None = None) -> DraftRecord:
         """Learn from one request how far this draft pays, and start every later request from that.
 
-        Requests start from ``draft_record``; this replaces it with what one request, started
-        from nothing, saw of the draft. It changes outputs (and speed) of later calls in a
-        documented way; nothing else does.
+        It replaces ``draft_record``: later calls' outputs and speed change; nothing else does that.
         """
         config = config or SMCConfig()
 
@@ -297,6 +296,7 @@ class SMCSD:
                 )
         self.core.check_token_prompts([p.prompt for p in programs if not isinstance(p.prompt, str)])
         config = config or SMCConfig()
+        self.core.static_engine("smcsd")  # a compiled pair refuses: programs run eagerly
         if self._joins_batch():
             return self._batched(programs, config, "smcsd", on_cycle=on_cycle)
         context = self.context(config)  # the programs hold the prompts
@@ -313,7 +313,8 @@ class SMCSD:
         self.core.check_request(ids, config)
 
     def check_fits(self, ids: list[list[int]], config: SMCConfig, method: methods.Method) -> None:
-        """Refuse up front what would fail mid-generation (context length, KV budget)."""
+        """Refuse up front what would fail mid-generation (context length, KV budget, the engine)."""
+        self.core.static_engine(method.name)  # a compiled pair refuses what it cannot run
         rows = len(ids) * (config.n_particles if method.particles else 1)
         self.core.check_fits(ids, config, method.uses_draft, rows)
 
@@ -327,7 +328,7 @@ class SMCSD:
         """Run ``method`` on token-id prompts and build each request's ``Generation``."""
         method.check(config)
         self.check_fits(ids, config, method)
-        if method.name in BATCHED and self._joins_batch():
+        if method.name in BATCHED and self._joins_batch() and not self.core.static_engine(method.name):
             programs = [SMCSDModel(i) for i in ids]
             return self._batched(programs, BATCHED[method.name](config), method.name, on_progress)
         context = self.context(config, ids, on_progress)

@@ -6,6 +6,8 @@ import math
 import os
 from dataclasses import dataclass
 
+EXECUTION_ENGINES = ("eager", "compiled", "auto")
+"""What runs a pair's forwards: the backends (eager), the static path's graphs, or compiled on CUDA."""
 RESAMPLING_SCHEMES = ("systematic", "multinomial", "stratified", "residual")
 SELECTIONS = ("sample", "argmax")
 DIVERGENCE_NAMES = ("tv", "renyi2", "kl")  # see verification.DIVERGENCES

@@ -45,3 +45,16 @@ def test_equivalence_catches_a_backend_that_lets_holes_show(monkeypatch):
     model = device_check.build("tiny-target", 512, "cpu", seed=0).model
     errors = device_check.equivalence(model, 512)
     assert max(errors.values()) > device_check.BF16_TOL
+
+
+@pytest.mark.slow
+def test_device_check_times_the_static_path_beside_the_eager_one(capsys):
+    argv = ["device-check", "--tiny", "--device", "cpu", "--repeats", "1", "--max-new-tokens", "16"]
+    code = main([*argv, "--engine", "compiled", "--static-prompts", "24"])
+    static = json.loads(capsys.readouterr().out)["static"]
+    assert code == 0 and static["mode"] == "compile" and static["compile_seconds"] > 0
+    assert static["equivalence_max_rel_err"] <= device_check.BF16_TOL
+    assert set(static["forward_ms"]) == {"1", "8", "72", "144"}
+    rows = {f"{m} ({e})" for m in ("ar", "smcsd_paper") for e in ("eager", "compiled")}
+    assert set(static["tokens_per_s"]["24"]) == rows
+    assert static["host_reads_per_cycle"] == 1.0

@@ -26,6 +26,7 @@ from ..backends.syncs import reads_per_cycle
 from ..config import SMCConfig
 from ..engine.worker import entered_on_torch_thread
 from ..models import LoadedModel
+from .device_static import static_report
 from .speed import HF_GENERATE, timed_run
 
 VOCAB_8B = 128256
@@ -226,10 +227,14 @@ def check(
     prompt_tokens: int = 128,
     repeats: int = 3,
     backend: str = "hf",
+    engine: str = "eager",
+    static_prompts: tuple[int, ...] = (256, 1024),
 ) -> dict:
     """Run the whole check (on CUDA when there is one, else tiny on the CPU); the report as a dict.
 
-    ``backend="vllm"`` also times AR, SD and SMC-SD on vLLM engines over the same models.
+    ``backend="vllm"`` also times AR, SD and SMC-SD on vLLM engines over the same models;
+    ``engine="compiled"`` (or ``"auto"``) adds the static path beside the eager one
+    (``device_static``), with prompts of ``static_prompts`` tokens.
     """
     start = time.perf_counter()
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -254,6 +259,10 @@ def check(
         report["compiled"] = _compiled(pair, prompt, config, repeats)
     if backend == "vllm":
         report["vllm"] = _on_vllm(target, draft, prompt, config, repeats)
+    if engine != "eager":
+        g = torch.Generator().manual_seed(1)
+        prompts = {f"{n}": torch.randint(3, vocab, (n,), generator=g).tolist() for n in static_prompts}
+        report["static"] = static_report(target, draft, prompts, config, repeats, engine)
     report["peak_memory_bytes"] = _peak_memory(device)
     report["seconds"] = round(time.perf_counter() - start, 1)
     return report

@@ -84,7 +84,10 @@ def load_pair(args: argparse.Namespace, *, torch_models: bool = False):
             f"--backend {args.backend}: this command runs the models in PyTorch (use --backend hf)"
         )
     set_threads(args)
-    options = pair_options(args)
+    options = pair_options(args) | {
+        "engine": getattr(args, "forward_engine", "eager"),
+        "deterministic": getattr(args, "deterministic", False),
+    }
     if args.backend == "vllm":  # its start-up notes run to hundreds of lines; errors still show
         logging.getLogger("vllm").setLevel(logging.ERROR)
     where = f"{args.device} ({args.dtype})" + (", on vLLM" if args.backend == "vllm" else "")

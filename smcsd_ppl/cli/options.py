@@ -8,7 +8,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from ..config import DIVERGENCE_NAMES, PROPOSAL_NAMES, RESAMPLING_SCHEMES, SELECTIONS, SMCConfig
+from ..config import (
+    DIVERGENCE_NAMES,
+    EXECUTION_ENGINES,
+    PROPOSAL_NAMES,
+    RESAMPLING_SCHEMES,
+    SELECTIONS,
+    SMCConfig,
+)
 from .util import cut_value, twist_value
 
 SMC_DEFAULTS = SMCConfig()  # one set of defaults for the API and the command line
@@ -49,6 +56,24 @@ def model_args(p: argparse.ArgumentParser, *, draft: bool = True) -> None:
         default=1,
         metavar="N",
         help="vLLM backend: GPUs each engine spreads over (tensor_parallel_size)",
+    )
+
+
+def engine_arg(p: argparse.ArgumentParser) -> None:
+    """``--engine``: the backends' forwards or the static path's compiled graphs (``SMCSD(engine=)``)."""
+    p.add_argument(
+        "--engine",
+        dest="forward_engine",
+        choices=EXECUTION_ENGINES,
+        default="eager",
+        help="eager: the backends' forwards (default); compiled: ar and smcsd_paper as one compiled "
+        "graph per step (torch.compile on a CPU, CUDA graphs on CUDA); auto: compiled on CUDA only",
+    )
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="with --engine compiled: a fixed row bucket, so a seeded request gives the same tokens "
+        "alone and among batch-mates",
     )
 
 

@@ -12,8 +12,12 @@ from dataclasses import dataclass
 from ..backends.base import BatchedLM
 from ..config import DraftRecord, SMCConfig
 from ..inference.rows import RowStore
+from ..inference.static_engine import DETERMINISTIC_ROWS, StaticEngine, graph_mode
 from ..models import LoadedModel
 from ..text import check_token_ids, encode_prompt, whole_characters
+
+STATIC_METHODS = ("ar", "smcsd_paper")
+"""The methods the static path runs (``--engine compiled``)."""
 
 
 class PairCore:
@@ -28,6 +32,11 @@ class PairCore:
         target: the loaded target (None for backends built without PyTorch models).
         draft: the loaded draft, likewise.
         backend: what runs the models (``"hf"``, ``"vllm"``, or a test's name).
+        engine: ``"eager"`` (the backends' forwards, the reference), ``"compiled"`` (the static
+            path's graphs, ``inference.static_engine``, for the calls it runs: ``ar`` and
+            ``smcsd_paper``) or ``"auto"`` (compiled on CUDA where the static path runs the call).
+        deterministic: the static path runs SMC-SD in a fixed row bucket, so a seeded request's
+            tokens do not depend on its batch-mates (``StaticEngine.row_bucket``).
     """
 
     def __init__(
@@ -41,8 +50,13 @@ class PairCore:
         target: LoadedModel | None = None,
         draft: LoadedModel | None = None,
         backend: str = "hf",
+        engine: str = "eager",
+        deterministic: bool = False,
     ) -> None:
         self.backend = backend
+        self.engine, self.deterministic = engine, deterministic
+        graph_mode(engine, target_lm.device)  # checks the name
+        self._static: StaticEngine | None = None
         self.target_lm, self.draft_lm = target_lm, draft_lm
         self.store = RowStore(target_lm, draft_lm)  # the only one: every run's rows live here
         self.tokenizer, self.chat = tokenizer, chat
@@ -88,7 +102,35 @@ class PairCore:
             target=self.target,
             draft=self.draft,
             backend=self.backend,
+            engine=self.engine,
+            deterministic=self.deterministic,
         )
+
+    @property
+    def built_static(self) -> StaticEngine | None:
+        """The static path's engine if a call has used it (for its compile time), else None."""
+        return self._static
+
+    def static_engine(self, method: str) -> StaticEngine | None:
+        """The static path for a call of ``method``, or None where the eager backends run it.
+
+        ``compiled`` refuses, in one line, a call the static path does not run; ``auto`` runs
+        it eagerly. The engine, its arenas and graphs are kept across calls.
+        """
+        mode = graph_mode(self.engine, self.target_lm.device)
+        runs = method in STATIC_METHODS and self.backend == "hf" and self.target is not None
+        if mode == "eager" or (self.engine == "auto" and not runs):
+            return None
+        if not runs:
+            raise ValueError(
+                f"the compiled engine runs {' and '.join(STATIC_METHODS)} on the HF backend, not {method}: "
+                "use --engine eager or auto"
+            )
+        if self._static is None:
+            stats = (self.target_lm.stats, self.draft_lm.stats)
+            bucket = DETERMINISTIC_ROWS if self.deterministic else None
+            self._static = StaticEngine(self.target.model, self.draft.model, mode, stats, bucket)
+        return self._static
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of token ids (special tokens dropped), up to its last whole character.

@@ -296,7 +296,7 @@ class SMCSDKernel:
             ess_trace=(*pop.ess_trace, e),
             ess_fractions=(*pop.ess_fractions, *([e / n] if n >= 2 else [])),
         )
-        if n < 2 or c.ess_threshold == 0 or e >= c.ess_threshold * n:
+        if not smc.below_threshold(e, n, c.ess_threshold):
             return pop, e, False
         pop = resampled(pop, c.resampling, g)
         return replace(pop, n_resamples=pop.n_resamples + 1), e, True

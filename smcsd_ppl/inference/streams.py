@@ -40,6 +40,11 @@ def uniform(key: int, purpose: int) -> float:
     return (mix64(key ^ _purpose_key(purpose)) >> 11) / float(1 << 53)
 
 
+def block_uniforms(key: int, width: int) -> list[float]:
+    """A block's uniforms for a row of ``key``: its lead, ``width - 2`` draft positions, its bonus."""
+    return [uniform(key, p) for p in (LEAD, *(DRAFT + j for j in range(width - 2)), BONUS)]
+
+
 @functools.cache
 def _purpose_key(purpose: int) -> int:
     return mix64(purpose)
@@ -75,13 +80,11 @@ class RowStreams:
         not asked are zeros. Each asked row's count of services moves on.
         """
         u = torch.zeros(n_rows, width, dtype=torch.float64)
-        purposes = [LEAD, *(DRAFT + j for j in range(width - 2)), BONUS]
         table = []
         for r in rows:
             n = self.served.get(r, 0)
             self.served[r] = n + 1
-            key = mix64(self.plans[r].key ^ n)
-            table.append([uniform(key, p) for p in purposes])
+            table.append(block_uniforms(mix64(self.plans[r].key ^ n), width))
         if rows:
             u[list(rows)] = torch.tensor(table, dtype=torch.float64)
         return u

@@ -11,6 +11,7 @@ import torch
 
 from ..backends.base import BatchedLM, check_finite, to_device
 from ..ends import row_ends
+from ..inference.static_ar import static_autoregressive
 from ..verification import sample_tokens
 from .registry import MethodOutput, RunContext, register
 
@@ -70,8 +71,9 @@ def autoregressive(
 @register("ar", uses_draft=False)
 def _ar(ctx: RunContext) -> MethodOutput:
     cfg = ctx.config
-    tokens = autoregressive(
-        ctx.target_lm,
+    static = ctx.pair.static_engine("ar")  # None: the eager backend
+    tokens = (autoregressive if static is None else static_autoregressive)(
+        ctx.target_lm if static is None else static,
         ctx.prompts,
         eos_token_ids=ctx.eos,
         max_new_tokens=cfg.max_new_tokens,

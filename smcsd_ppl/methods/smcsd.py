@@ -8,6 +8,8 @@ from collections.abc import Callable, Sequence
 from ..engine.run import run_smc_sd
 from ..inference.program import SMCSDModel
 from ..inference.state import StepInfo
+from ..inference.static_smcsd import static_smcsd
+from ..inference.step import request_seed
 from .registry import MethodOutput, RunContext, register
 
 
@@ -52,4 +54,20 @@ def _smcsd(ctx: RunContext) -> MethodOutput:
 @register("smcsd_paper", particles=True)
 def _smcsd_paper(ctx: RunContext) -> MethodOutput:
     ctx = dataclasses.replace(ctx, config=dataclasses.replace(ctx.config, cut=None, proposal="draft"))
+    static = ctx.pair.static_engine("smcsd_paper")
+    if static is not None:
+        return _static_paper(ctx, static)
     return run_programs(ctx, [SMCSDModel(i) for i in ctx.prompts])
+
+
+def _static_paper(ctx: RunContext, static) -> MethodOutput:
+    """The paper's algorithm on the static path: what the eager kernel returns, from compiled graphs."""
+    seeds = [request_seed(ctx.config.seed, i) for i in range(len(ctx.prompts))]
+    results = static_smcsd(static, ctx.prompts, ctx.config, ctx.eos, seeds, on_step=ctx.on_progress)
+    for r in results:
+        r.info.particles = [dataclasses.replace(p, text=ctx.decode(p.token_ids)) for p in r.info.particles]
+    return MethodOutput(
+        [r.token_ids for r in results],
+        [r.info for r in results],
+        messages=[r.message for r in results],
+    )

@@ -1,11 +1,14 @@
 """Pure SMC math on log-weights (torch only): normalization, ESS, resampling."""
 
-from .resampling import RESAMPLERS, Resampler, multinomial, resample, residual, stratified, systematic
-from .weights import clean_log_weights, ess, log_mean_exp, normalize
+from .resampling import POINTS, RESAMPLERS, Resampler, multinomial, resample, residual, stratified, systematic
+from .weights import ESS_SLACK, below_threshold, clean_log_weights, ess, log_mean_exp, normalize
 
 __all__ = [
+    "ESS_SLACK",
+    "POINTS",
     "RESAMPLERS",
     "Resampler",
+    "below_threshold",
     "clean_log_weights",
     "ess",
     "log_mean_exp",

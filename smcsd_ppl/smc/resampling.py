@@ -29,22 +29,42 @@ def _uniforms(n: int, g: torch.Generator) -> torch.Tensor:
     return torch.rand(n, generator=g, dtype=torch.float64, device=g.device)
 
 
+def multinomial_points(g: torch.Generator, m: int) -> torch.Tensor:
+    """M sorted independent uniforms."""
+    return torch.sort(_uniforms(m, g))[0]
+
+
+def stratified_points(g: torch.Generator, m: int) -> torch.Tensor:
+    """One uniform in each of M equal strata of [0, 1)."""
+    return (torch.arange(m, dtype=torch.float64, device=g.device) + _uniforms(m, g)) / m
+
+
+def systematic_points(g: torch.Generator, m: int) -> torch.Tensor:
+    """M evenly spaced points with one shared random offset."""
+    return (torch.arange(m, dtype=torch.float64, device=g.device) + _uniforms(1, g)) / m
+
+
+POINTS: dict[str, Callable[[torch.Generator, int], torch.Tensor]] = {
+    "systematic": systematic_points,
+    "multinomial": multinomial_points,
+    "stratified": stratified_points,
+}
+"""The schemes that are one inverse-CDF lookup of sorted points, by name (what a graph can run)."""
+
+
 def multinomial(weights: torch.Tensor, g: torch.Generator, m: int) -> torch.Tensor:
     """M independent draws from Categorical(W)."""
-    u, _ = torch.sort(_uniforms(m, g))
-    return _inverse_cdf(weights, u)
+    return _inverse_cdf(weights, multinomial_points(g, m))
 
 
 def stratified(weights: torch.Tensor, g: torch.Generator, m: int) -> torch.Tensor:
     """One uniform draw in each of M equal strata of [0, 1)."""
-    u = (torch.arange(m, dtype=torch.float64, device=g.device) + _uniforms(m, g)) / m
-    return _inverse_cdf(weights, u)
+    return _inverse_cdf(weights, stratified_points(g, m))
 
 
 def systematic(weights: torch.Tensor, g: torch.Generator, m: int) -> torch.Tensor:
     """M evenly spaced points with one shared random offset (lowest variance here)."""
-    u = (torch.arange(m, dtype=torch.float64, device=g.device) + _uniforms(1, g)) / m
-    return _inverse_cdf(weights, u)
+    return _inverse_cdf(weights, systematic_points(g, m))
 
 
 def residual(weights: torch.Tensor, g: torch.Generator, m: int) -> torch.Tensor:

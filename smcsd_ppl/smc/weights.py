@@ -26,6 +26,17 @@ def normalize(log_w: torch.Tensor) -> torch.Tensor:
     return w / w.sum()
 
 
+ESS_SLACK = 1e-6
+"""An ESS within this share below the threshold counts as at it. Identical particles put the ESS
+exactly on the threshold (4 equal weights of 8 give 4.0), where float noise, one ulp from another
+summation order, would decide alone; with the slack the eager and the compiled paths decide alike."""
+
+
+def below_threshold(ess_value: float, n: int, threshold: float) -> bool:
+    """Whether a population of ``n`` with this ESS resamples under ``threshold`` (a share of n)."""
+    return n >= 2 and threshold > 0 and ess_value < threshold * n * (1 - ESS_SLACK)
+
+
 def ess(log_w: torch.Tensor) -> float:
     """Effective sample size 1 / sum W^2 (N for uniform weights, 1 for one survivor), in [1, N]."""
     w = normalize(log_w)
