@@ -52,8 +52,8 @@ class SMCSD:
             reference) or ``"vllm"`` (both models on vLLM engines; see docs/scaling.md).
         vllm_options: more ``vllm.LLM`` arguments for both engines (``tensor_parallel_size``,
             ``max_model_len``, ...).
-        engine, deterministic: ``ar`` and ``smcsd_paper`` on the static path's compiled graphs,
-            and its fixed row bucket (``engine.pair.PairCore``; docs/benchmarks.md).
+        engine: ``"compiled"``: ``ar`` and ``smcsd_paper`` on the static path's graphs.
+        deterministic: the static path's fixed row bucket (both: ``engine.pair.PairCore``).
     """
 
     def __init__(

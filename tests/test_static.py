@@ -131,7 +131,7 @@ def test_a_cycle_that_does_not_move_the_kv_rows_with_the_particles_fails(
     config = dataclasses.replace(PAPER, ess_threshold=1.0, max_new_tokens=24)
     eager = tiny_smcsd.generate_ids(PROMPTS, method="smcsd_paper", config=config)
     assert_same(eager, static_run(engine, tiny_smcsd, PROMPTS, config))
-    monkeypatch.setattr(static_cycle, "take", lambda ancestors, state, *arenas: state.gather_(ancestors))
+    monkeypatch.setattr(Arena, "move_rows_", lambda arena, ancestors: None)
     mutant = static_run(
         StaticEngine(tiny_models[0].model, tiny_models[1].model, "eager"), tiny_smcsd, PROMPTS, config
     )

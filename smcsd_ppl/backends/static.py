@@ -15,11 +15,13 @@ are; only attention and its cache are ours. Llama-family models only (SmolLM2, L
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
+from .base import to_device
 from .kv import plan
 
 CAPACITY_STEP = 256  # arena capacities are multiples of this: one compiled graph per bucket
@@ -64,6 +66,16 @@ class Arena:
         """The arena of the rows in ``span`` (views: writes land in this arena)."""
         return Arena([t[span] for t in self.keys], [t[span] for t in self.values], self.lengths[span])
 
+    def move_rows_(self, ancestors: Sequence[int]) -> None:
+        """Row i becomes a copy of row ``ancestors[i]`` (host indices), copying only the rows that change."""
+        moved = [(d, a) for d, a in enumerate(ancestors) if d != a]
+        if not moved:
+            return
+        dest = to_device(torch.tensor([d for d, _ in moved]), self.lengths.device)
+        src = to_device(torch.tensor([a for _, a in moved]), self.lengths.device)
+        for t in (*self.keys, *self.values, self.lengths):
+            t.index_copy_(0, dest, t.index_select(0, src))
+
     def gather_(self, ancestors: torch.Tensor) -> None:
         """Row i becomes a copy of row ``ancestors[i]`` (in place: the buffers keep their addresses)."""
         for t in (*self.keys, *self.values):
@@ -96,6 +108,10 @@ class StaticLlama:
         self.n_heads = cfg.num_attention_heads
         self.n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        if self.n_kv != self.n_heads and _torch_version() < (2, 5):
+            raise ValueError(
+                "the compiled engine needs torch >= 2.5 (grouped-query attention): use --engine eager"
+            )
 
     def arena(self, rows: int, capacity: int) -> Arena:
         """A zeroed arena of ``rows`` rows of ``capacity`` positions (zeros: masked columns stay finite)."""
@@ -146,6 +162,11 @@ class StaticLlama:
             q, keys, values, attn_mask=allowed, scale=attn.scaling, enable_gqa=self.n_kv != self.n_heads
         )
         return attn.o_proj(out.transpose(1, 2).reshape(r, t, self.n_heads * self.head_dim))
+
+
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

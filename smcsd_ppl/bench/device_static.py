@@ -20,7 +20,9 @@ from ..backends.static import StaticLlama
 from ..backends.syncs import HostReads
 from ..config import SMCConfig
 from ..engine.pair import STATIC_METHODS
-from ..engine.worker import entered_on_torch_thread
+from ..inference.static_engine import StaticEngine
+from ..inference.static_smcsd import static_smcsd
+from ..inference.step import request_seed
 from ..models import LoadedModel
 from .speed import timed_run
 
@@ -56,7 +58,7 @@ def static_report(
         by_prompt[label] = {name: round(statistics.median(v), 2) for name, v in runs.items()}
     out["tokens_per_s"] = by_prompt
     out["compile_seconds"] = round(static.compile_seconds, 1)
-    out["host_reads_per_cycle"] = host_reads(fast, next(iter(prompts.values())), config)
+    out["host_reads_per_cycle"] = host_reads(target, draft, next(iter(prompts.values())), config)
     out["vocab"] = vocab
     return out
 
@@ -113,18 +115,19 @@ def forward_ms(model: StaticLlama, mode: str, cache: int = 128, repeats: int = 5
     return out
 
 
-def host_reads(pair: SMCSD, prompt: list[int], config: SMCConfig) -> float:
-    """Host reads per SMC-SD cycle on the static path: the slope between a short run and a longer one.
+def host_reads(target: LoadedModel, draft: LoadedModel, prompt: list[int], config: SMCConfig) -> float:
+    """Host reads per SMC-SD cycle of the static path: the slope between a short run and a longer one.
 
-    A run's set-up reads (the leads, the final weights) cancel in the difference.
+    Counted on the uncompiled step (the same function the graphs run: a counting mode cannot
+    enter a compiled graph); a run's set-up reads (the leads, the final weights) cancel out.
     """
-    models = [pair.target.model, pair.draft.model]
+    engine = StaticEngine(target.model, draft.model, "eager")
     counts = []
     for tokens in (2 * config.block_size, 6 * config.block_size):
-        short = dataclasses.replace(config, max_new_tokens=tokens)
-        with entered_on_torch_thread(HostReads(models)) as reads:  # the calls run on the torch thread
-            (out,) = pair.generate_ids([prompt], method="smcsd_paper", config=short)
-        counts.append((reads.count, len(out.smc.ess_trace)))
+        short = dataclasses.replace(config, max_new_tokens=tokens, cut=None, proposal="draft")  # the paper's
+        with HostReads([target.model, draft.model]) as reads:
+            (out,) = static_smcsd(engine, [prompt], short, [], [request_seed(short.seed, 0)])
+        counts.append((reads.count, len(out.info.ess_trace)))
     (r1, c1), (r2, c2) = counts
     return round((r2 - r1) / max(1, c2 - c1), 3)
 

@@ -86,7 +86,7 @@ def _run(engine: StaticEngine, prompts, config: SMCConfig, eos, seeds, on_step) 
         pad = engine.row_bucket // n - real
         prompts, seeds = prompts + [prompts[0]] * pad, seeds + [0] * pad
     b = len(prompts)
-    arenas, state = _prefilled(engine, prompts, config, eos, seeds, real)
+    target, draft, state = _prefilled(engine, prompts, config, eos, seeds, real)
     histories = [[int(t)] for t in state.pend_t.tolist()]  # the leads (host data: drawn below)
     # a lead is the first cycle's: that cycle runs even if every lead ended; padding is done
     done = [r >= real * n for r in range(b * n)]
@@ -103,9 +103,14 @@ def _run(engine: StaticEngine, prompts, config: SMCConfig, eos, seeds, on_step) 
         )
         device = engine.target.device
         with Timer(engine.target_stats, device, b * n * (k + 1)):
-            (report,) = cycle(*arenas, *state.flat(), to_device(u, device), to_device(points, device))
+            (report,) = cycle(
+                *target.flat(), *draft.flat(), *state.flat(), to_device(u, device), to_device(points, device)
+            )
         engine.draft_stats.calls += k
-        histories, done = _read(report.tolist(), histories, done, k, n, traces)  # the cycle's one host read
+        rows = report.tolist()  # the cycle's one host read
+        histories, done = _read(rows, histories, done, k, n, traces)
+        for arena in (target, draft):  # the KV rows follow their particles (the state did, in the cycle)
+            arena.move_rows_([int(row[k + 2]) for row in rows])
         if on_step is not None:
             on_step(max(len(h) for h in histories[: real * n]))
         step += 1
@@ -159,7 +164,7 @@ def _prefilled(engine: StaticEngine, prompts, config: SMCConfig, eos, seeds, rea
     state.temps.copy_(temps)
     state.eos.copy_(eos_ids)
     state.lead_w.copy_(torch.where(ended, 0.0, lead_w))
-    return (*target.flat(), *draft.flat()), state
+    return target, draft, state
 
 
 def _empty_state(rows: int, n_eos: int, device: torch.device) -> CycleState:
