@@ -16,7 +16,7 @@ import torch
 
 from ..api import SMCSD
 from ..backends.graphs import Graphed
-from ..backends.static import StaticLlama
+from ..backends.static import Arena, StaticLlama
 from ..backends.syncs import HostReads
 from ..config import SMCConfig
 from ..engine.pair import STATIC_METHODS
@@ -41,7 +41,6 @@ def static_report(
     eager = SMCSD(target, draft, chat=False)
     fast = SMCSD(target, draft, chat=False, engine=engine)
     static = fast.core.static_engine("ar")
-    vocab = target.model.config.vocab_size
     out = {"mode": static.mode, "equivalence_max_rel_err": round(equivalence(static.target, target.model), 5)}
     out["forward_ms"] = forward_ms(static.target, static.mode)
     by_prompt = {}
@@ -51,7 +50,7 @@ def static_report(
         }
         for pair, method in rows.values():  # builds every graph, untimed
             timed_run(pair, method, prompt, config)
-        runs: dict[str, list[float]] = {label: [] for label in rows}
+        runs: dict[str, list[float]] = {name: [] for name in rows}
         for rep in range(repeats):
             for name, (pair, method) in rows.items():
                 runs[name].append(timed_run(pair, method, prompt, dataclasses.replace(config, seed=rep))[0])
@@ -59,7 +58,6 @@ def static_report(
     out["tokens_per_s"] = by_prompt
     out["compile_seconds"] = round(static.compile_seconds, 1)
     out["host_reads_per_cycle"] = host_reads(target, draft, next(iter(prompts.values())), config)
-    out["vocab"] = vocab
     return out
 
 
@@ -94,8 +92,6 @@ def forward_ms(model: StaticLlama, mode: str, cache: int = 128, repeats: int = 5
         arena = model.arena(rows, cache + 2 * t + 16)
 
         def step(*args, rows=rows, t=t):
-            from ..backends.static import Arena
-
             a = Arena.of(args[:-1])
             a.lengths.fill_(cache)  # every run reads the same columns
             valid = torch.ones(rows, t, dtype=torch.bool, device=args[-1].device)
