@@ -108,9 +108,9 @@ def _run(engine: StaticEngine, prompts, config: SMCConfig, eos, seeds, on_step) 
             )
         engine.draft_stats.calls += k
         rows = report.tolist()  # the cycle's one host read
-        histories, done = _read(rows, histories, done, k, n, traces)
+        histories, done, ancestors = _read(rows, histories, done, k, n, traces)
         for arena in (target, draft):  # the KV rows follow their particles (the state did, in the cycle)
-            arena.move_rows_([int(row[k + 2]) for row in rows])
+            arena.move_rows_(ancestors)
         if on_step is not None:
             on_step(max(len(h) for h in histories[: real * n]))
         step += 1
@@ -191,10 +191,14 @@ def _uniforms(seed: int, cycle: int, n: int, k: int) -> list[list[float]]:
 
 
 def _read(rows: list[list[float]], histories: list[list[int]], was_done: list[bool], k: int, n: int, traces):
-    """Grow each particle's tokens by the report, then take the ancestors; record running requests' ESS."""
+    """Grow each particle's tokens by the report, then take the ancestors; record running requests' ESS.
+
+    ``histories`` grows in place; only rows whose ancestor is another get a copy of its tokens.
+    """
     if any(row[k + 6] for row in rows):
         raise ValueError("the model produced NaN logits (try dtype=float32, or check the weights)")
-    grown = [h + [int(t) for t in row[: int(row[k + 1])]] for h, row in zip(histories, rows)]
+    for h, row in zip(histories, rows):
+        h.extend(int(t) for t in row[: int(row[k + 1])])
     for i, (trace, fractions, resamples) in enumerate(traces):
         if all(was_done[i * n : (i + 1) * n]):
             continue  # finished before this cycle: the eager kernel had retired it
@@ -203,7 +207,12 @@ def _read(rows: list[list[float]], histories: list[list[int]], was_done: list[bo
         if n >= 2 and ess > 0:  # 0: every weight was zero, no fraction recorded
             fractions.append(ess / n)
         traces[i] = (trace, fractions, resamples + did)
-    return [list(grown[int(row[k + 2])]) for row in rows], [bool(row[k + 3]) for row in rows]
+    ancestors = [int(row[k + 2]) for row in rows]
+    if any(a != r for r, a in enumerate(ancestors)):
+        histories = [
+            h if a == r else list(histories[a]) for r, (h, a) in enumerate(zip(histories, ancestors))
+        ]
+    return histories, [bool(row[k + 3]) for row in rows], ancestors
 
 
 def _result(histories, log_w: list[float], trace, config: SMCConfig, seed: int) -> StaticResult:
