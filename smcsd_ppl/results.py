@@ -114,6 +114,8 @@ class Generation:
         finish_reason: why it ended: ``"stop"`` (a stop string), ``"eos"``, ``"length"`` (the
             budget), ``"constraint"`` (the constraint was complete), ``"cancelled"`` or
             ``"error"`` (``ends.FinishReason``).
+        logprobs: where asked for, the target's log-probability of each token
+            (``engine.scoring.TokenLogprob``), else None.
     """
 
     text: str
@@ -124,6 +126,7 @@ class Generation:
     smc: SMCInfo | None = None
     speculative: SpeculativeInfo | None = None
     finish_reason: str = ""
+    logprobs: tuple | None = None
 
     def to_record(self) -> dict:
         """A JSON-ready dict: the text, its cost and the method's report (particles left out)."""

@@ -49,17 +49,24 @@ class TextStream:
     Attributes:
         text: everything handed out so far.
         tokens: the tokens it was decoded from.
+        closed: whether it hands out nothing more (``close``).
     """
 
     def __init__(self, decode) -> None:
-        self.decode, self.text, self.tokens = decode, "", 0
+        self.decode, self.text, self.tokens, self.closed = decode, "", 0, False
+
+    def close(self) -> None:
+        """Hand out nothing more: what was handed out is final (an interrupted run)."""
+        self.closed = True
 
     def update(self, ids) -> str:
-        """The text ``ids`` add to what was handed out ('' if none yet).
+        """The text ``ids`` add to what was handed out ('' if none yet, or once closed).
 
         A character split across tokens (decoded as U+FFFD) waits for its next tokens, and a
         decoding that no longer starts with what was handed out adds nothing.
         """
+        if self.closed:
+            return ""
         text = whole_characters(self.decode(list(ids)))
         if len(text) <= len(self.text) or not text.startswith(self.text):
             return ""

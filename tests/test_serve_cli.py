@@ -32,6 +32,11 @@ def test_bad_server_options_give_one_line(args, needle):
     assert_one_line_error(code, err, needle)
 
 
+def test_a_model_named_twice_gives_one_line():
+    code, _out, err, _ = run_cli("serve", TARGET, "--target", "other/model")
+    assert_one_line_error(code, err, "name two targets")
+
+
 def test_a_port_in_use_gives_one_line_before_models_load():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -41,14 +46,19 @@ def test_a_port_in_use_gives_one_line_before_models_load():
     assert "loading models" not in err
 
 
+TARGET = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
 @pytest.mark.slow
-def test_serve_prints_where_it_serves_answers_and_stops_on_ctrl_c():
+@pytest.mark.parametrize("named", [[], [TARGET], ["--model", TARGET]], ids=["default", "MODEL", "--model"])
+def test_serve_prints_where_it_serves_answers_and_stops_on_ctrl_c(named):
     env = os.environ | {"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
     command = [
         sys.executable,
         "-m",
         "smcsd_ppl",
         "serve",
+        *named,
         "--port",
         "0",
         "--threads",
@@ -66,7 +76,7 @@ def test_serve_prints_where_it_serves_answers_and_stops_on_ctrl_c():
         )
         assert found, line + server.stderr.read()
         model, url = found.groups()
-        assert model == "HuggingFaceTB/SmolLM2-135M-Instruct"
+        assert model == TARGET
         ask = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "seed": 1}
         out = httpx.post(f"{url}/chat/completions", json=ask, timeout=120).json()
         assert out["usage"]["completion_tokens"] <= 4 and out["choices"][0]["smcsd"]["seed"] == 1

@@ -16,6 +16,7 @@ import time
 import httpx
 import openai
 import pytest
+import torch
 
 from smcsd_ppl.config import SMCConfig
 from smcsd_ppl.engine.client import Engine, EngineClosed, ServeRequest
@@ -132,6 +133,25 @@ def test_a_completion_carries_text_usage_and_smc_diagnostics(tiny_server):
     )
 
 
+def test_a_request_drafts_the_block_size_it_asks_for(tiny_server, monkeypatch):
+    """Above the server's block size too: the response reports what ran, so it must be what ran."""
+    import smcsd_ppl.inference.cycle as cycle_module
+
+    widths, draft_blocks = [], cycle_module.draft_blocks
+
+    def spy(store, requests, **kw):
+        widths.append(kw["block_size"])
+        return draft_blocks(store, requests, **kw)
+
+    monkeypatch.setattr(cycle_module, "draft_blocks", spy)
+    ask = {"model": MODEL, "prompt": "The quick brown", "seed": 7}  # sharing every batch-wide setting
+    for k in (6, 2):
+        widths.clear()
+        body = tiny_server.post("/v1/completions", json=ask | {"block_size": k}).json()
+        assert body["choices"][0]["smcsd"]["block_size"] == k
+        assert widths and set(widths) == {k}, (k, widths)
+
+
 def test_the_same_seed_gives_the_same_text_and_n_derives_seeds_from_it(tiny_server):
     ask = {"prompt": "Once upon a time", "seed": 11, "max_tokens": 5}
     one = tiny_server.post("/v1/completions", json=ask).json()
@@ -175,6 +195,51 @@ def test_a_stop_string_ends_the_output_before_it(tiny_server):
     stop = text[2:4]
     cut = tiny_server.post("/v1/completions", json=ask | {"stop": [stop]}).json()["choices"][0]
     assert cut["text"] == text[: text.index(stop)] and cut["finish_reason"] == "stop"
+
+
+def plain_logprobs(model, prompt_ids, out_ids, temperature: float) -> torch.Tensor:
+    """The target's log-probabilities at each output position, from one plain forward."""
+    ids = torch.tensor([list(prompt_ids) + list(out_ids)])
+    with torch.inference_mode():
+        logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1].float()
+    return torch.log_softmax(logits / temperature, -1)
+
+
+def ids_of(tokens: list[str]) -> list[int]:
+    return [int(t.removeprefix("token_id:")) for t in tokens]
+
+
+def test_clients_default_logprobs_fields_are_accepted(tiny_server):
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "seed": 1}
+    for off in ({"logprobs": False}, {"logprobs": False, "top_logprobs": 0}, {"logprobs": None}):
+        reply = tiny_server.post("/v1/chat/completions", json=chat | off)
+        assert reply.status_code == 200 and reply.json()["choices"][0]["logprobs"] is None, off
+    reply = tiny_server.post("/v1/chat/completions", json=chat | {"top_logprobs": 2})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "top_logprobs"
+    reply = tiny_server.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "logprobs": 21})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "logprobs"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_are_the_target_s_at_its_temperature(tiny_smcsd, tiny_server, stream):
+    prompt = [5, 9, 13, 2]
+    ask = {"model": MODEL, "prompt": prompt, "seed": 4, "temperature": 0.7, "logprobs": 3, "stream": stream}
+    reply = tiny_server.post("/v1/completions", json=ask | {"return_tokens_as_token_ids": True})
+    if stream:
+        chunks = [json.loads(x[6:]) for x in reply.text.splitlines() if x.startswith("data: {")]
+        [scores] = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
+    else:
+        scores = reply.json()["choices"][0]["logprobs"]
+    out = ids_of(scores["tokens"])
+    assert out and len(scores["token_logprobs"]) == len(out) == len(scores["top_logprobs"])
+    expected = plain_logprobs(tiny_smcsd.target.model, prompt, out, 0.7)
+    chosen = expected.gather(1, torch.tensor(out)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(scores["token_logprobs"]), chosen, atol=1e-4)
+    for row, top in zip(expected, scores["top_logprobs"]):
+        best = row.topk(3)
+        assert dict(zip(ids_of(list(top)), top.values())) == pytest.approx(
+            dict(zip(best.indices.tolist(), best.values.tolist())), abs=1e-4
+        )
 
 
 def test_a_regex_constrains_the_output(tiny_server):
@@ -317,6 +382,39 @@ def real_server(default_smcsd):
     real = SMCConfig(n_particles=4, block_size=4, max_new_tokens=8)
     with served(default_smcsd, defaults=real, model_name=default_smcsd.target.name) as client:
         yield client
+
+
+@pytest.fixture(scope="module")
+def real_server_f32(default_smcsd_f32):
+    real = SMCConfig(n_particles=4, block_size=4, max_new_tokens=12)
+    with served(default_smcsd_f32, defaults=real, model_name=default_smcsd_f32.target.name) as client:
+        yield client
+
+
+@pytest.mark.slow
+def test_the_openai_client_gets_the_target_s_logprobs_streamed_and_not(default_smcsd_f32, real_server_f32):
+    client = openai.OpenAI(base_url=str(real_server_f32.base_url).rstrip("/") + "/v1", api_key="unused")
+    messages = [{"role": "user", "content": "Name a color."}]
+    ask = dict(model=real_model(real_server_f32), messages=messages, seed=3, max_tokens=12, temperature=0.7)
+    assert client.chat.completions.create(**ask, logprobs=False).choices[0].logprobs is None
+    ask |= dict(logprobs=True, top_logprobs=5, extra_body={"return_tokens_as_token_ids": True})
+    whole = client.chat.completions.create(**ask).choices[0].logprobs.content
+    chunks = list(client.chat.completions.create(**ask, stream=True))
+    streamed = [
+        t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content
+    ]
+    tok = default_smcsd_f32.tokenizer
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    prompt = prompt["input_ids"] if hasattr(prompt, "keys") else prompt
+    for content in (whole, streamed):
+        out = ids_of([t.token for t in content])
+        expected = plain_logprobs(default_smcsd_f32.target.model, prompt, out, 0.7)
+        assert len(out) >= 2
+        for row, token, entry in zip(expected, out, content):
+            assert abs(entry.logprob - row[token].item()) < 1e-3
+            best = row.topk(5)
+            assert ids_of([t.token for t in entry.top_logprobs]) == best.indices.tolist()
+            assert [t.logprob for t in entry.top_logprobs] == pytest.approx(best.values.tolist(), abs=1e-3)
 
 
 def real_model(client) -> str:

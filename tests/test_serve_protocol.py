@@ -97,7 +97,11 @@ def test_a_schema_breaking_its_meta_schema_is_422():
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
         ({"messages": [{"role": "user", "content": "x"}], "seed": -1}, "seed"),
         ({"messages": [{"role": "user", "content": "x"}], "stream": "yes"}, "stream"),
-        ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
+        ({"messages": [{"role": "user", "content": "x"}], "logprobs": "yes"}, "logprobs"),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 21, "logprobs": True},
+            "top_logprobs",
+        ),
         ({"messages": [{"role": "user", "content": "x"}], "regex": ""}, "regex"),
         ({"messages": [{"role": "user", "content": "x"}], "n": 33}, "n"),
     ],

@@ -136,3 +136,12 @@ def test_no_thread_stays_busy_once_a_call_returns(tiny_smcsd):
         cpu = time.process_time()
         time.sleep(1.0)
         assert time.process_time() - cpu < 0.05, method
+
+
+def test_a_call_that_returns_nothing_leaves_the_engine_idle(tiny_smcsd):
+    """A call's end is said, not inferred from its value: a held gate would stall a drain."""
+    assert tiny_smcsd.engine.call(lambda: None) is None
+    assert not tiny_smcsd.engine.busy
+    with tiny_smcsd.engine.exclusive():  # its turn-holder returns None too
+        pass
+    assert not tiny_smcsd.engine.busy

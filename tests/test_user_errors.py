@@ -148,6 +148,7 @@ def test_cli_user_error_is_one_line_before_loading(files, name, args, stdin, nee
 
 NEAREST = "unrecognized option --{} (did you mean --{}?)"
 NO_NEAR = "unrecognized option --{} ({} --help lists the options)"
+FOREIGN = "unrecognized option --{} ({} calls it --{})"
 
 
 @pytest.mark.parametrize(
@@ -167,6 +168,19 @@ NO_NEAR = "unrecognized option --{} ({} --help lists the options)"
             "smcsd generate: error: " + NO_NEAR.format("foo", "smcsd generate"),
         ),
         (["--verbose", "generate", "hi"], "smcsd: error: " + NO_NEAR.format("verbose", "smcsd")),
+        (
+            ["generate", "--temperature", "-1", "hi"],  # not the nearest name, --draft-temperature
+            "smcsd generate: error: " + FOREIGN.format("temperature", "smcsd generate", "target-temperature"),
+        ),
+        (
+            ["serve", "--temp", "0.5"],
+            "smcsd serve: error: " + FOREIGN.format("temp", "smcsd serve", "target-temperature"),
+        ),
+        (
+            ["generate", "--max-tokens", "9", "hi"],
+            "smcsd generate: error: " + FOREIGN.format("max-tokens", "smcsd generate", "max-new-tokens"),
+        ),
+        (["serve", "--n", "4"], "smcsd serve: error: " + FOREIGN.format("n", "smcsd serve", "particles")),
         (["generate"], "smcsd generate: error: the following arguments are required: prompt"),
     ],
 )

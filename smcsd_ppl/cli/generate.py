@@ -5,11 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 
 from ..names import METHOD_SUMMARIES
 from .loading import load_pair
 from .options import constraint_args, engine_arg, model_args, read_constraint, smc_args, smc_config
 from .util import check_threads, err, progress, read_prompt
+
+_WRITING = threading.Lock()  # the streamed text is written on the torch thread; Ctrl-C closes it here
 
 
 def add_parser(sub) -> None:
@@ -53,6 +56,8 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         if stream is None or not stream.text:
             raise
+        with _WRITING:
+            stream.close()
         print(flush=True)
         err(
             f"interrupted after {stream.tokens} settled tokens: the text above is where every surviving "
@@ -79,10 +84,11 @@ def _generate(pair, prompt: str, config, method: str, constraint, stream):
             return generate_one(pair, prompt, config, method=method, constraint=constraint, on_tokens=bar)
 
     def show(ids: tuple[int, ...]) -> None:
-        new = stream.update(ids)
-        if new:
-            sys.stdout.write(new)
-            sys.stdout.flush()
+        with _WRITING:
+            new = stream.update(ids)
+            if new:
+                sys.stdout.write(new)
+                sys.stdout.flush()
 
     return generate_one(pair, prompt, config, method=method, constraint=constraint, on_settled=show)
 

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import signal
 import sys
+from collections.abc import Iterator
 
 from ..config import RESAMPLING_SCHEMES, SMCConfig
 from ..names import METHOD_SUMMARIES
@@ -245,24 +248,52 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``smcsd`` console script.
 
     The one place that turns a user's mistake (``USER_ERRORS``) into a one-line message
-    and exit status 2, as argparse does for bad arguments. Ctrl-C ends a command with exit
-    status 130 once it has said what it kept; called from Python with ``argv`` (a test, a
-    notebook), the ``KeyboardInterrupt`` then goes on to the caller, whose Ctrl-C it is.
+    and exit status 2, as argparse does for bad arguments. Ctrl-C or SIGTERM ends a command
+    with exit status 130 or 143 once it has said what it kept; called from Python with
+    ``argv`` (a test, a notebook), the ``KeyboardInterrupt`` then goes on to the caller,
+    whose Ctrl-C it is.
     """
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    try:
-        status = args.run(args)
-    except USER_ERRORS as e:
-        err(f"{PROG}: error: {user_error(e)}")
-        return 2
-    except KeyboardInterrupt:
-        err("interrupted")
-        status = INTERRUPTED
+    with _as_process(argv is None) as signals:
+        try:
+            status = args.run(args)
+        except USER_ERRORS as e:
+            err(f"{PROG}: error: {user_error(e)}")
+            return 2
+        except KeyboardInterrupt:
+            err("interrupted")
+            status = INTERRUPTED
     if status == INTERRUPTED and argv is not None:
         raise KeyboardInterrupt  # swallowed here, a Ctrl-C would stop the command but not its caller
-    return status
+    return 128 + signals[-1] if status == INTERRUPTED and signals else status
+
+
+@contextlib.contextmanager
+def _as_process(process: bool) -> Iterator[list[int]]:
+    """As the process's command: SIGTERM interrupts as Ctrl-C does, and the torch thread ends first.
+
+    Yields the signals received. The interpreter must not exit while the torch thread is inside
+    a kernel: that aborts the whole process, and the user sees a crash instead of exit 130.
+    """
+    received: list[int] = []
+    if not process:
+        yield received
+        return
+
+    def interrupt(signum: int, _frame) -> None:
+        received.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield received
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        worker = sys.modules.get("smcsd_ppl.engine.worker")  # not loaded: no torch thread to end
+        if worker is not None:
+            worker.torch_thread().stop()
 
 
 if __name__ == "__main__":

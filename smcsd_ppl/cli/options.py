@@ -25,7 +25,11 @@ def model_args(p: argparse.ArgumentParser, *, draft: bool = True) -> None:
     """The ``models`` group: target, draft (unless ``draft=False``), dtype, threads, device, chat."""
     g = p.add_argument_group("models")
     g.add_argument(
-        "--target", default=None, help="hub id or local path (default: embedded SmolLM2-135M-Instruct)"
+        "--target",
+        "--model",
+        dest="target",
+        default=None,
+        help="hub id or local path (default: embedded SmolLM2-135M-Instruct)",
     )
     if draft:
         g.add_argument(

@@ -23,6 +23,13 @@ def add_parser(sub) -> None:
         "and seed. The sampling options are the defaults of requests that do not set them; alpha, cut, "
         "resampling, ESS threshold, selection and token level hold for every request.",
     )
+    serve.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="the target, as --target (vLLM's `serve MODEL`)",
+    )
     server_args(serve)
     serve_ray.ray_server_args(serve)
     model_args(serve)
@@ -68,6 +75,10 @@ def serve_settings(args: argparse.Namespace, *, engine: str | None = None):
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     if getattr(args, "grace_seconds", 0) < 0:
         raise ValueError(f"--grace-seconds must be at least 0, got {args.grace_seconds}")
+    if getattr(args, "model", None) is not None:
+        if args.target not in (None, args.model):
+            raise ValueError(f"MODEL {args.model!r} and --target {args.target!r} name two targets: give one")
+        args.target = args.model
     options = pair_options(args)
     return ServeSettings(
         pair=PairSpec(

@@ -35,6 +35,26 @@ class HelpFormatter(argparse.HelpFormatter):
         return text
 
 
+# Flags people bring from vLLM, llama.cpp and the OpenAI API, and ours that mean the same: a
+# misspelling's nearest name would mislead (--temperature is nearest --draft-temperature).
+FOREIGN_FLAGS = {
+    "--temperature": "--target-temperature",
+    "--temp": "--target-temperature",
+    "--max-tokens": "--max-new-tokens",
+    "--max-completion-tokens": "--max-new-tokens",
+    "--n-predict": "--max-new-tokens",
+    "--n": "--particles",
+    "--num-particles": "--particles",
+    "--n-particles": "--particles",
+    "--served-model-name": "--model-name",
+    "--tensor-parallel-size": "--tensor-parallel",
+    "--draft-model": "--draft",
+    "--speculative-model": "--draft",
+    "--num-speculative-tokens": "--block-size",
+    "--draft-max": "--block-size",
+}
+
+
 class Parser(argparse.ArgumentParser):
     """An ``ArgumentParser`` using ``HelpFormatter`` (subcommands included), whose errors are one line.
 
@@ -68,9 +88,16 @@ class Parser(argparse.ArgumentParser):
                 continue
             name = word.split("=", 1)[0] if word.startswith("--") else word[:2]  # -n4 is -n 4
             if name not in known:
-                near = difflib.get_close_matches(name, known, n=1)
-                hint = f"did you mean {near[0]}?" if near else f"{self.prog} --help lists the options"
-                self.error(f"unrecognized option {name} ({hint})")
+                self.error(f"unrecognized option {name} ({_hint(name, known, self.prog)})")
+
+
+def _hint(name: str, known: list[str], prog: str) -> str:
+    """Our flag for a flag another tool spells differently, else the nearest name, else ``--help``."""
+    ours = FOREIGN_FLAGS.get(name)
+    if ours in known:
+        return f"{prog} calls it {ours}"
+    near = difflib.get_close_matches(name, known, n=1)
+    return f"did you mean {near[0]}?" if near else f"{prog} --help lists the options"
 
 
 def _looks_like_an_option(word: str) -> bool:

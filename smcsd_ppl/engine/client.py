@@ -26,6 +26,7 @@ from .core import CoreStats, EngineCore, Output, RequestCancelled
 from .pair import PairCore, PairFacts
 from .request import Call, Request, Work
 from .scheduling import waiting_beyond
+from .scoring import MAX_TOP_LOGPROBS
 from .ticket import Ticket
 from .worker import torch_thread
 
@@ -50,6 +51,8 @@ class ServeRequest:
         method: one of ``SERVE_METHODS``.
         constraint: a JSON Schema, regex or grammar every output must satisfy, or None.
         stop: stop strings: the output ends before the first one.
+        logprobs: give the target's log-probabilities of the output's tokens, with this many
+            likeliest alternatives at each (0 to 20); None: none.
     """
 
     prompt_ids: list[int]
@@ -57,6 +60,7 @@ class ServeRequest:
     method: str = "smcsd"
     constraint: ConstraintSpec | None = None
     stop: tuple[str, ...] = ()
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SERVE_METHODS:
@@ -65,6 +69,10 @@ class ServeRequest:
             )
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop strings must be non-empty texts")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(
+                f"top log-probabilities must be from 0 to {MAX_TOP_LOGPROBS}, got {self.logprobs}"
+            )
 
     @property
     def settings(self) -> SMCConfig:
@@ -165,6 +173,8 @@ def program_of(pair: PairCore, request: ServeRequest) -> SMCSDModel:
         constraint = request.constraint.build(pair.tokenizer, pair.eos_for(config))
     ids = [int(t) for t in request.prompt_ids]
     pair.check_request(ids, config)
+    if request.logprobs is not None and not pair.facts.scores:
+        raise ValueError("logprobs need the target as a PyTorch model (the hf backend)")
     return SMCSDModel(ids, constraint)
 
 
@@ -218,7 +228,8 @@ class Engine:
         """Queue a request; its ticket at once (``QueueFull``, ``EngineClosed``, ``ValueError``)."""
         program = program_of(self.pair, request)
         config = request.settings
-        return self.submit_program(program, config, seed=request_seed(config.seed, 0), stop=request.stop)
+        seed = request_seed(config.seed, 0)
+        return self.submit_program(program, config, seed=seed, stop=request.stop, logprobs=request.logprobs)
 
     def submit_program(
         self,
@@ -230,14 +241,17 @@ class Engine:
         bounded: bool = True,
         observer: Callable | None = None,
         on_done: Callable[[Ticket], None] | None = None,
+        logprobs: int | None = None,
     ) -> Ticket:
         """Queue a program with its settings and seed; its ticket.
 
         ``bounded=False`` (library calls) waits however long the queue; ``observer`` is
         called on the torch thread after each of the request's cycles (a narrowed ``StepInfo``);
-        ``on_done`` with the ticket once it is done (on the thread that finished it).
+        ``on_done`` with the ticket once it is done (on the thread that finished it);
+        ``logprobs``: as ``ServeRequest``'s.
         """
-        request = Request(program, config, seed, tuple(stop), bounded, observer, time.perf_counter())
+        arrival = time.perf_counter()
+        request = Request(program, config, seed, tuple(stop), bounded, observer, arrival, logprobs=logprobs)
         prompt = program.prompt
         tokens = 0 if isinstance(prompt, str) or prompt is None else len(prompt)
         ticket = Ticket(request.id, tokens, stop, self.abort, on_done)
@@ -317,11 +331,11 @@ class Engine:
         with self.gate.lock:
             live = list(self.gate.live)
         self.core = EngineCore(self.pair, self.base, max_rows=self.max_rows)
-        self._deliver([Output(work_id, error=err) for work_id in live])
+        self._deliver([Output(work_id, error=err, finished=True) for work_id in live])
 
     def _deliver(self, outputs: list[Output]) -> None:
         for out in outputs:
-            handle = self.gate.handle(out.id, out.done)
+            handle = self.gate.handle(out.id, out.finished)
             if isinstance(handle, Ticket):
                 handle.apply(out)
             elif handle is not None and out.error is not None:

@@ -27,6 +27,7 @@ from ..results import RunStats, generation
 from .pair import PairCore
 from .request import Call, Request, RequestStatus, Work, finish, shared_key
 from .scheduling import Capacity, Plan, schedule
+from .scoring import token_logprobs
 from .stops import stopped_at
 
 
@@ -45,6 +46,8 @@ class Output:
         reason: why it finished (None while it runs, and for calls).
         error: why it failed, or ``RequestCancelled``.
         population: a finished request's final population (in-process callers read its particles).
+        finished: this is its last output: it finished, failed or was cancelled (set by whoever
+            ends it: a call may return None, so no other field can tell).
     """
 
     id: str
@@ -53,11 +56,7 @@ class Output:
     reason: FinishReason | None = None
     error: BaseException | None = None
     population: Population | None = None
-
-    @property
-    def done(self) -> bool:
-        """The request (or call) finished, failed or was cancelled."""
-        return self.reason is not None or self.error is not None or self.result is not None
+    finished: bool = False
 
 
 @dataclass(frozen=True)
@@ -186,9 +185,9 @@ class EngineCore:
             value = call.fn()
         except BaseException as err:  # noqa: BLE001 - its caller gets it
             finish(call, FinishReason.ERROR)
-            return Output(call.id, error=err)
+            return Output(call.id, error=err, finished=True)
         finish(call, FinishReason.STOP)
-        return Output(call.id, result=value)
+        return Output(call.id, result=value, finished=True)
 
     def _admit(self, requests: Sequence[Request]) -> list[Output]:
         if not self.running:  # a new batch: its kernel runs its settings
@@ -282,10 +281,19 @@ class EngineCore:
             )
         stats = _cost(request, pop, len(out.token_ids))
         gen = generation("smcsd", text, out.token_ids, stats, reason, out.message, out.info)
+        if request.logprobs is not None:
+            scores = token_logprobs(
+                self.pair.target.model,
+                request.program.prompt,
+                out.token_ids,
+                request.config.target_temperature,
+                request.logprobs,
+            )
+            gen = replace(gen, logprobs=scores)
         finish(request, reason)
         self._sent.pop(request.id, None)
         self._count("completed", len(out.token_ids))
-        return Output(request.id, result=gen, reason=reason, population=pop)
+        return Output(request.id, result=gen, reason=reason, population=pop, finished=True)
 
     def _ended(self, work: Work, reason: FinishReason, err: BaseException | None = None) -> Output:
         """A request or call that leaves unfinished: cancelled (never run), or failed with ``err``."""
@@ -295,7 +303,7 @@ class EngineCore:
         if isinstance(work, Request):
             self._count("failed" if err else "cancelled")
         err = err or RequestCancelled(f"request {work.id} was cancelled")
-        return Output(work.id, reason=reason, error=err)
+        return Output(work.id, reason=reason, error=err, finished=True)
 
     # Counting.
     def _count(self, outcome: str, tokens: int = 0) -> None:

@@ -162,7 +162,8 @@ class PairCore:
                 self.target_lm.vocab_size if model is None else model.get_input_embeddings().num_embeddings
             )
             lms = (self.target_lm, self.draft_lm)
-            self._facts = PairFacts(vocab, tuple(self.eos_token_ids), *(ModelLimits.of(lm) for lm in lms))
+            limits = (ModelLimits.of(lm) for lm in lms)
+            self._facts = PairFacts(vocab, tuple(self.eos_token_ids), *limits, scores=model is not None)
         return self._facts
 
     def check_token_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
@@ -197,12 +198,16 @@ class ModelLimits:
 
 @dataclass(frozen=True)
 class PairFacts:
-    """What a request is checked against: the vocabulary, the EOS ids and both models' limits."""
+    """What a request is checked against: the vocabulary, the EOS ids and both models' limits.
+
+    ``scores``: the target is a PyTorch model, which gives a request's log-probabilities.
+    """
 
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     target: ModelLimits
     draft: ModelLimits
+    scores: bool = False
 
     @property
     def kv_bytes_per_position(self) -> int:

@@ -145,7 +145,7 @@ class EngineProcess:
             while True:
                 outputs, self._stats = self._conn.recv()
                 for out in outputs:
-                    ticket = self.gate.handle(out.id, out.done)
+                    ticket = self.gate.handle(out.id, out.finished)
                     if ticket is not None:
                         ticket.apply(out)
         except (EOFError, OSError):
@@ -194,10 +194,13 @@ def _take(message: tuple, core: EngineCore, pair) -> tuple[bool, list[Output]]:
         try:  # checked by the parent already; a failure here still answers
             program = program_of(pair, request)
         except ValueError as err:
-            return False, [Output(rid, error=err)]
+            return False, [Output(rid, error=err, finished=True)]
         config = request.settings
         seed = request_seed(config.seed, 0)
-        core.add(Request(program, config, seed, request.stop, arrival=time.perf_counter(), id=rid))
+        arrival = time.perf_counter()
+        core.add(
+            Request(program, config, seed, request.stop, arrival=arrival, logprobs=request.logprobs, id=rid)
+        )
     elif kind == "abort":
         core.abort(rest[0])
     elif kind == "close":

@@ -20,7 +20,8 @@ from ..inference.program import SMCSDModel
 from ..inference.state import Population
 
 # Settings every row of one cycle shares: requests that differ in them run in separate batches.
-SHARED_SETTINGS = ("alpha", "cut", "cut_divergence", "ignore_eos")
+# The block size is one: a cycle drafts every row to the kernel's width.
+SHARED_SETTINGS = ("alpha", "block_size", "cut", "cut_divergence", "ignore_eos")
 
 _ids = itertools.count()
 
@@ -69,6 +70,8 @@ class Request:
         arrival: when it was submitted (``time.perf_counter``).
         reshape: a ``Reshape`` applied to its population around each step (LLaMPPL's
             ``smc_steer``), or None.
+        logprobs: give the target's log-probabilities of the output's tokens, with this many
+            alternatives at each (``engine.scoring``); None: none.
         drafts: it drafts from its first cycle (the engine decides it on arrival).
         status: waiting, running or finished.
         cancelled: an abort reached the engine; it leaves at the next boundary.
@@ -83,6 +86,7 @@ class Request:
     observer: Callable | None = None
     arrival: float = 0.0
     reshape: Reshape | None = None
+    logprobs: int | None = None
     drafts: bool = True
     id: str = field(default_factory=new_id)
     status: RequestStatus = RequestStatus.WAITING

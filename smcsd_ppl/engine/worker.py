@@ -10,6 +10,7 @@ thread waits on a condition and uses no CPU.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import threading
 import weakref
 from collections import deque
@@ -45,6 +46,7 @@ class TorchThread:
         self._engines: weakref.WeakSet = weakref.WeakSet()
         self._thread: threading.Thread | None = None
         self._threads = 0  # torch's thread count on this thread, as last set
+        self._closing = False
 
     @property
     def here(self) -> bool:
@@ -89,13 +91,42 @@ class TorchThread:
             self._thread = threading.Thread(target=self._main, daemon=True, name="smcsd-torch")
             self._thread.start()
 
+    def stop(self, grace: float = 2.0) -> bool:
+        """End the thread after its current job or turn; whether it ended.
+
+        For a process about to exit: an interpreter that finalizes while this daemon thread is
+        inside a torch kernel aborts the process ("terminate called without an active
+        exception"). A job still running after ``grace`` seconds gets a ``KeyboardInterrupt``,
+        raised at its next Python line (between two torch operations). Queued jobs fail with it.
+        """
+        thread = self._thread
+        if thread is None or thread is threading.current_thread():
+            return True
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        thread.join(grace)
+        if thread.is_alive():
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                ctypes.c_ulong(thread.ident), ctypes.py_object(KeyboardInterrupt)
+            )
+            thread.join(grace)
+        with self._cond:
+            while self._jobs:
+                self._jobs.popleft()[1].set_exception(KeyboardInterrupt())
+            if not thread.is_alive():
+                self._thread, self._closing = None, False
+        return not thread.is_alive()
+
     def _main(self) -> None:
         while True:
             with self._cond:
                 ready = [e for e in self._engines if e.ready]
-                while not self._jobs and not ready:
+                while not self._jobs and not ready and not self._closing:
                     self._cond.wait()
                     ready = [e for e in self._engines if e.ready]
+                if self._closing:
+                    return
                 job = self._jobs.popleft() if self._jobs else None
             if job is not None:
                 self._job(*job)

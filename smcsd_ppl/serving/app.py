@@ -15,6 +15,7 @@ import json
 import time
 import uuid
 from contextlib import asynccontextmanager
+from functools import partial
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -25,7 +26,7 @@ from ..engine.client import EngineClosed, QueueFull, RequestCancelled
 from .errors import APIError
 from .metrics import metrics_text
 from .protocol import parse_chat, parse_completion
-from .responses import Answer, diagnostics, request_usage
+from .responses import Answer, diagnostics, logprobs_field, request_usage
 from .streaming import ChoiceStreams, EventStream
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
@@ -236,15 +237,27 @@ async def complete(service: Service, request: Request, kind: str):
     tickets = await asyncio.to_thread(service.submit, requests)
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     answer = Answer(kind, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), service.model_name)
+    scores = partial(_logprobs, kind, None if call.tokens_as_ids else service.engine.tokenizer)
     if call.stream:
-        streams = ChoiceStreams(answer, tickets, call.n, requests, call.include_usage, diagnostics, refusal)
+        options = (call.include_usage, diagnostics, refusal, scores)
+        streams = ChoiceStreams(answer, tickets, call.n, requests, *options)
         return EventStream(streams.events(), streams.close)
     gens = await results_unless_gone(request, tickets)
     choices = [
-        answer.choice(i, g.text, t.finish_reason.openai, diagnostics(g, r))
+        answer.choice(i, g.text, t.finish_reason.openai, diagnostics(g, r), scores(g))
         for i, (g, t, r) in enumerate(zip(gens, tickets, requests))
     ]
     return answer.response(choices, request_usage(tickets, call.n))
+
+
+def _logprobs(kind: str, tokenizer, gen) -> dict | None:
+    """A choice's ``logprobs`` field, its tokens' texts decoded one by one (None: ``token_id:N``)."""
+    name = (
+        (lambda token: f"token_id:{token}")
+        if tokenizer is None
+        else (lambda token: tokenizer.decode([token]))
+    )
+    return logprobs_field(kind, gen.logprobs, name)
 
 
 async def results_unless_gone(request: Request, tickets: list) -> list:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from ..config import MAX_SEED, MIN_TEMPERATURE, SMCConfig
 from ..engine.client import SERVE_METHODS, ServeRequest
+from ..engine.scoring import MAX_TOP_LOGPROBS
 from ..potentials.spec import ConstraintSpec
 from .errors import APIError, invalid
 
@@ -34,8 +35,6 @@ UNSUPPORTED = {
     "top_p": 1,
     "frequency_penalty": 0,
     "presence_penalty": 0,
-    "logprobs": None,
-    "top_logprobs": None,
     "logit_bias": None,
     "tools": None,
     "functions": None,
@@ -60,6 +59,10 @@ class Call:
         method: one of ``SERVE_METHODS``.
         constraint: the output's constraint, if any.
         stop: stop strings.
+        logprobs: the target's log-probabilities asked for, with this many alternatives per
+            token (None: not asked).
+        tokens_as_ids: name each token of ``logprobs`` as ``token_id:N`` rather than by its text
+            (vLLM's ``return_tokens_as_token_ids``).
     """
 
     prompts: tuple
@@ -70,6 +73,8 @@ class Call:
     method: str
     constraint: ConstraintSpec | None
     stop: tuple[str, ...]
+    logprobs: int | None = None
+    tokens_as_ids: bool = False
 
     def requests(self, prompt_ids: list[list[int]]) -> list[ServeRequest]:
         """One request per choice, prompt-major: choice ``k`` is prompt ``k // n``, seeded by ``choice_seed``.
@@ -84,6 +89,7 @@ class Call:
                 self.method,
                 self.constraint,
                 self.stop,
+                self.logprobs,
             )
             for p, ids in enumerate(prompt_ids)
             for j in range(self.n)
@@ -102,15 +108,15 @@ def choice_seed(seed: int, index: int) -> int:
 
 def parse_chat(body: dict, base: SMCConfig) -> Call:
     """A ``/v1/chat/completions`` body."""
-    return _call(body, base, (_messages(body.get("messages")),))
+    return _call(body, base, (_messages(body.get("messages")),), _chat_logprobs(body))
 
 
 def parse_completion(body: dict, base: SMCConfig) -> Call:
     """A ``/v1/completions`` body (``prompt``: a text, a list of texts, token ids or lists of them)."""
-    return _call(body, base, _prompts(body.get("prompt")))
+    return _call(body, base, _prompts(body.get("prompt")), _completion_logprobs(body))
 
 
-def _call(body: dict, base: SMCConfig, prompts: tuple) -> Call:
+def _call(body: dict, base: SMCConfig, prompts: tuple, logprobs: int | None) -> Call:
     for name, unused in UNSUPPORTED.items():
         value = body.get(name)
         if value is not None and value != unused and value not in ([], {}):
@@ -133,7 +139,30 @@ def _call(body: dict, base: SMCConfig, prompts: tuple) -> Call:
         method,
         _constraint(body),
         _stops(body.get("stop")),
+        logprobs,
+        _bool(body, "return_tokens_as_token_ids"),
     )
+
+
+def _chat_logprobs(body: dict) -> int | None:
+    """Chat's ``logprobs`` (true or false) and ``top_logprobs`` (0-20): the alternatives asked, or None."""
+    wanted = _bool(body, "logprobs")
+    top = _int(body, "top_logprobs", 0)
+    if not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise invalid(f"top_logprobs must be from 0 to {MAX_TOP_LOGPROBS}, got {top}", "top_logprobs")
+    if top and not wanted:
+        raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
+    return top if wanted else None
+
+
+def _completion_logprobs(body: dict) -> int | None:
+    """Completions' ``logprobs``: how many alternatives per token (0-20), or None (not asked)."""
+    if body.get("logprobs") in (None, False):
+        return None
+    top = _int(body, "logprobs", 0)
+    if not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise invalid(f"logprobs must be from 0 to {MAX_TOP_LOGPROBS}, got {top}", "logprobs")
+    return top
 
 
 def _config(body: dict, base: SMCConfig) -> SMCConfig:

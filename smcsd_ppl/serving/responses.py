@@ -36,10 +36,14 @@ class Answer:
         """The whole (non-streamed) response."""
         return self.head() | {"choices": choices, "usage": usage, "system_fingerprint": None}
 
-    def choice(self, index: int, text: str, finish_reason: str | None, smcsd: dict) -> dict:
-        """One finished choice of a non-streamed response."""
+    def choice(
+        self, index: int, text: str, finish_reason: str | None, smcsd: dict, logprobs: dict | None = None
+    ) -> dict:
+        """One finished choice of a non-streamed response (``logprobs``: ``logprobs_field``'s)."""
         body = {"message": {"role": "assistant", "content": text}} if self.kind == "chat" else {"text": text}
-        return {"index": index} | body | {"finish_reason": finish_reason, "logprobs": None, "smcsd": smcsd}
+        return (
+            {"index": index} | body | {"finish_reason": finish_reason, "logprobs": logprobs, "smcsd": smcsd}
+        )
 
     def chunk(
         self,
@@ -49,14 +53,19 @@ class Answer:
         first: bool = False,
         finish_reason: str | None = None,
         smcsd: dict | None = None,
+        logprobs: dict | None = None,
     ) -> dict:
-        """One choice's piece of a stream; the first chat chunk names the role, the last the finish reason."""
+        """One choice's piece of a stream; the first chat chunk names the role, the last the finish reason.
+
+        The last also carries the choice's log-probabilities, if asked: they come once the request
+        has finished (``engine.scoring``), as ``smcsd`` does.
+        """
         if self.kind == "chat":
             delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text or first else {})
             body = {"delta": delta}
         else:
             body = {"text": text}
-        choice = {"index": index} | body | {"finish_reason": finish_reason, "logprobs": None}
+        choice = {"index": index} | body | {"finish_reason": finish_reason, "logprobs": logprobs}
         if smcsd is not None:
             choice["smcsd"] = smcsd
         return self.head(chunk=True) | {"choices": [choice]}
@@ -64,6 +73,35 @@ class Answer:
     def usage_chunk(self, usage: dict) -> dict:
         """The chunk ``stream_options.include_usage`` asks for: no choices, the usage."""
         return self.head(chunk=True) | {"choices": [], "usage": usage}
+
+
+def logprobs_field(kind: str, scores, token_text) -> dict | None:
+    """OpenAI's ``logprobs`` of a choice from its ``TokenLogprob``s (None: not asked).
+
+    Chat gives ``content``: per token its text, bytes, log-probability and ``top_logprobs``;
+    completions the older shape: ``tokens``, ``token_logprobs``, ``top_logprobs`` (a dict per
+    token) and ``text_offset``. ``token_text``: a token id -> its text.
+    """
+    if scores is None:
+        return None
+    if kind == "chat":
+
+        def entry(token: int, logprob: float) -> dict:
+            text = token_text(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        content = [
+            entry(s.token_id, s.logprob) | {"top_logprobs": [entry(*t) for t in s.top]} for s in scores
+        ]
+        return {"content": content, "refusal": None}
+    tokens = [token_text(s.token_id) for s in scores]
+    offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    return {
+        "tokens": tokens,
+        "token_logprobs": [s.logprob for s in scores],
+        "top_logprobs": [{token_text(t): lp for t, lp in s.top} for s in scores],
+        "text_offset": offsets,
+    }
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

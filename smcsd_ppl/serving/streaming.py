@@ -49,11 +49,15 @@ class ChoiceStreams:
             in the last choice's final chunk.
         diagnostics: ``(Generation, ServeRequest) -> dict``, the ``smcsd`` field of a choice's last chunk.
         failure: an exception -> the ``APIError`` a failed choice reports.
+        logprobs: ``Generation -> dict | None``, the ``logprobs`` field of a choice's last chunk.
     """
 
-    def __init__(self, answer: Answer, tickets, n: int, requests, include_usage: bool, diagnostics, failure):
+    def __init__(
+        self, answer: Answer, tickets, n: int, requests, include_usage: bool, diagnostics, failure, logprobs
+    ):
         self.answer, self.tickets, self.n, self.requests = answer, list(tickets), n, list(requests)
         self.include_usage, self.diagnostics, self.failure = include_usage, diagnostics, failure
+        self.logprobs = logprobs
         self.finished: set[int] = set()
         self.pumps: list[asyncio.Task] = []
 
@@ -86,6 +90,7 @@ class ChoiceStreams:
             "",
             finish_reason=self.tickets[index].finish_reason.openai,
             smcsd=self.diagnostics(gen, self.requests[index]),
+            logprobs=self.logprobs(gen),
         )
         if not self.include_usage and len(self.finished) == len(self.tickets):
             last["usage"] = self._usage()
