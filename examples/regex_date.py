@@ -19,7 +19,8 @@ def main(pair=None, config=None):
         n_particles=8, block_size=8, draft_temperature=0.7, target_temperature=0.7, max_new_tokens=24
     )
     date = RegexConstraint(DATE, pair.tokenizer, pair.eos_token_ids)
-    question = "On what date did Apollo 11 land on the Moon? Answer with the date only, as YYYY-MM-DD."
+    # The fact is in the prompt: the constraint fixes the format, not what a 135M model recalls.
+    question = "Apollo 11 landed on the Moon on July 20, 1969. Write that date as YYYY-MM-DD."
     [out] = pair.run([DateAnswer(question, date)], config)
     print(out.text if not out.message else f"{out.text} ({out.message})")
     print(

@@ -133,7 +133,7 @@ def test_the_cli_generates_under_a_schema_with_its_diagnostics(model_dir, capsys
     assert {"mean_ess", "log_z", "n_resamples", "draft_lengths", "message"} <= set(record)
     assert record["message"] or json.loads(record["text"])["a"] in ("x", "y")
     assert main(["generate", "--regex", "(a", *models(model_dir), "The fox"]) == 2
-    assert "smcsd: error: cannot compile regex '(a'" in capsys.readouterr().err
+    assert "smcsd: error: --regex: cannot compile regex '(a': unclosed group" in capsys.readouterr().err
 
 
 def test_the_batch_command_runs_resumes_and_sums_up(model_dir, capsys, tmp_path, monkeypatch):

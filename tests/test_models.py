@@ -240,3 +240,13 @@ def test_embedded_cache_is_reused(default_smcsd, monkeypatch):
     monkeypatch.setattr(models, "_convert_embedded", no_reconversion)
     again = load_model("default", dtype="float32")
     assert again.source == models._EMBEDDED_SOURCE and weights.stat().st_mtime_ns == before
+
+
+@pytest.mark.slow
+def test_loading_the_default_pair_prints_nothing(capfd):
+    """No weight-loading bar, no message: the library never prints (the CLI says what loads)."""
+    from smcsd_ppl import SMCSD
+
+    capfd.readouterr()
+    SMCSD.load()
+    assert capfd.readouterr() == ("", "")

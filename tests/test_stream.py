@@ -125,3 +125,13 @@ def test_a_budget_cut_inside_an_emoji_holds_its_bytes_back(tiny_smcsd):
         [out] = pair.run([SMCSDModel("Say hi", spells)], dataclasses.replace(CONFIG, max_new_tokens=budget))
         assert out.token_ids[:budget] == ids[:budget]
         assert out.text == ("Hi 🌍" if budget == len(ids) else "Hi ")
+
+
+@pytest.mark.parametrize("method", ["smcsd", "sd"])
+def test_quiet_leaves_standard_error_empty_and_the_text_whole(models, capsys, method):
+    argv = ["generate", "--method", method, "--max-new-tokens", "8", *models, "Hi"]
+    assert main(argv) == 0
+    loud = capsys.readouterr()
+    assert main([*argv, "--quiet"]) == 0
+    quiet = capsys.readouterr()
+    assert loud.err.count("\n") >= 4 and quiet.err == "" and quiet.out == loud.out

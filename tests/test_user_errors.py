@@ -33,6 +33,7 @@ def files(tmp_path_factory):
     (d / "data.jsonl").write_text(json.dumps({"prompt": "Hello there", "id": "a"}) + "\n")
     (d / "empty_turns.jsonl").write_text(json.dumps({"question_id": 1, "turns": []}) + "\n")
     (d / "a_file").write_text("not a directory\n")
+    (d / "unknown.jsonl").write_text('{"prompt": "Hi"}\n{"question": "Hi"}\n')  # its line 2: no known field
     (d / "not_a_model").mkdir()
     made = {
         "prompt_id": "a",
@@ -58,7 +59,13 @@ CASES = [
     ("bench out is a device", [*BENCH, "--out", "/dev/full"], b"", "not a regular file"),
     ("bench out is a directory", [*BENCH, "--out", "{d}"], b"", "not a regular file"),
     ("bench out under a file", [*BENCH, "--out", "{d}/a_file/r.jsonl"], b"", "is not a directory"),
-    ("Spec-Bench record without turns", TURNS, b"", "has no turns"),
+    ("Spec-Bench record without turns", TURNS, b"", "no turns"),
+    (
+        "batch record of unknown fields",
+        ["batch", "{d}/unknown.jsonl", "--out", "{d}/u.jsonl"],
+        b"",
+        "unknown.jsonl:2: none of the known fields",
+    ),
     ("report on a dataset file", ["report", "{d}/data.jsonl", "--out-dir", "{d}/rep"], b"", "not a record"),
     (
         "report out-dir under a file",
@@ -82,6 +89,24 @@ CASES = [
         ["generate", "--schema", '{"type": "strin"}', "Hi"],
         b"",
         "--schema: JSON schema at #/type: 'strin' is not one of ['array',",
+    ),
+    (
+        "regex that does not compile",
+        ["generate", "--regex", "[", "Hi"],
+        b"",
+        "regex '[': unclosed character class",
+    ),
+    (
+        "unsatisfiable schema",
+        ["generate", "--schema", '{"type": "string", "minLength": 3, "maxLength": 1}', "Hi"],
+        b"",
+        "Unsatisfiable schema: minLength (3) is greater than maxLength (1)",
+    ),
+    (
+        "unsatisfiable served constraint",
+        ["batch", "{d}/data.jsonl", "--out", "{d}/new.jsonl", "--schema", '{"enum": []}'],
+        b"",
+        "Unsatisfiable schema: anyOf is empty",
     ),
     (
         "batch resumed with other settings",
@@ -146,6 +171,7 @@ def test_cli_user_error_is_one_line_before_loading(files, name, args, stdin, nee
     assert out == "" and len([line for line in err.splitlines() if not line.startswith("note: ")]) == 1
 
 
+UNSPELLABLE = {"type": "string", "minLength": 5, "maxLength": 2}
 NEAREST = "unrecognized option --{} (did you mean --{}?)"
 NO_NEAR = "unrecognized option --{} ({} --help lists the options)"
 FOREIGN = "unrecognized option --{} ({} calls it --{})"
@@ -198,6 +224,24 @@ def test_words_that_only_look_like_options_stay_values():
     args = build_parser().parse_args(["generate", "-n4", "--max-new-tokens", "-1", "--seed=3", "- a list"])
     assert (args.particles, args.max_new_tokens, args.seed, args.prompt) == (4, -1, 3, "- a list")
     assert build_parser().parse_args(["generate", "-"]).prompt == "-"  # standard input
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "constraint",
+    [
+        ["--regex", "["],
+        [
+            "--schema",
+            json.dumps({"type": "object", "required": ["a"], "properties": {"a": UNSPELLABLE}}),
+        ],
+    ],
+)
+def test_a_bad_constraint_fails_at_once_without_its_engine_s_grammar(constraint):
+    code, out, err, seconds = run_cli("generate", *constraint, "Hi", timeout=60)
+    assert_one_line_error(code, err, "cannot compile")
+    assert "loading" not in err and "%llguidance" not in err and "start:" not in err, err
+    assert seconds < 2.0, f"{seconds:.2f} s: the check came after something slow"
 
 
 @pytest.mark.slow

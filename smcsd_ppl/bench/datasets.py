@@ -35,7 +35,8 @@ def load_prompts(spec: str | Path, limit: int | None = None, per_category: int |
     if path.is_file() or path.suffix in (".jsonl", ".json"):
         if not path.is_file():
             raise ValueError(f"dataset file {str(path)!r} does not exist")
-        prompts = _from_records(_read_jsonl(path), path.stem)
+        rows, lines = _read_jsonl(path)
+        prompts = _from_records(rows, path.stem, [f"{path}:{n}" for n in lines])
     else:
         prompts = _by_name(str(spec))
     if not prompts:
@@ -50,8 +51,9 @@ def gsm8k_final_answer(solution: str) -> str:
     return solution.rsplit("####", 1)[1].strip().replace(",", "")
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    rows = []
+def _read_jsonl(path: Path) -> tuple[list[dict], list[int]]:
+    """The file's records, and the line each is on (blank lines skipped)."""
+    rows, lines = [], []
     with path.open(encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
@@ -63,17 +65,21 @@ def _read_jsonl(path: Path) -> list[dict]:
             if not isinstance(row, dict):
                 raise ValueError(f"{path}:{n}: expected a JSON object per line")
             rows.append(row)
-    return rows
+            lines.append(n)
+    return rows, lines
 
 
-def _from_records(rows: Iterable[dict], default_category: str) -> list[Prompt]:
-    """Recognize each record's format by its fields."""
+def _from_records(
+    rows: Iterable[dict], default_category: str, where: list[str] | None = None
+) -> list[Prompt]:
+    """Recognize each record's format by its fields; errors name a record by ``where`` (a file's line)."""
     prompts, seen = [], set()
     for i, row in enumerate(rows):
+        at = f"record {i}" if where is None else where[i]
         if "turns" in row:  # Spec-Bench / MT-bench
             turns = row["turns"]
             if not isinstance(turns, list) or not turns:
-                raise ValueError(f"record {i} has no turns (expected a list of at least one prompt)")
+                raise ValueError(f"{at}: no turns (expected a list of at least one prompt)")
             pid, text = row.get("question_id", i), turns[0]
             cat = row.get("category", default_category)
             prompt = Prompt(str(pid), text, "mt_bench" if cat in _MT_BENCH else cat)
@@ -88,13 +94,13 @@ def _from_records(rows: Iterable[dict], default_category: str) -> list[Prompt]:
             prompt = Prompt(str(row.get("id", i)), text, cat, None if ans is None else str(ans))
         else:
             raise ValueError(
-                f"record {i} has none of the known fields ('turns', 'question'+'answer', 'prompt', 'text'): "
+                f"{at}: none of the known fields ('turns', 'question'+'answer', 'prompt', 'text'): "
                 f"{sorted(row)}"
             )
         if not isinstance(prompt.text, str) or not prompt.text.strip():
-            raise ValueError(f"record {i} (id {prompt.id}) has an empty prompt")
+            raise ValueError(f"{at}: the prompt (id {prompt.id}) is empty")
         if prompt.id in seen:
-            raise ValueError(f"duplicate prompt id {prompt.id!r} (ids key the benchmark records)")
+            raise ValueError(f"{at}: duplicate prompt id {prompt.id!r} (ids key the records)")
         seen.add(prompt.id)
         prompts.append(prompt)
     return prompts

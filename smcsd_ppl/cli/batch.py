@@ -52,6 +52,7 @@ def add_parser(sub) -> None:
         "of each prompt alone bit for bit; float32 ones match either way). On a CPU this is faster: "
         "there a batch's rows cost nearly what they cost alone (docs/benchmarks.md)",
     )
+    p.add_argument("--quiet", action="store_true", help="nothing on standard error but errors")
     model_args(p)
     smc_args(p)
     constraint_args(p)

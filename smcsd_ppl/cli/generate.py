@@ -37,6 +37,11 @@ def add_parser(sub) -> None:
     smc_args(gen)
     constraint_args(gen)
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    gen.add_argument(
+        "--quiet",
+        action="store_true",
+        help="nothing on standard error but errors (no loading lines, no statistics)",
+    )
     gen.set_defaults(run=run)
 
 

@@ -37,6 +37,7 @@ from .options import (
 )
 from .util import (
     PROG,
+    QUIET,
     USER_ERRORS,
     Parser,
     check_output_dir,
@@ -46,6 +47,7 @@ from .util import (
     cut_value,
     err,
     progress,
+    say_error,
     user_error,
 )
 
@@ -254,13 +256,14 @@ def main(argv: list[str] | None = None) -> int:
     whose Ctrl-C it is.
     """
     args = build_parser().parse_args(argv)
+    QUIET["on"] = getattr(args, "quiet", False)
     logging.basicConfig(level=logging.WARNING)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     with _as_process(argv is None) as signals:
         try:
             status = args.run(args)
         except USER_ERRORS as e:
-            err(f"{PROG}: error: {user_error(e)}")
+            say_error(f"{PROG}: error: {user_error(e)}")
             return 2
         except KeyboardInterrupt:
             err("interrupted")

@@ -115,8 +115,17 @@ def user_error(err: BaseException) -> str:
     return " ".join(text.split())  # a message must stay on one line
 
 
+QUIET = {"on": False}  # --quiet: standard error says nothing but errors
+
+
 def err(msg: str) -> None:
-    """Print a line on standard error."""
+    """Print a line on standard error (unless ``--quiet``; errors go through ``say_error``)."""
+    if not QUIET["on"]:
+        print(msg, file=sys.stderr)
+
+
+def say_error(msg: str) -> None:
+    """Print an error's line on standard error, ``--quiet`` or not."""
     print(msg, file=sys.stderr)
 
 
@@ -185,10 +194,15 @@ def status(msg: str):
 
 @contextmanager
 def progress(total: int, unit: str):
-    """A progress bar on stderr that appears only when work takes more than a moment."""
+    """A progress bar on a terminal's stderr that appears only when work takes more than a moment.
+
+    It leaves no trace once done; where stderr is a file or a pipe there is none (its redraws
+    would stay in the log).
+    """
     from tqdm import tqdm
 
-    with tqdm(total=total, unit=unit, delay=1.0, leave=False, file=sys.stderr) as bar:
+    quiet = QUIET["on"] or not sys.stderr.isatty()
+    with tqdm(total=total, unit=unit, delay=1.0, leave=False, file=sys.stderr, disable=quiet) as bar:
 
         def update(n: int) -> None:
             bar.update(max(0, min(n, total) - bar.n))

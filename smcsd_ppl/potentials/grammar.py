@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from .constraints import Constraint, token_bytes
+from .lark import EXACT, regex_grammar, schema_grammar
 from .schema import check_schema, engine_error
 
 MAX_CACHED_CONTEXTS = 50_000  # parser states kept per constraint; past that the tree restarts
@@ -92,12 +93,6 @@ def fill_bitmasks(matchers: Sequence[tuple[object, int]], bits: np.ndarray) -> N
             m.unsafe_compute_mask_ptr(bits.ctypes.data + i * row_bytes, row_bytes)
 
 
-# Every tokenization of an output's text is allowed (the engine would otherwise force the
-# canonical tokens of text the grammar fixes): masks then say exactly which token
-# sequences spell a valid prefix, and a token consumed is a token the mask allowed.
-_EXACT = '%llguidance {"no_forcing": true}\n'
-
-
 class GrammarConstraint(Constraint):
     """The outputs of a grammar in llguidance's Lark dialect (regex lexemes, ``%json`` rules).
 
@@ -123,7 +118,7 @@ class GrammarConstraint(Constraint):
         self._tokenizer = engine_tokenizer(tokenizer, self.eos_token_ids, vocab_size)
         self.vocab_size = self._tokenizer.vocab_size
         self._words = (self.vocab_size + 31) // 32  # int32 words of one bitmask row
-        grammar = llguidance.LLMatcher.grammar_from_lark(_EXACT + grammar)
+        grammar = llguidance.LLMatcher.grammar_from_lark(EXACT + grammar)
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self._tokenizer)
         if is_error:
             raise ValueError(f"cannot compile {name}: {engine_error(messages[0])}")
@@ -222,12 +217,8 @@ class RegexConstraint(GrammarConstraint):
     """
 
     def __init__(self, pattern: str, tokenizer, eos_token_ids: Sequence[int], *, vocab_size=None) -> None:
-        import llguidance
-
-        if not isinstance(pattern, str):
-            raise ValueError(f"a regex must be a string, got {type(pattern).__name__}")
+        grammar = regex_grammar(pattern)
         self.pattern = pattern
-        grammar = f"start: /{llguidance.regex_to_lark(pattern)}/"
         name = f"regex {pattern!r}"
         super().__init__(grammar, tokenizer, eos_token_ids, vocab_size=vocab_size, name=name)
 
@@ -267,12 +258,5 @@ class JsonSchemaConstraint(GrammarConstraint):
                 raise ValueError(f"the JSON schema is not valid JSON: {err}") from err
         check_schema(schema)
         self.schema = schema
-        layout = {
-            "item_separator": separators[0],
-            "key_separator": separators[1],
-            "whitespace_flexible": False,
-        }
-        if isinstance(schema, dict):  # the engine reads its options from the schema itself
-            schema = {**schema, "x-guidance": {**schema.get("x-guidance", {}), **layout}}
-        grammar = f"start: %json {json.dumps(schema)}"
+        grammar = schema_grammar(schema, separators)
         super().__init__(grammar, tokenizer, eos_token_ids, vocab_size=vocab_size, name="JSON schema")

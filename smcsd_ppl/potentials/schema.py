@@ -140,4 +140,6 @@ def engine_error(message: str) -> str:
     detail = re.search(r"^error: (.+)$", message, re.MULTILINE)  # the regex parser's own words
     if detail:
         return detail.group(1).strip()
-    return " ".join(message.split())
+    first = message.strip().splitlines()[0] if message.strip() else ""  # then the engine's grammar
+    first = re.sub(r"^at \d+\(\d+\): ", "", first)  # a place in that grammar, not in the user's text
+    return re.sub(r"^failed to compile JSON schema: ", "", first).strip()

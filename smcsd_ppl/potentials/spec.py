@@ -12,7 +12,8 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .schema import check_schema
+from .lark import check_grammar, regex_grammar, schema_grammar
+from .schema import check_keywords, check_meta_schema
 
 CONSTRAINT_KINDS = ("schema", "regex", "grammar")
 
@@ -27,8 +28,9 @@ class ConstraintSpec:
         text: the schema's JSON, the pattern or the grammar.
 
     Raises:
-        ValueError: an unknown kind, empty text, or a schema that is not a JSON object, breaks
-            its meta-schema or uses a keyword outside JSON Schema's vocabulary.
+        ValueError: an unknown kind, empty text, a schema that is not a JSON object, breaks
+            its meta-schema or uses a keyword outside JSON Schema's vocabulary, or a constraint
+            that does not compile or that no text satisfies.
     """
 
     kind: str
@@ -48,7 +50,26 @@ class ConstraintSpec:
                 raise ValueError(f"the JSON schema is not valid JSON: {err}") from err
             if not isinstance(schema, (dict, bool)):
                 raise ValueError(f"a JSON schema is an object (or true/false), got {type(schema).__name__}")
-            check_schema(schema)  # here, so that a mistake is named before any model loads
+            check_keywords(schema)
+        try:  # here, with no model: a mistake is named before any loads
+            check_grammar(self.grammar(), self.name)
+        except ValueError as err:
+            if self.kind == "schema" and "Unsatisfiable" not in str(err):
+                check_meta_schema(schema)  # its message names the place, where it has one
+            raise
+        if self.kind == "schema":  # after: importing its checker takes seconds
+            check_meta_schema(schema)
+
+    @property
+    def name(self) -> str:
+        """How errors name it."""
+        return {"schema": "JSON schema", "regex": f"regex {self.text!r}"}.get(self.kind, "grammar")
+
+    def grammar(self) -> str:
+        """Its Lark grammar (the one ``build`` compiles for a tokenizer)."""
+        if self.kind == "schema":
+            return schema_grammar(json.loads(self.text))
+        return regex_grammar(self.text) if self.kind == "regex" else self.text
 
     def build(self, tokenizer, eos_token_ids: Sequence[int]):
         """The ``GrammarConstraint`` of this text (``ValueError``: it does not compile)."""
