@@ -112,7 +112,7 @@ class SMCSD:
         draft: str | None = None,
         *,
         device: str = "cpu",
-        dtype: str = "bfloat16",
+        dtype: str = "auto",
         threads: int | None = None,
         **kwargs,
     ) -> SMCSD:

@@ -22,8 +22,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def target_files():
-    """The embedded target as files (bf16), as ``SMCSD.load(backend="vllm")`` reads it."""
-    return load_files(None, device="cpu", dtype="bfloat16")
+    """The embedded target as files (the default dtype), as ``SMCSD.load(backend="vllm")`` reads it."""
+    return load_files(None, device="cpu", dtype="auto")
 
 
 def test_the_head_is_the_built_models_head(default_smcsd, target_files):

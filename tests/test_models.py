@@ -199,7 +199,7 @@ def greedy_answer(lm: LoadedModel, question: str, max_new_tokens: int = 12) -> s
 def test_default_model_loads_and_is_coherent(default_smcsd):
     lm = default_smcsd.target
     assert lm.name == DEFAULT_TARGET and lm.source in ("hub", models._EMBEDDED_SOURCE)
-    assert lm.model.dtype == torch.bfloat16 and not lm.model.training
+    assert lm.model.dtype == models.auto_dtype() and not lm.model.training  # bf16 where native
     assert not any(p.requires_grad for p in lm.model.parameters())
     assert lm.model.config.num_hidden_layers == 30
     assert "Paris" in greedy_answer(lm, "What is the capital of France?")
@@ -250,3 +250,28 @@ def test_loading_the_default_pair_prints_nothing(capfd):
     capfd.readouterr()
     SMCSD.load()
     assert capfd.readouterr() == ("", "")
+
+
+@pytest.mark.parametrize(("native", "expected"), [(True, torch.bfloat16), (False, torch.float32)])
+def test_auto_dtype_is_bf16_only_where_the_cpu_multiplies_it(monkeypatch, native, expected):
+    import smcsd_ppl.backends.cpu as cpu
+    from smcsd_ppl.models.loading import _parse_dtype, dtype_name
+
+    monkeypatch.setattr(cpu, "native_matmul", lambda dtype: native or dtype == torch.float32)
+    assert _parse_dtype("auto", "cpu") == expected == _parse_dtype("AUTO")
+    assert dtype_name("auto") == f"{str(expected).removeprefix('torch.')}, chosen by --dtype auto"
+    assert _parse_dtype("bfloat16", "cpu") == torch.bfloat16  # asked for: what it gets
+
+
+def test_auto_is_every_entry_s_default():
+    import inspect
+
+    from smcsd_ppl import SMCSD
+    from smcsd_ppl.cli import build_parser
+    from smcsd_ppl.models.loading import load_model
+    from smcsd_ppl.serving.settings import PairSpec
+
+    assert build_parser().parse_args(["generate", "hi"]).dtype == "auto"
+    assert inspect.signature(SMCSD.load).parameters["dtype"].default == "auto"
+    assert inspect.signature(load_model).parameters["dtype"].default == "auto"
+    assert PairSpec().dtype == "auto"

@@ -137,3 +137,64 @@ def test_sigterm_drains_eight_running_requests_and_exits_0():
     assert server.returncode == 0, err
     assert all(text and reason in ("length", "abort") for text, reason in answers), answers
     assert any(reason == "abort" for _, reason in answers)  # 300 tokens take longer than the grace
+
+
+def _events(url: str, body: dict, started: threading.Event) -> list[dict]:
+    """A streamed completion's events; ``started`` is set at its first text."""
+    events = []
+    with httpx.stream("POST", f"{url}/completions", json=body | {"stream": True}, timeout=300) as reply:
+        for line in reply.iter_lines():
+            if line.startswith("data: {"):
+                events.append(json.loads(line.removeprefix("data: ")))
+                if events[-1].get("choices") and events[-1]["choices"][0]["text"]:
+                    started.set()
+    return events
+
+
+def _engine_pid(server_pid: int) -> int:
+    """The engine process among the server's children (not multiprocessing's resource tracker)."""
+    children = []
+    for task in os.listdir(f"/proc/{server_pid}/task"):
+        with open(f"/proc/{server_pid}/task/{task}/children") as f:
+            children += [int(c) for c in f.read().split()]
+    for pid in children:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+        if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+            return pid
+    raise AssertionError(f"no engine process among {children}")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="finds the engine through /proc")
+def test_a_killed_engine_turns_health_to_503_at_once_and_the_server_exits_1():
+    env = os.environ | {"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, "-m", "smcsd_ppl", "serve", "--port", "0", "--grace-seconds", "30"]
+    server = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=ROOT, text=True
+    )
+    try:
+        url = re.search(r"at (http://\S+/v1)", server.stdout.readline()).group(1)
+        health = url.removesuffix("/v1") + "/health"
+        assert httpx.get(health, timeout=10).status_code == 200
+        ask = {"prompt": "Tell a long story about a dragon.", "max_tokens": 300, "ignore_eos": True}
+        started = threading.Event()
+        with ThreadPoolExecutor(1) as pool:
+            running = pool.submit(_events, url, ask, started)
+            assert started.wait(120)
+            os.kill(_engine_pid(server.pid), signal.SIGKILL)  # as the OOM killer does
+            killed = time.monotonic()
+            while httpx.get(health, timeout=10).status_code == 200:
+                assert time.monotonic() - killed < 1.0, "/health still says ok a second after"
+                time.sleep(0.02)
+            answer = httpx.get(health, timeout=10).json()["error"]
+            assert answer["code"] == "engine_dead" and "killed by signal 9" in answer["message"]
+            events = running.result(timeout=30)
+            assert "engine process ended" in events[-1]["error"]["message"]  # told at once, in the stream
+        server.wait(timeout=60)
+    finally:
+        if server.poll() is None:
+            server.kill()
+        _out, err = server.communicate(timeout=60)
+    assert server.returncode == 1, err
+    assert "the engine process ended (killed by signal 9)" in err and "Traceback" not in err, err

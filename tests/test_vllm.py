@@ -18,6 +18,7 @@ import torch
 from helpers import scratch_logits
 
 from smcsd_ppl.backends.vllm import import_vllm
+from smcsd_ppl.models.loading import auto_dtype
 
 try:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # four engines share this machine
@@ -50,7 +51,7 @@ def vllm32(hf32):
 
 @pytest.fixture(scope="module")
 def vllm16():
-    """The embedded pair on vLLM in bfloat16, as `smcsd generate --backend vllm` runs it."""
+    """The embedded pair on vLLM in the default dtype, as `smcsd generate --backend vllm` runs it."""
     return SMCSD.load(backend="vllm")
 
 
@@ -292,7 +293,8 @@ def test_bench_runs_on_vllm(vllm16, tmp_path, monkeypatch):
     assert cli.main([*argv, "--max-new-tokens", "4", "--out", str(out), "--backend", "vllm"]) == 0
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["method"] for r in records] == ["ar", "smcsd"] and not any("error" in r for r in records)
-    assert all(r["dtype"] == "bfloat16" and r["target_loglik_per_token"] < 0 for r in records)
+    dtype = str(auto_dtype()).removeprefix("torch.")
+    assert all(r["dtype"] == dtype and r["target_loglik_per_token"] < 0 for r in records)
 
 
 def test_the_pair_builds_no_pytorch_model(vllm16):

@@ -30,9 +30,10 @@ def load_target(args: argparse.Namespace):
             f"--backend {args.backend}: this command runs the target in PyTorch (use --backend hf)"
         )
     from ..engine.worker import torch_thread
+    from ..models.loading import dtype_name
 
     set_threads(args)
-    with status(f"loading the target on {args.device} ({args.dtype})"):
+    with status(f"loading the target on {args.device} ({dtype_name(args.dtype, args.device)})"):
         target = torch_thread().run(lambda: load_model(args.target, device=args.device, dtype=args.dtype))
     err(f"target: {target.name} [{target.source}]")
     return target
@@ -90,7 +91,11 @@ def load_pair(args: argparse.Namespace, *, torch_models: bool = False):
     }
     if args.backend == "vllm":  # its start-up notes run to hundreds of lines; errors still show
         logging.getLogger("vllm").setLevel(logging.ERROR)
-    where = f"{args.device} ({args.dtype})" + (", on vLLM" if args.backend == "vllm" else "")
+    from ..models.loading import dtype_name
+
+    where = f"{args.device} ({dtype_name(args.dtype, args.device)})" + (
+        ", on vLLM" if args.backend == "vllm" else ""
+    )
     with status(f"loading models on {where}"), load_notes():
         pair = SMCSD.load(**options)
     err(f"target: {pair.target.name} [{pair.target.source}]")

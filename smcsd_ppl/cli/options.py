@@ -38,7 +38,12 @@ def model_args(p: argparse.ArgumentParser, *, draft: bool = True) -> None:
             help="a directory made by `smcsd distill`, hub id, local path, or layers:N (default: the shipped "
             "distilled draft for the default target, else the target's first 2 layers)",
         )
-    g.add_argument("--dtype", default="bfloat16", help="bfloat16, float32 or float16")
+    g.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto (default: bfloat16 where the device multiplies it natively, a GPU or a CPU with AVX-512 "
+        "BF16 or AMX; else float32, which an AVX2 CPU runs faster), bfloat16, float32 or float16",
+    )
     g.add_argument(
         "--threads",
         type=int,

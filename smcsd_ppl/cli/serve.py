@@ -8,7 +8,7 @@ import os
 from . import serve_ray
 from .loading import load_notes, pair_options, set_threads
 from .options import model_args, smc_args, smc_config
-from .util import check_threads, err, status
+from .util import PROG, check_threads, err, say_error, status
 
 DEFAULT_PORT = 8000
 API_KEY_VARIABLE = "SMCSD_API_KEY"
@@ -117,10 +117,17 @@ def run(args: argparse.Namespace) -> int:
             "nearly as much per row as one alone; --dtype float32 serves concurrent requests faster"
         )
     print(f"serving {service.model_name} at {url_of(sock)}/v1 (OpenAI API; Ctrl-C stops)", flush=True)
+    server = uvicorn_server(app, grace_seconds=args.grace_seconds)
     try:
-        uvicorn_server(app, grace_seconds=args.grace_seconds).run(sockets=[sock])
+        server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down
         pass
+    if server.engine_died:
+        say_error(
+            f"{PROG} serve: error: the engine process ended ({service.engine.exit_note}); stopped, so that "
+            "a supervisor can restart the server"
+        )
+        return 1
     err("stopped")
     return 0
 
@@ -131,5 +138,7 @@ def _emulates(spec) -> bool:
     from ..models.loading import _parse_dtype
 
     return (
-        spec.device.startswith("cpu") and spec.backend == "hf" and not native_matmul(_parse_dtype(spec.dtype))
+        spec.device.startswith("cpu")
+        and spec.backend == "hf"
+        and not native_matmul(_parse_dtype(spec.dtype, spec.device))
     )

@@ -83,6 +83,7 @@ class EngineProcess:
         self.pair = RemotePair(**hello)
         self._send_lock = threading.Lock()
         self._stats = CoreStats()
+        self.died = threading.Event()  # the child ended without being told to (killed, crashed)
         self._reader = threading.Thread(target=self._read, daemon=True, name="smcsd-engine-reader")
         self._reader.start()
 
@@ -91,6 +92,19 @@ class EngineProcess:
         """Some request or call is still in (waiting or running)."""
         with self.gate.lock:
             return bool(self.gate.live)
+
+    @property
+    def alive(self) -> bool:
+        """The child runs, or was told to close (False: it ended on its own: killed, out of memory)."""
+        return not self.died.is_set()
+
+    @property
+    def exit_note(self) -> str:
+        """How the child ended, in a few words (its exit code, or the signal that killed it)."""
+        code = self._process.exitcode
+        if code is None:
+            return "still running"
+        return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
 
     tokenizer = property(lambda self: self.pair.tokenizer, doc="The pair's tokenizer.")
     pid = property(lambda self: self._process.pid, doc="The engine process's id.")
@@ -150,6 +164,9 @@ class EngineProcess:
                         ticket.apply(out)
         except (EOFError, OSError):
             pass
+        if not self.gate.closing:  # nobody asked it to end
+            self._process.join(timeout=5)
+            self.died.set()
         for work_id, ticket in self.gate.close():
             self.gate.handle(work_id, done=True)
             ticket.fail(RequestCancelled(f"the engine process ended before request {work_id} finished"))

@@ -64,7 +64,8 @@ def load_files(name: str | None, *, device: str | torch.device, dtype: str | tor
     Raises:
         ValueError: for a bad device or dtype, or a model that cannot be found.
     """
-    dev, dt = _parse_device(device), _parse_dtype(dtype)
+    dev = _parse_device(device)
+    dt = _parse_dtype(dtype, dev)
     directory, shown, source = _model_dir(name)
     tokenizer = AutoTokenizer.from_pretrained(directory)
     return LoadedModel(None, tokenizer, shown, source, path=str(directory), dtype=dt, device=dev)

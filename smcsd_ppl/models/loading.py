@@ -73,13 +73,41 @@ class LoadedModel:
     device: torch.device | None = None
 
 
-def _parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+AUTO_DTYPE = "auto"  # the fastest of the usual dtypes on the device at hand (``auto_dtype``)
+
+
+def auto_dtype(device: str | torch.device = "cpu") -> torch.dtype:
+    """The dtype ``auto`` runs on ``device``: bfloat16 where it is multiplied natively.
+
+    That is a GPU with bf16, or a CPU with AVX-512 BF16 or AMX; float16 on another GPU and on
+    Apple silicon; else float32: a CPU that emulates half precision (AVX2) runs float32 faster,
+    and its batches pay (docs/serving.md).
+    """
+    from ..backends.cpu import native_matmul
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if dev.type == "mps":
+        return torch.float16
+    return torch.bfloat16 if native_matmul(torch.bfloat16) else torch.float32
+
+
+def dtype_name(dtype: str | torch.dtype, device: str | torch.device = "cpu") -> str:
+    """What ``dtype`` runs as on ``device``, said plainly (``auto`` names what it chose)."""
+    chosen = str(_parse_dtype(dtype, device)).removeprefix("torch.")
+    return f"{chosen}, chosen by --dtype auto" if str(dtype).lower() == AUTO_DTYPE else chosen
+
+
+def _parse_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
+    if isinstance(dtype, str) and dtype.lower() == AUTO_DTYPE:
+        return auto_dtype(device)
     if isinstance(dtype, torch.dtype):
         if dtype in _DTYPES.values():
             return dtype
     elif isinstance(dtype, str) and dtype.lower().removeprefix("torch.") in _DTYPES:
         return _DTYPES[dtype.lower().removeprefix("torch.")]
-    raise ValueError(f"unsupported dtype {dtype!r}; use one of {', '.join(_DTYPES)}")
+    raise ValueError(f"unsupported dtype {dtype!r}; use one of {AUTO_DTYPE}, {', '.join(_DTYPES)}")
 
 
 def _parse_device(device: str | torch.device) -> torch.device:
@@ -200,7 +228,7 @@ def embedded_default_dir() -> pathlib.Path:
 
 
 def load_model(
-    name: str | None = None, *, device: str | torch.device = "cpu", dtype: str | torch.dtype = "bfloat16"
+    name: str | None = None, *, device: str | torch.device = "cpu", dtype: str | torch.dtype = AUTO_DTYPE
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer.
 
@@ -208,14 +236,16 @@ def load_model(
         name: A hub id or local directory; ``None``/``""``, ``"default"`` or ``DEFAULT_TARGET``
             give SmolLM2-135M-Instruct (hub cache if present, else the embedded copy).
         device: ``"cpu"``, ``"cuda"``, ``"cuda:0"``, ...
-        dtype: ``"bfloat16"``/``"bf16"``, ``"float32"``/``"fp32"``, ``"float16"``/``"fp16"``
-            or a torch dtype.
+        dtype: ``"auto"`` (``auto_dtype``: bfloat16 where the device multiplies it natively,
+            else float32 on a CPU), ``"bfloat16"``/``"bf16"``, ``"float32"``/``"fp32"``,
+            ``"float16"``/``"fp16"`` or a torch dtype.
 
     Raises:
         ValueError: For a bad device or dtype, or a model that cannot be loaded.
 
     """
-    dev, dt = _parse_device(device), _parse_dtype(dtype)
+    dev = _parse_device(device)
+    dt = _parse_dtype(dtype, dev)
     if not name or name in ("default", DEFAULT_TARGET):
         try:
             return _load(DEFAULT_TARGET, DEFAULT_TARGET, "hub", dev, dt, local_files_only=True)

@@ -110,8 +110,17 @@ class Service:
             return list(prompt)
         return [int(t) for t in tokenizer(prompt)["input_ids"]]
 
+    def check_engine(self) -> None:
+        """Refuse (503) once the engine's process has ended on its own: nothing can answer any more."""
+        if not getattr(self.engine, "alive", True):
+            note = self.engine.exit_note
+            raise APIError(
+                503, f"the engine process ended ({note}); the server is stopping", code="engine_dead"
+            )
+
     def submit(self, requests: list) -> list:
         """Submit every choice, or none: a refusal cancels those already in and becomes an ``APIError``."""
+        self.check_engine()
         if self.closing:
             raise APIError(503, "the server is shutting down", code="shutting_down")
         tickets = []
@@ -193,6 +202,7 @@ def add_info_routes(app: FastAPI, service: Service) -> None:
 
     @app.get("/health")
     async def health():
+        service.check_engine()
         if service.closing:
             raise APIError(503, "the server is shutting down", code="shutting_down")
         return {"status": "ok", "model": service.model_name}

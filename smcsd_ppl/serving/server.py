@@ -48,6 +48,16 @@ class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, grace_seconds: float = GRACEFUL_SECONDS) -> None:
         super().__init__(config)
         self.grace_seconds, self.draining = grace_seconds, False
+        self.engine_died = False  # the server stopped because its engine's process ended
+        service = getattr(getattr(config.app, "state", None), "service", None)
+        died = getattr(getattr(service, "engine", None), "died", None)
+        if died is not None:
+            threading.Thread(target=self._watch, args=(died,), daemon=True, name="smcsd-watch").start()
+
+    def _watch(self, died: threading.Event) -> None:
+        """Stop serving once the engine's process has ended on its own (a supervisor restarts us)."""
+        died.wait()
+        self.engine_died = self.should_exit = True
 
     def handle_exit(self, sig, frame) -> None:
         """The first signal starts the drain; a second stops now, as uvicorn does."""

@@ -21,7 +21,7 @@ class PairSpec:
     target: str | None = None
     draft: str | None = None
     device: str = "cpu"
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     threads: int | None = None
     chat: bool = True
     backend: str = "hf"
