@@ -84,6 +84,15 @@ class SMCInfo:
     draft_lengths: list[int] = field(default_factory=list)
     draft_record: DraftRecord = field(default_factory=DraftRecord)
 
+    @property
+    def alone(self) -> bool:
+        """It ended decoding with the target alone: one particle, exact, so ``particles`` holds one.
+
+        Only the plain program does (no constraint, no ``step`` of its own, alpha = 1); a program
+        with conditions, potentials or a constraint keeps its N particles to the end.
+        """
+        return bool(self.particle_trace) and self.particle_trace[-1] == 1
+
 
 @dataclass
 class SpeculativeInfo:

@@ -101,3 +101,22 @@ def test_dead_particles_are_marked(tiny_smcsd):
     assert not any(p.dead for p in outs[1].smc.particles)
     assert all(math.isfinite(p.log_weight) == (not p.dead) for g in outs for p in g.smc.particles)
     assert torch.isfinite(torch.tensor(outs[1].smc.log_z))
+
+
+class Conditioned(SMCSDModel):
+    """A condition after each block (always true here): a program whose N is part of the inference."""
+
+    async def step(self):
+        await self.extend()
+        self.condition(True)
+
+
+def test_only_plain_generation_goes_on_alone(tiny_smcsd):
+    """The default cut may send a plain request on with one particle; programs keep their N."""
+    config = SMCConfig(n_particles=4, block_size=3, max_new_tokens=12, seed=0, ignore_eos=True)
+    tokenizer, eos = tiny_smcsd.tokenizer, tiny_smcsd.eos_token_ids
+    programs = [Conditioned("Hello"), SMCSDModel("Hello", RegexConstraint("[a-z ]+", tokenizer, eos))]
+    for out in tiny_smcsd.run(programs, config):
+        assert set(out.smc.particle_trace) == {4} and len(out.smc.particles) == 4 and not out.smc.alone
+    [plain] = tiny_smcsd.run([SMCSDModel("Hello")], config)
+    assert plain.smc.alone == (plain.smc.particle_trace[-1] == 1) == (len(plain.smc.particles) == 1)

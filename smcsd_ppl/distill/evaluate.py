@@ -242,10 +242,10 @@ def plot_curve(log_path: str | os.PathLike, png_path: str | os.PathLike) -> bool
 
     Returns False (and writes nothing) when the log holds no held-out evaluation.
     """
-    import matplotlib
-    from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
+    from ..bench.report import STYLE, finish_plot, matplotlib_or_say
 
-    from ..bench.report import STYLE, finish_plot
+    matplotlib = matplotlib_or_say()
+    from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
 
     records = [json.loads(line) for line in pathlib.Path(log_path).read_text().splitlines() if line.strip()]
     records = [r for r in records if "agreement" in r]
