@@ -40,6 +40,55 @@ def whole_characters(text: str) -> str:
     return text.rstrip("\ufffd")
 
 
+class IncrementalText:
+    """The text of a growing token sequence, decoding only what is new (and a few tokens before it).
+
+    Decoding a whole output again at every cycle costs time quadratic in its length. Here an
+    update decodes from the start of the last stretch it read (never more than ``LOOKBACK``
+    tokens before what is new, once the text is whole), twice: without and with the new tokens;
+    what the second adds is new text. A tokenizer may drop a leading space at the start of what
+    it decodes, the same in both. Bytes of a character not yet whole wait, as
+    ``whole_characters`` holds them back. A sequence that does not extend the last one (every
+    particle died) is decoded whole again.
+
+    Args:
+        decode: token ids -> text, U+FFFD where bytes are not a character (not held back).
+
+    Attributes:
+        text: the text of the tokens seen so far, up to its last whole character.
+        decoded: tokens decoded so far, all calls together (what a test counts).
+    """
+
+    LOOKBACK = 4
+
+    def __init__(self, decode) -> None:
+        self.decode = decode
+        self.ids: list[int] = []
+        self.text, self.decoded = "", 0
+        self._prefix = self._read = 0  # ids[prefix:read]: the stretch whose text ends ``text``
+
+    def update(self, ids: Sequence[int]) -> str:
+        """The text of ``ids``, up to its last whole character."""
+        ids = list(ids)
+        n = len(self.ids)
+        if len(ids) < n or ids[:n] != self.ids:  # not an extension: start again
+            self.ids, self.text, self._prefix, self._read = [], "", 0, 0
+        if len(ids) == len(self.ids):
+            return self.text
+        self.ids = ids
+        head = self._decoded(ids[self._prefix : self._read])
+        tail = self._decoded(ids[self._prefix :])
+        if len(tail) > len(head) and not tail.endswith("\ufffd"):  # whole: it moves on
+            self.text += tail[len(head) :]
+            self._prefix = max(self._read, len(ids) - self.LOOKBACK)
+            self._read = len(ids)
+        return self.text
+
+    def _decoded(self, ids: list[int]) -> str:
+        self.decoded += len(ids)
+        return self.decode(ids) if ids else ""
+
+
 class TextStream:
     """The text of a growing token prefix, handed out piece by piece.
 

@@ -13,8 +13,9 @@ from smcsd_ppl import SMCConfig, SMCSDModel
 from smcsd_ppl.bench import batch
 from smcsd_ppl.bench.batch import generate_one
 from smcsd_ppl.cli import main
+from smcsd_ppl.engine.client import ServeRequest
 from smcsd_ppl.potentials import Constraint
-from smcsd_ppl.text import TextStream
+from smcsd_ppl.text import IncrementalText, TextStream
 
 CONFIG = SMCConfig(
     n_particles=4, block_size=3, max_new_tokens=12, draft_temperature=1.0, target_temperature=1.0
@@ -135,3 +136,38 @@ def test_quiet_leaves_standard_error_empty_and_the_text_whole(models, capsys, me
     assert main([*argv, "--quiet"]) == 0
     quiet = capsys.readouterr()
     assert loud.err.count("\n") >= 4 and quiet.err == "" and quiet.out == loud.out
+
+
+def test_incremental_text_is_the_whole_decoding_at_each_step(tiny_smcsd):
+    """Fed a token or a block at a time, it says what decoding everything says, reading only the end."""
+    core = tiny_smcsd.core
+    ids = tiny_smcsd.tokenizer("Crème brûlée 🌍 and naïve café, " * 6)["input_ids"]
+    for step in (1, 3, 7):
+        text = IncrementalText(core.decode_bytes)
+        for end in range(step, len(ids) + step, step):
+            before = text.decoded
+            assert text.update(ids[:end]) == core.decode(ids[:end]) or core.decode(ids[:end]).startswith(
+                text.text
+            )
+            assert text.decoded - before <= 2 * (step + IncrementalText.LOOKBACK + 4)  # never the whole
+        assert text.text == core.decode(ids)
+    text = IncrementalText(core.decode_bytes)
+    text.update(ids[:20])
+    assert text.update(ids[:5]) == core.decode(ids[:5])  # every particle died: decoded again
+
+
+def test_decoding_per_cycle_does_not_grow_with_the_output(tiny_smcsd, monkeypatch):
+    """The engine's settled text costs the new tokens' decoding per cycle, not the whole output's."""
+    per_cycle, update = [], IncrementalText.update
+
+    def counted(self, ids):
+        before = self.decoded
+        out = update(self, ids)
+        per_cycle.append((len(ids), self.decoded - before))
+        return out
+
+    monkeypatch.setattr(IncrementalText, "update", counted)
+    config = SMCConfig(n_particles=4, block_size=3, max_new_tokens=110, ignore_eos=True, seed=1, cut=None)
+    out = tiny_smcsd.engine.submit(ServeRequest([5, 6, 7], config)).wait(timeout=300)
+    late = [n for length, n in per_cycle if length > 60]
+    assert len(out.token_ids) == 110 and late and max(late) < 40, per_cycle

@@ -24,6 +24,7 @@ from ..inference.outcome import result_of
 from ..inference.state import Population, SMCState, settled_tokens
 from ..inference.step import Admission, SMCSDKernel
 from ..results import RunStats, generation
+from ..text import IncrementalText
 from .pair import PairCore
 from .request import Call, Request, RequestStatus, Work, finish, shared_key
 from .scheduling import Capacity, Plan, schedule
@@ -93,7 +94,7 @@ class EngineCore:
         self.state = SMCState(())
         self.kernel = self._kernel(self.base)
         self.stats = CoreStats()
-        self._sent: dict[str, str] = {}  # each running request's settled text, as last told
+        self._sent: dict[str, IncrementalText] = {}  # each running request's settled text, as last told
         self._records: dict[str, object] = {}  # each request's draft record, fixed at admission
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -256,10 +257,10 @@ class EngineCore:
             request = by_id[pop.request_id]
             if pop.stepping:
                 staying.append(pop)
-                text = self.pair.decode(settled_tokens(pop))
-                if text != self._sent.get(request.id, ""):
-                    self._sent[request.id] = text
-                    outputs.append(Output(request.id, settled=text))
+                settled = self._sent.setdefault(request.id, IncrementalText(self.pair.decode_bytes))
+                told = settled.text
+                if settled.update(settled_tokens(pop)) != told:
+                    outputs.append(Output(request.id, settled=settled.text))
             else:
                 outputs.append(self._finished(request, pop))
         self.state = replace(self.state, populations=tuple(staying))

@@ -138,9 +138,13 @@ class PairCore:
         The bytes of a character cut at the end are held back, as a stream holds them, so
         a result's text is what its stream joins into.
         """
+        return whole_characters(self.decode_bytes(ids))
+
+    def decode_bytes(self, ids: Sequence[int]) -> str:
+        """Text of token ids (special tokens dropped), U+FFFD where bytes are not yet a character."""
         if self._decode is not None:
-            return whole_characters(self._decode(ids))
-        return whole_characters(self.tokenizer.decode(list(ids), skip_special_tokens=True))
+            return self._decode(ids)
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
     def eos_for(self, config: SMCConfig) -> list[int]:
         """EOS ids in force under ``config`` (none with ``ignore_eos``)."""
