@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from . import methods
 from .backends.base import BatchedLM, call_clock, call_stats
 from .backends.hf import DEFAULT_CACHE_BUDGET
-from .config import DraftRecord, SMCConfig
+from .config import DraftRecord, SMCConfig, paper_settings
 from .engine.client import Engine
 from .engine.pair import PairCore
 from .engine.worker import torch_thread
@@ -31,7 +31,7 @@ from .text import encode_prompt
 
 BACKENDS = ("hf", "vllm")
 # The methods whose requests join the running batch, and the settings each runs with.
-BATCHED = {"smcsd": lambda c: c, "smcsd_paper": lambda c: dataclasses.replace(c, cut=None)}
+BATCHED = {"smcsd": lambda c: c, "smcsd_paper": paper_settings}
 
 
 class SMCSD:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -122,6 +123,11 @@ class SMCConfig:
             raise ValueError(f"twist must be one of {TWIST_NAMES} or None, got {self.twist!r}")
         if self.twist is not None and self.ignore_eos:
             raise ValueError("a twist toward valid completions needs EOS: drop ignore_eos or the twist")
+
+
+def paper_settings(config: SMCConfig) -> SMCConfig:
+    """``config`` as the paper's SMC-SD runs it (``smcsd_paper``): no quality cut, the draft proposing."""
+    return dataclasses.replace(config, cut=None, proposal="draft")
 
 
 def available_cores() -> int:

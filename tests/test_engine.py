@@ -575,3 +575,16 @@ def test_nan_logits_during_autoregressive_sampling_raise():
         pair.generate(PROMPTS, method="ar", config=cfg())
     assert "target" in str(err.value)
     handle.remove()
+
+
+def test_the_paper_s_method_runs_the_draft_on_every_path():
+    """Batched (``pair.generate``) or through the method table, ``smcsd_paper`` is no cut and the draft."""
+    from smcsd_ppl.api import BATCHED
+    from smcsd_ppl.config import paper_settings
+
+    asked = SMCConfig(proposal="retrieval", cut=0.5)
+    assert (
+        BATCHED["smcsd_paper"](asked)
+        == paper_settings(asked)
+        == dataclasses.replace(asked, cut=None, proposal="draft")
+    )

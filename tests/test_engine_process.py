@@ -77,3 +77,15 @@ def test_closing_cancels_what_runs_and_refuses_what_comes():
     assert gen.finish_reason == "cancelled" and len(gen.token_ids) < 100
     with pytest.raises(EngineClosed):
         engine.submit(ServeRequest([5, 6], BASE))
+
+
+def test_a_constraint_is_compiled_once_in_the_child_not_in_the_server(child, monkeypatch):
+    from smcsd_ppl.potentials.spec import ConstraintSpec
+
+    def compiled_here(*_args, **_kwargs):
+        raise AssertionError("the server's process compiled the constraint")
+
+    monkeypatch.setattr(ConstraintSpec, "build", compiled_here)  # this process only; the child's is its own
+    request = ServeRequest(PROMPTS[0], BASE, constraint=ConstraintSpec("regex", "[a-z]+"))
+    out = child.submit(request).wait(timeout=120)
+    assert out.text == "" or out.text.isalpha()

@@ -165,16 +165,25 @@ class Gate:
             return [(work_id, handle) for work_id, (handle, _) in self.live.items()]
 
 
-def program_of(pair: PairCore, request: ServeRequest) -> SMCSDModel:
-    """The plain program of a request, its constraint built for the pair (``ValueError``: refused)."""
-    config = request.settings
-    constraint = None
-    if request.constraint is not None:
-        constraint = request.constraint.build(pair.tokenizer, pair.eos_for(config))
+def check_served(pair, request: ServeRequest) -> list[int]:
+    """Refuse (``ValueError``) a request its pair cannot run; its prompt ids.
+
+    The constraint's text was checked when its ``ConstraintSpec`` was made; it is compiled for
+    the tokenizer once, where the request runs (``program_of``).
+    """
     ids = [int(t) for t in request.prompt_ids]
-    pair.check_request(ids, config)
+    pair.check_request(ids, request.settings)
     if request.logprobs is not None and not pair.facts.scores:
         raise ValueError("logprobs need the target as a PyTorch model (the hf backend)")
+    return ids
+
+
+def program_of(pair: PairCore, request: ServeRequest) -> SMCSDModel:
+    """The plain program of a request, its constraint built for the pair (``ValueError``: refused)."""
+    ids = check_served(pair, request)
+    constraint = None
+    if request.constraint is not None:
+        constraint = request.constraint.build(pair.tokenizer, pair.eos_for(request.settings))
     return SMCSDModel(ids, constraint)
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 from ..config import SMCConfig
 from ..inference.step import request_seed
-from .client import EngineStats, Gate, ServeRequest, program_of
+from .client import EngineStats, Gate, ServeRequest, check_served, program_of
 from .core import CoreStats, EngineCore, Output, RequestCancelled
 from .pair import PairFacts
 from .request import Request, new_id
@@ -113,7 +113,7 @@ class EngineProcess:
 
     def submit(self, request: ServeRequest) -> Ticket:
         """Queue a request; its ticket at once (``QueueFull``, ``EngineClosed``, ``ValueError``)."""
-        program_of(self.pair, request)  # checked here: a refusal comes before anything is sent
+        check_served(self.pair, request)  # here: a refusal comes before anything is sent
         config = request.settings
         rid = new_id()
         ticket = Ticket(rid, len(request.prompt_ids), request.stop, self.abort)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
+from ..config import paper_settings
 from ..engine.run import run_smc_sd
 from ..inference.program import SMCSDModel
 from ..inference.state import StepInfo
@@ -53,7 +54,7 @@ def _smcsd(ctx: RunContext) -> MethodOutput:
 
 @register("smcsd_paper", particles=True)
 def _smcsd_paper(ctx: RunContext) -> MethodOutput:
-    ctx = dataclasses.replace(ctx, config=dataclasses.replace(ctx.config, cut=None, proposal="draft"))
+    ctx = dataclasses.replace(ctx, config=paper_settings(ctx.config))
     static = ctx.pair.static_engine("smcsd_paper")
     if static is not None:
         return _static_paper(ctx, static)
