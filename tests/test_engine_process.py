@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
+import signal
 import time
 
 import pytest
 import tiny
 
 from smcsd_ppl.config import SMCConfig
-from smcsd_ppl.engine.client import Engine, EngineClosed, QueueFull, ServeRequest
+from smcsd_ppl.engine.client import Engine, EngineClosed, QueueFull, RequestCancelled, ServeRequest
 from smcsd_ppl.engine.process import EngineProcess
 from smcsd_ppl.serving.settings import PairSpec
 
@@ -89,3 +91,17 @@ def test_a_constraint_is_compiled_once_in_the_child_not_in_the_server(child, mon
     request = ServeRequest(PROMPTS[0], BASE, constraint=ConstraintSpec("regex", "[a-z]+"))
     out = child.submit(request).wait(timeout=120)
     assert out.text == "" or out.text.isalpha()
+
+
+def test_an_engine_silent_with_work_in_is_killed_as_hung_and_idle_is_left_alone():
+    engine = EngineProcess(PairSpec(factory=tiny.smcsd_pair), BASE, hang_seconds=1.0)
+    try:
+        os.kill(engine.pid, signal.SIGSTOP)  # a cycle that never ends, as a deadlocked kernel's
+        time.sleep(2.5)
+        assert engine.alive  # idle: it has nothing to say
+        ticket = engine.submit(requests()[0])
+        assert engine.died.wait(10) and "killed as hung" in engine.exit_note
+        with pytest.raises(RequestCancelled):
+            ticket.wait(timeout=10)
+    finally:
+        engine.close()

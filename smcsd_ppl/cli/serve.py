@@ -65,6 +65,15 @@ def server_args(p: argparse.ArgumentParser) -> None:
         help="where the engine's cycles run: a process of their own (default; HTTP never waits on them) "
         "or a thread of this one",
     )
+    g.add_argument(
+        "--engine-timeout",
+        type=float,
+        default=120.0,
+        metavar="SECONDS",
+        help="an engine process that ends no cycle for this long while requests run is killed as hung, "
+        "and the server exits 1 for its supervisor to restart it, as when the engine dies (0: never; "
+        "default: %(default)s)",
+    )
 
 
 def serve_settings(args: argparse.Namespace, *, engine: str | None = None):
@@ -91,6 +100,7 @@ def serve_settings(args: argparse.Namespace, *, engine: str | None = None):
         max_rows=args.max_rows,
         max_body_bytes=args.max_body_bytes,
         engine=engine or args.engine,
+        engine_timeout=args.engine_timeout,
     )
 
 

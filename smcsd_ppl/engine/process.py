@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import os
 import signal
 import threading
 import time
@@ -26,6 +27,9 @@ from .pair import PairFacts
 from .request import Request, new_id
 from .ticket import Ticket
 from .worker import torch_thread
+
+DEFAULT_HANG_SECONDS = 120.0  # a cycle this long with requests in is a hang (a long prefill is seconds)
+HEARTBEAT_SECONDS = 1.0  # a working child sends its counters at least this often, outputs or not
 
 
 @dataclass
@@ -60,10 +64,18 @@ class EngineProcess:
         base: the settings of the batch requests join, and their defaults.
         max_queue: requests that may wait beyond the rows; more raise ``QueueFull``.
         max_rows: rows (particles times contexts) the running requests may hold.
+        hang_seconds: with work in, no word from the child for this long (no cycle ended) means
+            it hangs: it is killed and treated as dead; 0: wait forever.
     """
 
     def __init__(
-        self, spec, base: SMCConfig | None = None, *, max_queue: int = 64, max_rows: int = 512
+        self,
+        spec,
+        base: SMCConfig | None = None,
+        *,
+        max_queue: int = 64,
+        max_rows: int = 512,
+        hang_seconds: float = DEFAULT_HANG_SECONDS,
     ) -> None:
         self.gate = Gate(max_queue, max_rows)
         self.base, self.max_queue, self.max_rows = base or SMCConfig(), max_queue, max_rows
@@ -84,6 +96,9 @@ class EngineProcess:
         self._send_lock = threading.Lock()
         self._stats = CoreStats()
         self.died = threading.Event()  # the child ended without being told to (killed, crashed)
+        self.hang_seconds, self._hung, self._heard = hang_seconds, False, time.monotonic()
+        if hang_seconds > 0:
+            threading.Thread(target=self._watch, daemon=True, name="smcsd-engine-watch").start()
         self._reader = threading.Thread(target=self._read, daemon=True, name="smcsd-engine-reader")
         self._reader.start()
 
@@ -100,11 +115,22 @@ class EngineProcess:
 
     @property
     def exit_note(self) -> str:
-        """How the child ended, in a few words (its exit code, or the signal that killed it)."""
+        """How the child ended, in a few words (its exit code, the signal that killed it, a hang)."""
         code = self._process.exitcode
+        if self._hung:
+            return f"no cycle ended in {self.hang_seconds:g} s with requests in: killed as hung"
         if code is None:
             return "still running"
         return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+
+    def _watch(self) -> None:
+        """Kill the child once it has work and has said nothing for ``hang_seconds``."""
+        while not (self.gate.closing or self.died.is_set()):
+            time.sleep(min(1.0, self.hang_seconds / 4))
+            if self.busy and time.monotonic() - self._heard > self.hang_seconds:
+                self._hung = True
+                self._process.kill()  # the reader then sees the pipe close: died
+                return
 
     tokenizer = property(lambda self: self.pair.tokenizer, doc="The pair's tokenizer.")
     pid = property(lambda self: self._process.pid, doc="The engine process's id.")
@@ -117,6 +143,8 @@ class EngineProcess:
         config = request.settings
         rid = new_id()
         ticket = Ticket(rid, len(request.prompt_ids), request.stop, self.abort)
+        if not self.busy:  # an idle child says nothing; the wait starts now
+            self._heard = time.monotonic()
         self.gate.enter(rid, ticket, config.n_particles)
         self._send(("add", rid, request))
         return ticket
@@ -158,6 +186,7 @@ class EngineProcess:
         try:
             while True:
                 outputs, self._stats = self._conn.recv()
+                self._heard = time.monotonic()
                 for out in outputs:
                     ticket = self.gate.handle(out.id, out.finished)
                     if ticket is not None:
@@ -189,7 +218,7 @@ def _engine_main(conn, spec, base: SMCConfig, max_rows: int) -> None:
         return
     facts = dict(tokenizer=pair.tokenizer, chat=pair.chat, names=pair.core.names, facts=pair.core.facts)
     conn.send(("ready", facts | {"notes": [(w.category, str(w.message)) for w in caught]}))
-    closing = False
+    closing, told = False, time.monotonic()
     while not (closing and not core.has_work):
         wait = 0 if core.has_work or closing else None
         refused = []
@@ -197,10 +226,14 @@ def _engine_main(conn, spec, base: SMCConfig, max_rows: int) -> None:
             done, failed = _take(conn.recv(), core, pair.core)
             closing, refused, wait = closing or done, refused + failed, 0
         outputs = refused + (core.step() if core.has_work else [])
-        if outputs:
+        if outputs or time.monotonic() - told > HEARTBEAT_SECONDS:  # a cycle with nothing to tell says so
             conn.send(([replace(o, population=None) for o in outputs], core.stats))
+            told = time.monotonic()
     conn.send(([], core.stats))
     conn.close()
+    # Everything is said: end now. Finalizing an interpreter that holds torch and the models
+    # takes about a second, which a server's drain would wait out (its --grace-seconds).
+    os._exit(0)
 
 
 def _take(message: tuple, core: EngineCore, pair) -> tuple[bool, list[Output]]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import math
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -130,17 +131,30 @@ class Service:
         except (QueueFull, EngineClosed, ValueError) as err:
             for ticket in tickets:
                 ticket.cancel()
-            raise refusal(err) from None
+            raise refusal(err, self.engine.stats()) from None
         return tickets
 
 
-def refusal(err: BaseException) -> APIError:
-    """The error a request's failure answers with."""
+def queue_wait_seconds(stats) -> int:
+    """When a request refused for a full queue may come back: the queue's expected wait, 1-60 s.
+
+    The requests waiting (and this one) over the rate requests complete per second of cycles;
+    1 s before any has completed.
+    """
+    done = stats.requests_total.get("completed", 0)
+    if not done or stats.cycle_seconds_total <= 0:
+        return 1
+    return max(1, min(60, math.ceil((stats.queued + 1) * stats.cycle_seconds_total / done)))
+
+
+def refusal(err: BaseException, stats=None) -> APIError:
+    """The error a request's failure answers with (``stats``: the engine's, for a full queue's wait)."""
     if isinstance(err, APIError):
         return err
     if isinstance(err, QueueFull):
-        # A row frees within a few cycles (a second or so on a CPU): ask clients back after one.
-        return APIError(429, f"the queue is full, try again later: {err}", code="queue_full", retry_after=1)
+        wait = 1 if stats is None else queue_wait_seconds(stats)
+        message = f"the queue is full, try again later: {err}"
+        return APIError(429, message, code="queue_full", retry_after=wait)
     if isinstance(err, (EngineClosed, RequestCancelled)):
         return APIError(503, f"the server is shutting down: {err}", code="shutting_down")
     if isinstance(err, ValueError):

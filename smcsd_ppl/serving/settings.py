@@ -55,6 +55,8 @@ class ServeSettings:
         max_body_bytes: the largest request body; more get 413.
         engine: ``"process"`` (the engine in a child process: HTTP and the cycles never share
             an interpreter lock) or ``"thread"`` (in this process, on its torch thread).
+        engine_timeout: an engine process that ends no cycle for this long while requests are
+            in is killed as hung, and the server stops (0: never).
     """
 
     pair: PairSpec = field(default_factory=PairSpec)
@@ -65,8 +67,11 @@ class ServeSettings:
     max_rows: int = 512
     max_body_bytes: int = 1 << 20
     engine: str = "process"
+    engine_timeout: float = 120.0
 
     def __post_init__(self) -> None:
+        if not self.engine_timeout >= 0:
+            raise ValueError(f"--engine-timeout must be at least 0, got {self.engine_timeout}")
         for name in ("max_queue", "max_rows", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
@@ -93,7 +98,9 @@ def build_server(settings: ServeSettings, pair=None):
         engine = Engine(pair.core, settings.defaults, **limits)
         pair.use_engine(engine)  # the pair's own calls share the server's batch
     else:
-        engine = EngineProcess(settings.pair, settings.defaults, **limits)
+        engine = EngineProcess(
+            settings.pair, settings.defaults, **limits, hang_seconds=settings.engine_timeout
+        )
     # The grammar engine's view of the tokenizer, built now (seconds of work) rather than
     # inside the first constrained request, where it would hold up every other one.
     ConstraintSpec("regex", "a").build(engine.tokenizer, engine.pair.eos_for(settings.defaults))
