@@ -14,6 +14,7 @@ import contextlib
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
 import warnings
@@ -233,6 +234,8 @@ def _engine_main(conn, spec, base: SMCConfig, max_rows: int) -> None:
     conn.close()
     # Everything is said: end now. Finalizing an interpreter that holds torch and the models
     # takes about a second, which a server's drain would wait out (its --grace-seconds).
+    sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(0)
 
 
