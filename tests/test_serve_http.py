@@ -116,6 +116,37 @@ def test_health_models_and_metrics(tiny_server):
         assert f"# TYPE {name.removesuffix('_total')}" in text, name
 
 
+def test_openapi_lists_the_smcsd_fields_and_types_are_checked_by_the_models(tiny_server):
+    spec = tiny_server.get("/openapi.json").json()
+    schemas = spec["components"]["schemas"]
+    chat, completion = schemas["ChatCompletionRequest"], schemas["CompletionRequest"]
+    smcsd = {"n_particles", "block_size", "twist", "proposal", "draft_temperature", "regex", "grammar"}
+    assert smcsd | {"seed", "n", "stop", "response_format", "logprobs", "top_logprobs"} <= set(
+        chat["properties"]
+    )
+    assert smcsd | {"prompt", "logprobs"} <= set(completion["properties"])
+    assert tiny_server.get("/docs").status_code == 200
+    for field, value in [("n", "2"), ("block_size", 2.5), ("stream", "yes"), ("seed", True)]:
+        reply = tiny_server.post("/v1/completions", json={"prompt": "Hi", field: value})
+        error = reply.json()["error"]
+        assert reply.status_code == 400 and error["param"] == field and error["code"] == "invalid_type", error
+        assert error["type"] == "invalid_request_error" and error["message"].startswith(f"{field}: ")
+
+
+def test_an_unknown_field_is_ignored_and_named_back(tiny_server):
+    ask = {"prompt": "Hi", "max_tokens": 2, "seed": 1, "guided_decoding_backend": "x", "priority": 0}
+    for stream in (False, True):
+        reply = tiny_server.post("/v1/completions", json=ask | {"stream": stream})
+        assert (
+            reply.status_code == 200
+            and reply.headers["x-smcsd-ignored-fields"] == "guided_decoding_backend, priority"
+        )
+    assert (
+        "x-smcsd-ignored-fields"
+        not in tiny_server.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).headers
+    )
+
+
 def test_a_completion_carries_text_usage_and_smc_diagnostics(tiny_server):
     body = tiny_server.post(
         "/v1/completions", json={"model": MODEL, "prompt": "The quick brown", "seed": 7}

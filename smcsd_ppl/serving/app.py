@@ -19,6 +19,7 @@ from contextlib import asynccontextmanager
 from functools import partial
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
@@ -28,10 +29,12 @@ from .errors import APIError
 from .metrics import metrics_text
 from .protocol import parse_chat, parse_completion
 from .responses import Answer, diagnostics, logprobs_field, request_usage
+from .schema import MODELS, ChatCompletionRequest, CompletionRequest
 from .streaming import ChoiceStreams, EventStream
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 DISCONNECT_POLL_SECONDS = 0.25  # how often a waiting non-streamed request checks its client is there
+IGNORED_HEADER = "X-SMCSD-Ignored-Fields"  # body fields no model knows: read by nobody, named back
 
 
 class Service:
@@ -188,7 +191,8 @@ def build_app(
         service.closing = True  # requests still arriving get 503
         await asyncio.to_thread(engine.close, cancel=True)
 
-    app = FastAPI(title="smcsd_ppl", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="smcsd_ppl", lifespan=lifespan, redoc_url=None)
+    app.openapi = partial(openapi_schema, app)
     app.state.service = service
 
     @app.exception_handler(APIError)
@@ -199,16 +203,36 @@ def build_app(
     async def http_error(_request, err: HTTPException):  # unknown routes and methods
         return JSONResponse(APIError(err.status_code, str(err.detail)).body(), status_code=err.status_code)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
     async def chat(request: Request):
+        """OpenAI's chat completions, sampled by SMC-SD (the body is read as its model says)."""
         return await complete(service, request, "chat")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
     async def completions(request: Request):
+        """OpenAI's (legacy) completions, sampled by SMC-SD."""
         return await complete(service, request, "completion")
 
     add_info_routes(app, service)
     return app
+
+
+def request_body(model) -> dict:
+    """The OpenAPI request body of a route that reads its JSON itself (size limit, key first)."""
+    schema = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def openapi_schema(app: FastAPI) -> dict:
+    """``/openapi.json``: FastAPI's, with the request models (and the models they use) as components."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model in MODELS:
+            own = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components |= own.pop("$defs", {}) | {model.__name__: own}
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 def add_info_routes(app: FastAPI, service: Service) -> None:
@@ -262,16 +286,17 @@ async def complete(service: Service, request: Request, kind: str):
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     answer = Answer(kind, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), service.model_name)
     scores = partial(_logprobs, kind, None if call.tokens_as_ids else service.engine.tokenizer)
+    told = {IGNORED_HEADER: ", ".join(call.ignored)} if call.ignored else {}
     if call.stream:
         options = (call.include_usage, diagnostics, refusal, scores)
         streams = ChoiceStreams(answer, tickets, call.n, requests, *options)
-        return EventStream(streams.events(), streams.close)
+        return EventStream(streams.events(), streams.close, told)
     gens = await results_unless_gone(request, tickets)
     choices = [
         answer.choice(i, g.text, t.finish_reason.openai, diagnostics(g, r), scores(g))
         for i, (g, t, r) in enumerate(zip(gens, tickets, requests))
     ]
-    return answer.response(choices, request_usage(tickets, call.n))
+    return JSONResponse(answer.response(choices, request_usage(tickets, call.n)), headers=told)
 
 
 def _logprobs(kind: str, tokenizer, gen) -> dict | None:

@@ -1,7 +1,8 @@
 """What an OpenAI-style request body asks for, checked: prompts, choices, settings and constraint.
 
 Pure functions of the JSON body and the server's base settings; no model is touched here. The
-body fields beyond OpenAI's (``EXTRA_FIELDS``) carry SMC-SD's own settings and constraints.
+body's types are the pydantic models' (``schema``); what they mean is checked here. The body
+fields beyond OpenAI's (``EXTRA_FIELDS``) carry SMC-SD's own settings and constraints.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from ..engine.client import SERVE_METHODS, ServeRequest
 from ..engine.scoring import MAX_TOP_LOGPROBS
 from ..potentials.spec import ConstraintSpec
 from .errors import APIError, invalid
+from .schema import ChatCompletionRequest, CompletionRequest, ignored_fields, validated
 
 # Body fields beyond OpenAI's, each the SMCConfig field (or request setting) it sets.
 EXTRA_FIELDS = {
@@ -63,6 +65,7 @@ class Call:
             token (None: not asked).
         tokens_as_ids: name each token of ``logprobs`` as ``token_id:N`` rather than by its text
             (vLLM's ``return_tokens_as_token_ids``).
+        ignored: the body's fields no model knows (told back in a response header).
     """
 
     prompts: tuple
@@ -75,6 +78,7 @@ class Call:
     stop: tuple[str, ...]
     logprobs: int | None = None
     tokens_as_ids: bool = False
+    ignored: tuple[str, ...] = ()
 
     def requests(self, prompt_ids: list[list[int]]) -> list[ServeRequest]:
         """One request per choice, prompt-major: choice ``k`` is prompt ``k // n``, seeded by ``choice_seed``.
@@ -108,15 +112,17 @@ def choice_seed(seed: int, index: int) -> int:
 
 def parse_chat(body: dict, base: SMCConfig) -> Call:
     """A ``/v1/chat/completions`` body."""
-    return _call(body, base, (_messages(body.get("messages")),), _chat_logprobs(body))
+    ignored = ignored_fields(validated(ChatCompletionRequest, body))
+    return _call(body, base, (_messages(body.get("messages")),), _chat_logprobs(body), ignored)
 
 
 def parse_completion(body: dict, base: SMCConfig) -> Call:
     """A ``/v1/completions`` body (``prompt``: a text, a list of texts, token ids or lists of them)."""
-    return _call(body, base, _prompts(body.get("prompt")), _completion_logprobs(body))
+    ignored = ignored_fields(validated(CompletionRequest, body))
+    return _call(body, base, _prompts(body.get("prompt")), _completion_logprobs(body), ignored)
 
 
-def _call(body: dict, base: SMCConfig, prompts: tuple, logprobs: int | None) -> Call:
+def _call(body: dict, base: SMCConfig, prompts: tuple, logprobs: int | None, ignored: tuple) -> Call:
     for name, unused in UNSUPPORTED.items():
         value = body.get(name)
         if value is not None and value != unused and value not in ([], {}):
@@ -141,6 +147,7 @@ def _call(body: dict, base: SMCConfig, prompts: tuple, logprobs: int | None) -> 
         _stops(body.get("stop")),
         logprobs,
         _bool(body, "return_tokens_as_token_ids"),
+        ignored,
     )
 
 

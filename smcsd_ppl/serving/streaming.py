@@ -25,8 +25,11 @@ def event(data: dict) -> str:
 class EventStream(StreamingResponse):
     """A ``text/event-stream`` response that runs ``on_close`` however it ends, a client gone included."""
 
-    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
-        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    def __init__(
+        self, events: AsyncIterator[str], on_close: Callable[[], None], headers: dict | None = None
+    ) -> None:
+        headers = {"Cache-Control": "no-cache"} | (headers or {})
+        super().__init__(events, media_type="text/event-stream", headers=headers)
         self.on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:

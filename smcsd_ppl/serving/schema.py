@@ -1,0 +1,124 @@
+"""The request bodies as pydantic models: each field's type, checked, and described in ``/openapi.json``.
+
+The models hold what a body may say; ``protocol`` then checks what it means (ranges, one
+constraint at most, settings SMC-SD can honour) and turns it into requests. Fields a client
+sends that no model knows are kept aside and named back (clients send newer fields than any
+server knows, as vLLM's do).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+
+from .errors import APIError
+
+Number = float  # an int is a valid float here (strict mode keeps "0.5" out)
+
+
+class ContentPart(BaseModel):
+    """A part of a message's content: only text parts are read."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: StrictStr
+    text: StrictStr | None = None
+
+
+class Message(BaseModel):
+    """A chat message: ``developer`` is read as ``system``."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: StrictStr = Field(description="system, developer, user or assistant")
+    content: StrictStr | list[ContentPart] | None = None
+
+
+class StreamOptions(BaseModel):
+    """``stream_options``."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    include_usage: StrictBool | None = Field(None, description="usage in a chunk of its own at the end")
+
+
+class Sampling(BaseModel):
+    """The fields chat and completions share: OpenAI's, then SMC-SD's own (``extra_body``)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    model: StrictStr | None = Field(None, description="the served model's id (or none)")
+    max_tokens: StrictInt | None = Field(None, description="the budget of new tokens")
+    max_completion_tokens: StrictInt | None = Field(None, description="the budget; wins over max_tokens")
+    temperature: Number | None = Field(
+        None, description="T_t (and T_d unless draft_temperature); 0 runs at 0.01"
+    )
+    seed: StrictInt | None = Field(
+        None, description="the request's seed (a fresh one if none, reported back)"
+    )
+    n: StrictInt | None = Field(None, description="choices per prompt (at most 32 choices per request)")
+    stop: StrictStr | list[StrictStr] | None = Field(None, description="up to 4 texts the output ends before")
+    stream: StrictBool | None = Field(None, description="server-sent events")
+    stream_options: StreamOptions | None = None
+    response_format: dict[str, Any] | None = Field(
+        None, description="text, json_object, or json_schema with its schema (compiled by llguidance)"
+    )
+    user: StrictStr | None = None
+    # SMC-SD's own fields
+    n_particles: StrictInt | None = Field(None, description="N, particles of the request")
+    block_size: StrictInt | None = Field(
+        None, description="K, the most tokens drafted per particle and cycle"
+    )
+    draft_temperature: Number | None = Field(None, description="T_d, the draft's temperature")
+    ignore_eos: StrictBool | None = Field(None, description="always emit the whole budget")
+    proposal: StrictStr | None = Field(None, description="auto, draft, retrieval or mixture")
+    twist: StrictStr | None = Field(None, description="future-validity, structure, lookahead or off")
+    method: StrictStr | None = Field(None, description="smcsd (default) or ar (the target alone)")
+    regex: StrictStr | None = Field(None, description="the output matches this regex in full")
+    grammar: StrictStr | None = Field(None, description="the output is a sentence of this Lark grammar")
+    return_tokens_as_token_ids: StrictBool | None = Field(None, description="logprobs name tokens token_id:N")
+    # OpenAI's, refused unless they say "not used" (protocol.UNSUPPORTED)
+    top_p: Any = None
+    frequency_penalty: Any = None
+    presence_penalty: Any = None
+    logit_bias: Any = None
+
+
+class ChatCompletionRequest(Sampling):
+    """A ``/v1/chat/completions`` body."""
+
+    messages: list[Message] = Field(description="the conversation, in the model's chat template")
+    logprobs: StrictBool | None = Field(None, description="the target's log-probability of each output token")
+    top_logprobs: StrictInt | None = Field(
+        None, description="0-20 likeliest tokens at each place, with logprobs"
+    )
+    tools: Any = None
+    functions: Any = None
+
+
+class CompletionRequest(Sampling):
+    """A ``/v1/completions`` body."""
+
+    prompt: StrictStr | list[StrictInt] | list[StrictStr | list[StrictInt]] = Field(
+        description="a text, token ids, or a list of them"
+    )
+    logprobs: StrictInt | StrictBool | None = Field(None, description="0-20 likeliest tokens at each place")
+    echo: Any = None
+    suffix: Any = None
+    best_of: Any = None
+
+
+def validated(model: type[Sampling], body: dict) -> Sampling:
+    """``body`` as ``model``, or a 400 naming the first field at fault, in OpenAI's error shape."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        param = str(first["loc"][0]) if first["loc"] else None
+        raise APIError(400, f"{where}: {first['msg']}", param=param, code="invalid_type") from None
+
+
+def ignored_fields(request: Sampling) -> tuple[str, ...]:
+    """The body's fields no model knows: read by nobody, named back to the client."""
+    return tuple(sorted(request.model_extra or {}))
+
+
+MODELS = (ChatCompletionRequest, CompletionRequest)
