@@ -21,6 +21,7 @@ import torch
 from smcsd_ppl.config import SMCConfig
 from smcsd_ppl.engine.client import Engine, EngineClosed, EngineStats, ServeRequest
 from smcsd_ppl.serving.app import DISCONNECT_POLL_SECONDS, build_app
+from smcsd_ppl.serving.schema import ChatCompletion, Completion
 from smcsd_ppl.serving.server import BackgroundServer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -116,6 +117,9 @@ def test_health_models_and_metrics(tiny_server):
         assert f"# TYPE {name.removesuffix('_total')}" in text, name
 
 
+CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+
+
 def test_openapi_lists_the_smcsd_fields_and_types_are_checked_by_the_models(tiny_server):
     spec = tiny_server.get("/openapi.json").json()
     schemas = spec["components"]["schemas"]
@@ -126,6 +130,13 @@ def test_openapi_lists_the_smcsd_fields_and_types_are_checked_by_the_models(tiny
     )
     assert smcsd | {"prompt", "logprobs"} <= set(completion["properties"])
     assert tiny_server.get("/docs").status_code == 200
+    assert spec["paths"]["/v1/completions"]["post"]["responses"]["200"]["content"]  # the answer's model
+    answers = [  # what the server sends is what its response models say
+        (Completion, tiny_server.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "n": 2})),
+        (ChatCompletion, tiny_server.post("/v1/chat/completions", json=CHAT | {"logprobs": True})),
+    ]
+    for model, reply in answers:
+        model.model_validate(reply.json())
     for field, value in [("n", "2"), ("block_size", 2.5), ("stream", "yes"), ("seed", True)]:
         reply = tiny_server.post("/v1/completions", json={"prompt": "Hi", field: value})
         error = reply.json()["error"]

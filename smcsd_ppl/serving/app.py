@@ -29,7 +29,7 @@ from .errors import APIError
 from .metrics import metrics_text
 from .protocol import parse_chat, parse_completion
 from .responses import Answer, diagnostics, logprobs_field, request_usage
-from .schema import MODELS, ChatCompletionRequest, CompletionRequest
+from .schema import MODELS, ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest
 from .streaming import ChoiceStreams, EventStream
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
@@ -203,12 +203,20 @@ def build_app(
     async def http_error(_request, err: HTTPException):  # unknown routes and methods
         return JSONResponse(APIError(err.status_code, str(err.detail)).body(), status_code=err.status_code)
 
-    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
+    @app.post(
+        "/v1/chat/completions",
+        openapi_extra=request_body(ChatCompletionRequest),
+        responses={200: {"model": ChatCompletion, "description": "the answer (or, streamed, its chunks)"}},
+    )
     async def chat(request: Request):
         """OpenAI's chat completions, sampled by SMC-SD (the body is read as its model says)."""
         return await complete(service, request, "chat")
 
-    @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
+    @app.post(
+        "/v1/completions",
+        openapi_extra=request_body(CompletionRequest),
+        responses={200: {"model": Completion, "description": "the answer (or, streamed, its chunks)"}},
+    )
     async def completions(request: Request):
         """OpenAI's (legacy) completions, sampled by SMC-SD."""
         return await complete(service, request, "completion")

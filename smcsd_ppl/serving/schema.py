@@ -8,7 +8,7 @@ server knows, as vLLM's do).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
@@ -121,4 +121,81 @@ def ignored_fields(request: Sampling) -> tuple[str, ...]:
     return tuple(sorted(request.model_extra or {}))
 
 
-MODELS = (ChatCompletionRequest, CompletionRequest)
+class Usage(BaseModel):
+    """Tokens of the request: each prompt counted once, every choice's output."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class Diagnostics(BaseModel):
+    """A choice's ``smcsd`` field: the settings that reproduce it and SMC-SD's report of it."""
+
+    model_config = ConfigDict(extra="allow")
+    method: str
+    seed: int
+    n_particles: int
+    block_size: int
+    log_z: float | None = Field(None, description="the log normalizer estimate (null: every particle died)")
+    mean_ess: float | None = Field(None, description="mean ESS, out of N, over the cycles that ran N")
+    n_resamples: int | None = None
+    collapsed: bool | None = Field(None, description="the output follows the draft more than the target")
+    tokens_per_target_call: float | None = None
+    target_calls: int | None = None
+    finish_reason: str = Field(description="stop, eos, length, constraint, cancelled or error")
+    message: str = Field(description="why an output is empty or incomplete, if it is")
+
+
+class ChatMessage(BaseModel):
+    """The assistant's answer."""
+
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    """One choice of a chat completion."""
+
+    index: int
+    message: ChatMessage
+    finish_reason: str | None = Field(description="stop, length or abort (a drain cut it)")
+    logprobs: dict[str, Any] | None = None
+    smcsd: Diagnostics
+
+
+class CompletionChoice(BaseModel):
+    """One choice of a completion."""
+
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: dict[str, Any] | None = None
+    smcsd: Diagnostics
+
+
+class ChatCompletion(BaseModel):
+    """A ``/v1/chat/completions`` answer (not streamed)."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: None = None
+
+
+class Completion(BaseModel):
+    """A ``/v1/completions`` answer (not streamed)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    system_fingerprint: None = None
+
+
+MODELS = (ChatCompletionRequest, CompletionRequest)  # the request bodies, as /openapi.json's components
