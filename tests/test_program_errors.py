@@ -120,3 +120,31 @@ def test_only_plain_generation_goes_on_alone(tiny_smcsd):
         assert set(out.smc.particle_trace) == {4} and len(out.smc.particles) == 4 and not out.smc.alone
     [plain] = tiny_smcsd.run([SMCSDModel("Hello")], config)
     assert plain.smc.alone == (plain.smc.particle_trace[-1] == 1) == (len(plain.smc.particles) == 1)
+
+
+class Doomed(SMCSDModel):
+    """Every particle fails its condition: the request ends in error, however it is run."""
+
+    async def step(self):
+        await self.extend()
+        self.condition(False)
+
+
+def test_a_request_ends_for_the_same_reason_on_every_path(tiny_smcsd):
+    """``pair.run`` (the method table) and the engine (server, batch) decide the reason in one place."""
+    from smcsd_ppl.inference.step import request_seed
+
+    config = SMCConfig(n_particles=4, block_size=3, max_new_tokens=24, seed=3, cut=None)
+    tokenizer, eos = tiny_smcsd.tokenizer, tiny_smcsd.eos_token_ids
+
+    def programs():
+        return [SMCSDModel("Hello", RegexConstraint("(ab|cd)+ ", tokenizer, eos)), Doomed("Hello")]
+
+    via_run = tiny_smcsd.call(lambda: tiny_smcsd.run(programs(), config))  # on the torch thread: the table
+    seed = request_seed(config.seed, 0)
+    via_engine = [
+        tiny_smcsd.engine.submit_program(p, config, seed=seed).wait(timeout=120) for p in programs()
+    ]
+    assert [g.finish_reason for g in via_run] == [g.finish_reason for g in via_engine]
+    assert via_run[0].finish_reason in ("constraint", "length") and via_run[1].finish_reason == "error"
+    assert via_run[0].token_ids == via_engine[0].token_ids

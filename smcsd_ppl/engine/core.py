@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from ..config import SMCConfig
-from ..ends import FinishReason, before_stop, finish_reason
+from ..ends import FinishReason, before_stop
 from ..inference.outcome import result_of
 from ..inference.state import Population, SMCState, settled_tokens
 from ..inference.step import Admission, SMCSDKernel
@@ -272,14 +272,7 @@ class EngineCore:
         """A finished request's ``Generation``: its text cut before a stop string, its reason, its cost."""
         out = result_of(pop, self.kernel, self._records.pop(request.id, self.pair.draft_record))
         text, stopped = before_stop(out.text, request.stop)
-        c = self.kernel.settings(pop)
-        if out.chosen < 0:
-            reason = FinishReason.ERROR
-        else:
-            constrained = getattr(pop.particles[out.chosen], "constraint", None) is not None
-            reason = finish_reason(
-                out.token_ids, c.max_new_tokens, self.kernel.eos, stopped=stopped, constrained=constrained
-            )
+        reason = FinishReason.STOP if stopped and out.chosen >= 0 else out.reason  # a stop string first
         stats = _cost(request, pop, len(out.token_ids))
         gen = generation("smcsd", text, out.token_ids, stats, reason, out.message, out.info)
         if request.logprobs is not None:

@@ -12,6 +12,7 @@ import torch
 
 from .. import smc
 from ..config import DraftRecord
+from ..ends import FinishReason, finish_reason
 from ..results import ParticleOut, SMCInfo
 from .program import SMCSDModel
 from .schedule import learned
@@ -33,6 +34,8 @@ class SMCResult:
         chosen: index of the selected particle, or -1 when none had positive weight.
         info: log Z, the final particles, the ESS and draft-length traces.
         message: why the result is empty or incomplete, if it is.
+        reason: why it ended (``ends.finish_reason``; ``error`` when every particle died), stop
+            strings aside: the caller who has them decides ``stop``.
     """
 
     token_ids: list[int]
@@ -40,6 +43,7 @@ class SMCResult:
     chosen: int
     info: SMCInfo
     message: str = ""
+    reason: FinishReason = FinishReason.ERROR
 
 
 def smc_info(pop: Population, record: DraftRecord) -> SMCInfo:
@@ -64,14 +68,17 @@ def result_of(pop: Population, kernel: SMCSDKernel, record: DraftRecord) -> SMCR
     """A finished request's result: its output particle, drawn by weight (or the heaviest)."""
     info, log_w = smc_info(pop, record), pop.log_weights()
     if not torch.isfinite(log_w).any():
-        return SMCResult([], "", -1, info, _why_dead(pop))
+        return SMCResult([], "", -1, info, _why_dead(pop), FinishReason.ERROR)
     if kernel.settings(pop).selection == "argmax":
         chosen = int(torch.argmax(log_w))
     else:  # each request draws its output from its own stream
         g = host_generator(step_key(pop.seed, -1))
         chosen = int(smc.resample(log_w, "multinomial", g, 1)[0])
-    best = info.particles[chosen]
-    return SMCResult(best.token_ids, best.text, chosen, info, _cut_short(pop, pop.particles[chosen], kernel))
+    best, particle = info.particles[chosen], pop.particles[chosen]
+    constrained = getattr(particle, "constraint", None) is not None
+    budget = kernel.settings(pop).max_new_tokens
+    reason = finish_reason(best.token_ids, budget, kernel.eos, constrained=constrained)
+    return SMCResult(best.token_ids, best.text, chosen, info, _cut_short(pop, particle, kernel), reason)
 
 
 def _why_dead(pop: Population) -> str:

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..config import DraftRecord, SMCConfig
-from ..ends import finish_reason
+from ..ends import FinishReason, finish_reason
 from ..engine.pair import PairCore
 from ..inference.rows import RowStore
 from ..models import LoadedModel
@@ -89,12 +89,15 @@ class MethodOutput:
         texts: per request, the output text when the method decides it (SMC programs);
             None lets the caller decode ``token_ids``.
         messages: per request, why an output is empty or incomplete (empty: none say so).
+        reasons: per request, why it ended, where the method knows better than its tokens tell
+            (SMC programs: a constraint completed, every particle died); empty: by the tokens.
     """
 
     token_ids: list[list[int]]
     info: Sequence[SMCInfo | SpeculativeInfo | None] = ()
     texts: list[str] | None = None
     messages: Sequence[str] = ()
+    reasons: Sequence[FinishReason] = ()
 
     def generations(self, method: str, stats: RunStats, ctx: RunContext) -> list[Generation]:
         """One ``Generation`` per request, sharing the call's stats; decoded unless the method gave texts."""
@@ -102,9 +105,10 @@ class MethodOutput:
         info = list(self.info) or [None] * len(texts)
         messages = list(self.messages) or [""] * len(texts)
         budget, eos = ctx.config.max_new_tokens, ctx.eos
+        reasons = list(self.reasons) or [finish_reason(ids, budget, eos) for ids in self.token_ids]
         return [
-            generation(method, text, ids, stats, finish_reason(ids, budget, eos), message, x)
-            for text, ids, x, message in zip(texts, self.token_ids, info, messages)
+            generation(method, text, ids, stats, reason, message, x)
+            for text, ids, x, message, reason in zip(texts, self.token_ids, info, messages, reasons)
         ]
 
 

@@ -44,6 +44,7 @@ def run_programs(
         [r.info for r in results],
         [r.text for r in results],
         [r.message for r in results],
+        [r.reason for r in results],
     )
 
 
