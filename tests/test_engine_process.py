@@ -105,3 +105,22 @@ def test_an_engine_silent_with_work_in_is_killed_as_hung_and_idle_is_left_alone(
             ticket.wait(timeout=10)
     finally:
         engine.close()
+
+
+def test_health_and_new_requests_say_the_engine_is_dead_once_its_process_is_killed():
+    from fastapi.testclient import TestClient
+
+    from smcsd_ppl.serving.app import build_app
+
+    engine = EngineProcess(PairSpec(factory=tiny.smcsd_pair), BASE)
+    client = TestClient(build_app(engine, model_name="tiny"))  # no server around it: nothing stops
+    try:
+        assert client.get("/health").status_code == 200 and engine.alive
+        os.kill(engine.pid, signal.SIGKILL)
+        assert engine.died.wait(5)
+        for reply in (client.get("/health"), client.post("/v1/completions", json={"prompt": "Hi"})):
+            error = reply.json()["error"]
+            assert reply.status_code == 503 and error["code"] == "engine_dead", error
+            assert "the engine process ended (killed by signal 9)" in error["message"]
+    finally:
+        engine.close()
