@@ -4,9 +4,10 @@ The cases are the mock grammars of ``smcsd_ppl.bench.grammar_exact`` (balanced b
 an automaton with a garden path), where locally masked decoding lands 0.4-0.95 (TV) from the
 grammar-conditional law p x phi / Z. With the exact twist (Phi by dynamic programming) the
 returned outputs must come within 0.05 of that law at N = 8, and with its 3-step estimate
-(``FutureValidity(depth=3)``) below SMC-SD without a twist on every seed. The one-step
-lookahead at block ends (the estimate a real pair gets) must keep the weights proper; it is not
-held to beat SMC-SD without a twist, which it does on some seeds only (docs/constraints.md).
+(``FutureValidity(depth=3)``) below SMC-SD without a twist on every seed, by more than the
+sampling noise (``beats_no_twist``). The one-step lookahead at block ends must keep the weights
+proper; it is not held to beat SMC-SD without a twist, which it does on some seeds only
+(docs/constraints.md).
 The mutants (the twist not cancelled at the end; Phi ignored; a lookahead left in the weights)
 must fail.
 """
@@ -142,6 +143,19 @@ def untwisted(grammar: str, seed: int) -> float:
     return tv_returned(grammar, seed)
 
 
+def beats_no_twist(estimate: float, grammar: str, seed: int) -> bool:
+    """Whether an estimated twist's TV beats no twist's by more than the sampling noise.
+
+    Both TVs carry the noise of ``RUNS`` draws (``ge.sampling_noise``: 0.010-0.016 here), so a
+    plain ``<`` could pass or fail by chance. Where no twist is already within the exact twist's
+    bar (dyck seed 2: 0.041), there is nothing to beat: the estimate must stay within it too.
+    """
+    base = untwisted(grammar, seed)
+    if base < EXACT_BOUND:
+        return estimate < EXACT_BOUND
+    return estimate + ge.sampling_noise(case(grammar, seed)[3], RUNS, seed) < base
+
+
 # The k-step estimate: Phi read DEPTH tokens ahead at every token. One or two tokens ahead
 # make the garden path's seed 2 worse than no twist (its dead end lies further on; with DEPTH = 1
 # this test fails there: docs/constraints.md); three, half the budget, beat no twist on every
@@ -153,7 +167,7 @@ DEPTH = 3
 @pytest.mark.parametrize("grammar", ["dyck", "garden"])
 def test_the_k_step_estimate_beats_no_twist_at_n_8(grammar, seed):
     estimate = tv_returned(grammar, seed, constraint=twisted(grammar, seed, depth=DEPTH))
-    assert estimate < untwisted(grammar, seed), (estimate, untwisted(grammar, seed))
+    assert beats_no_twist(estimate, grammar, seed), (estimate, untwisted(grammar, seed))
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -161,7 +175,7 @@ def test_the_k_step_estimate_beats_no_twist_at_n_8(grammar, seed):
 def test_the_structure_estimate_beats_no_twist_at_n_8(grammar, seed):
     # What a real pair can run: the structure after each block's end, read in its bonus's forward.
     estimate = tv_returned(grammar, seed, "structure")
-    assert estimate < untwisted(grammar, seed), (estimate, untwisted(grammar, seed))
+    assert beats_no_twist(estimate, grammar, seed), (estimate, untwisted(grammar, seed))
 
 
 def test_an_estimate_that_ignores_phi_does_not():
