@@ -9,8 +9,7 @@ import re
 import pytest
 
 from smcsd_ppl import SMCConfig
-from smcsd_ppl.bench import Prompt
-from smcsd_ppl.bench.batch import run_batch
+from smcsd_ppl.batch import Prompt, run_batch
 from smcsd_ppl.cli import batch as cli_batch
 from smcsd_ppl.cli import main
 from smcsd_ppl.potentials.spec import ConstraintSpec

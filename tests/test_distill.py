@@ -262,7 +262,7 @@ def own_weights_of(draft_dir, model_dir) -> torch.Tensor:
 
 @pytest.mark.slow
 def test_shipped_default_draft_is_small_loaded_by_default_and_agrees_with_the_target():
-    from smcsd_ppl.bench.datasets import load_prompts
+    from smcsd_ppl.batch import load_prompts
     from smcsd_ppl.models.drafts import SHIPPED_DRAFT, WEIGHTS
 
     assert (SHIPPED_DRAFT / WEIGHTS).stat().st_size <= 40 * 2**20
@@ -287,7 +287,7 @@ def test_eval_draft_defaults_to_held_out_prompts_and_honours_limit(tmp_path, cap
 
 
 def test_shipped_draft_knows_its_training_prompts():
-    from smcsd_ppl.bench.datasets import load_prompts
+    from smcsd_ppl.batch import load_prompts
     from smcsd_ppl.distill import builtin_prompts
     from smcsd_ppl.distill.overlap import training_overlap
     from smcsd_ppl.models.drafts import SHIPPED_DRAFT

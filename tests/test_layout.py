@@ -17,6 +17,7 @@ LAYERS = [
     {"cli"},
     {"distill"},
     {"bench"},
+    {"batch"},
     {"llamppl", "serving"},
     {"api"},
     {"methods"},
@@ -25,7 +26,7 @@ LAYERS = [
     {"models", "potentials", "proposals"},
     {"backends"},
     {"smc", "verification"},
-    {"results", "text", "ends"},
+    {"results", "text", "ends", "plots"},
     {"config", "names"},
 ]
 RANK = {part: rank for rank, parts in enumerate(LAYERS) for part in parts}

@@ -20,8 +20,8 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("ray.data")
 
 from smcsd_ppl.api import SMCSD  # noqa: E402
-from smcsd_ppl.bench import load_prompts  # noqa: E402
-from smcsd_ppl.bench.ray_batch import RayPool, run_batch_on_ray  # noqa: E402
+from smcsd_ppl.batch import load_prompts  # noqa: E402
+from smcsd_ppl.batch.on_ray import RayPool, run_batch_on_ray  # noqa: E402
 from smcsd_ppl.cli import main  # noqa: E402
 from smcsd_ppl.config import SMCConfig  # noqa: E402
 

@@ -113,7 +113,7 @@ def test_a_mixture_draft_is_the_target_at_lam_1_and_the_draft_at_lam_0():
 
 
 def test_the_fidelity_map_runs_end_to_end():
-    from smcsd_ppl.bench.datasets import Prompt
+    from smcsd_ppl.batch import Prompt
     from smcsd_ppl.bench.fidelity import fidelity_map
 
     pair = SMCSD(*tiny.pair())

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from smcsd_ppl import SMCConfig, SMCSDModel
-from smcsd_ppl.bench import batch
-from smcsd_ppl.bench.batch import generate_one
+from smcsd_ppl.batch import run as batch
+from smcsd_ppl.batch.run import generate_one
 from smcsd_ppl.cli import main
 from smcsd_ppl.engine.client import ServeRequest
 from smcsd_ppl.potentials import Constraint

@@ -21,9 +21,9 @@ import pytest
 from helpers import ROOT, assert_one_line_error, run_cli
 
 from smcsd_ppl import SMCSD, SMCConfig, models
-from smcsd_ppl.bench import Prompt
-from smcsd_ppl.bench.batch import settings_before_loading
-from smcsd_ppl.bench.harness import prompt_digest
+from smcsd_ppl.batch import Prompt
+from smcsd_ppl.batch.records import prompt_digest
+from smcsd_ppl.batch.run import settings_before_loading
 from smcsd_ppl.cli import main
 
 

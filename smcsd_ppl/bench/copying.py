@@ -18,10 +18,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..batch.prompts import Prompt, load_prompts
 from ..config import SMCConfig
-from .datasets import load_prompts
 from .editing import editing_prompts
-from .prompt import Prompt
 from .quality import target_loglik_per_token
 
 COPY_CATEGORIES = ("summarization", "rag", "translation")
@@ -181,7 +180,7 @@ def markdown_table(rows: Sequence[CategoryRow]) -> str:
 
 def plot(rows: Sequence[CategoryRow], path: str | Path) -> Path:
     """Speed (x AR) against tokens per target call: one point per method and category."""
-    from .report import matplotlib_or_say
+    from ..plots import matplotlib_or_say
 
     matplotlib_or_say().use("Agg")
     import matplotlib.pyplot as plt

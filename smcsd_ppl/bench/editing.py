@@ -6,7 +6,7 @@ where retrieval drafters shine, because the answer is the prompt's text, lightly
 
 from __future__ import annotations
 
-from .prompt import Prompt
+from ..batch.prompts import Prompt
 
 _EDITS = (
     (

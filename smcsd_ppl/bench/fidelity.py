@@ -16,8 +16,8 @@ import torch
 
 from ..api import SMCSD
 from ..backends.hf import HFBatchedLM
+from ..batch.prompts import Prompt
 from ..config import SMCConfig
-from .datasets import Prompt
 from .quality import check_answer
 
 

@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
-import os
 import resource
 import sys
 import time
 from collections.abc import Callable, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,9 +14,19 @@ from typing import TYPE_CHECKING
 import torch
 
 from .. import methods as registry
+from ..batch import records
+from ..batch.prompts import Prompt
+from ..batch.records import (
+    append_record,
+    appending,
+    check_compatible,
+    existing_records,
+    prompt_digest,
+    record_seed,
+    run_settings,
+)
 from ..config import SMCConfig
 from ..proposals.retrieval import RetrievalDrafter
-from .datasets import Prompt
 from .quality import check_answer, target_loglik_per_token
 
 if TYPE_CHECKING:
@@ -39,6 +45,7 @@ TIMING_FIELDS = (
     "cuda_peak_mb",
 )
 TEXT_CHARS = 300
+WRITER = "smcsd bench"
 
 OnRecord = Callable[[dict, int, int], None]
 
@@ -89,78 +96,14 @@ class Grid:
         )
 
 
-def record_seed(key: Sequence, base_seed: int = 0) -> int:
-    """A seed that depends on the record's key only, never on the order records are run in."""
-    digest = hashlib.sha256(json.dumps([base_seed, *key]).encode()).digest()
-    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
-
-
 def record_key(record: dict) -> tuple:
     """The identity of a record: method, N, K, temperature, prompt id, repeat."""
     return tuple(record[f] for f in KEY_FIELDS)
 
 
-def read_records(
-    path: str | Path, key_fields: Sequence[str] = KEY_FIELDS, writer: str = "smcsd bench"
-) -> tuple[list[dict], int]:
-    """Records of a JSONL file and the byte length of its complete part, read line by line.
-
-    A last line cut short (a run killed mid-write) is ignored; a bad line elsewhere, or a line
-    without the ``key_fields`` of the records ``writer`` writes, is an error.
-    """
-    path = Path(path)
-    if not path.exists():
-        return [], 0
-    if not path.is_file():
-        raise ValueError(f"{path}: not a regular file")
-    records, good, pos, bad = [], 0, 0, None
-    with path.open("rb") as f:
-        for n, line in enumerate(f, 1):
-            pos += len(line)
-            if not line.strip():
-                continue
-            if bad is not None:
-                raise ValueError(f"{path}: line {bad[0]} is not valid JSON ({bad[1]})")
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                bad = (n, err.msg)  # the truncated tail, unless a line follows
-                continue
-            missing = [f for f in key_fields if f not in record] if isinstance(record, dict) else key_fields
-            if missing:
-                raise ValueError(
-                    f"{path}: line {n} is not a record of {writer} (no {missing[0]!r} field); "
-                    f"give the file that {writer} wrote"
-                )
-            records.append(record)
-            good = pos
-    return records, good
-
-
-def prompt_digest(prompt: Prompt) -> str:
-    """A short hash of a prompt's content (text and reference answer), stored in its records."""
-    return hashlib.sha256(json.dumps([prompt.text, prompt.answer]).encode()).hexdigest()[:16]
-
-
-def run_settings(pair: SMCSD, base: SMCConfig) -> dict:
-    """Every setting of a run that changes its records, beyond a record's own key."""
-    return {
-        "target": pair.target.name,
-        "draft": pair.draft.name,
-        "chat": pair.chat,
-        "max_new_tokens": base.max_new_tokens,
-        "base_seed": base.seed,
-        "ess_threshold": base.ess_threshold,
-        "resampling": base.resampling,
-        "alpha": base.alpha,
-        "selection": base.selection,
-        "ignore_eos": base.ignore_eos,
-        "cut": base.cut,  # smcsd_paper rows run without it whatever it is
-        "cut_divergence": base.cut_divergence,
-        "device": str(pair.target_lm.device),
-        "dtype": str(pair.target_lm.dtype).removeprefix("torch."),
-        "threads": torch.get_num_threads(),
-    }
+def read_records(path: str | Path, key_fields: Sequence[str] = KEY_FIELDS, writer: str = WRITER):
+    """A benchmark file's records (``batch.records.read_records`` with the grid's key)."""
+    return records.read_records(path, key_fields, writer)
 
 
 def run_bench(
@@ -200,7 +143,7 @@ def run_bench(
         raise ValueError("no prompts to benchmark")
     plan = [(s, p, r) for r in range(repeats) for p in prompts for s in grid.settings()]
     out_path = Path(out_path)
-    existing, good = existing_records(out_path)
+    existing, good = existing_records(out_path, key_fields=KEY_FIELDS, writer=WRITER)
     settings = run_settings(pair, grid.base)
     check_compatible(existing, settings, prompts)
     done = {record_key(r): r for r in existing}
@@ -228,38 +171,6 @@ def _run_plan(pair, grid, plan, done: dict, settings: dict, f, *, warmup, on_rec
         if on_record is not None:
             on_record(done[key], i + 1, len(plan))
     return results
-
-
-def existing_records(out_path: Path, **kwargs) -> tuple[list[dict], int]:
-    """The records already in ``out_path`` and the bytes of its complete lines (none: ``[], 0``).
-
-    ``kwargs`` go to ``read_records`` (the key fields and writer of another kind of record).
-    """
-    if out_path.exists() and not out_path.is_file():  # a device or pipe cannot be resumed from
-        raise ValueError(f"{out_path}: not a regular file; give the path of a JSONL file")
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    return read_records(out_path, **kwargs)
-
-
-@contextmanager
-def appending(out_path: Path, good: int):
-    """``out_path`` opened at its end, after its first ``good`` bytes (complete records)."""
-    out_path.touch()
-    with out_path.open("r+b") as f:
-        f.truncate(good)  # drop a line cut short by a kill
-        if good:
-            f.seek(good - 1)
-            if f.read(1) != b"\n":
-                f.write(b"\n")
-        f.seek(0, os.SEEK_END)
-        yield f
-
-
-def append_record(f, record: dict) -> None:
-    """Write one JSON line and make sure it is on disk."""
-    f.write((json.dumps(record, ensure_ascii=False) + "\n").encode())
-    f.flush()
-    os.fsync(f.fileno())  # a record on disk survives a kill right after it
 
 
 def _calibrate(pair: SMCSD, grid: Grid, prompts: Sequence[Prompt]) -> None:
@@ -292,34 +203,6 @@ def _peak_rss_mb() -> float:
     """The process's peak resident memory so far (ru_maxrss is KiB on Linux, bytes on macOS)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return round(peak / (2**20 if sys.platform == "darwin" else 2**10), 1)
-
-
-def check_compatible(existing: list[dict], settings: dict, prompts: Sequence[Prompt]) -> None:
-    """Refuse to resume from records made with other settings or other prompt texts."""
-    check_settings(existing, settings)
-    check_prompt_texts(existing, prompts)
-
-
-def check_settings(existing: list[dict], settings: dict) -> None:
-    """Refuse to resume from records made with other settings."""
-    for r in existing:
-        for name, value in settings.items():
-            if r.get(name) != value:
-                raise ValueError(
-                    f"the output file holds records made with {name}={r.get(name)!r}, this run has "
-                    f"{value!r}; records are resumed only under the same settings: use another --out file"
-                )
-
-
-def check_prompt_texts(existing: list[dict], prompts: Sequence[Prompt]) -> None:
-    """Refuse to resume from records of prompts whose text or answer has changed since."""
-    digests = {p.id: prompt_digest(p) for p in prompts}
-    for r in existing:
-        if r["prompt_id"] in digests and r.get("prompt_sha") != digests[r["prompt_id"]]:
-            raise ValueError(
-                f"prompt {r['prompt_id']!r} has another text or answer than in the output file's records "
-                "(the dataset changed); use another --out file"
-            )
 
 
 def _measure(pair: SMCSD, grid: Grid, key: tuple, prompt: Prompt, settings: dict) -> dict:

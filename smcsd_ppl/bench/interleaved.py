@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from ..batch.prompts import Prompt
 from ..config import SMCConfig
-from .prompt import Prompt
 
 
 def de_bruijn(k: int) -> list[int]:

@@ -6,7 +6,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from .report import STYLE, finish_plot
+from ..plots import STYLE, finish_plot
 
 
 def load_table(summaries: Sequence[dict], ceiling: dict | None) -> str:

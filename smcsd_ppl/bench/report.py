@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..plots import STYLE, matplotlib_or_say
 from .harness import read_records
 
 Setting = tuple  # (method, N or None, K or None, temperature)
@@ -207,36 +208,6 @@ def write_report(records_path: str | Path, out_dir: str | Path) -> Report:
     path = out / "report.md"
     path.write_text(md, encoding="utf-8")
     return Report(rows, table, path, plots)
-
-
-STYLE = {
-    "font.size": 11,
-    "axes.titlesize": 12,
-    "axes.labelsize": 11,
-    "legend.fontsize": 9,
-    "axes.grid": True,
-    "grid.alpha": 0.3,
-    "axes.spines.top": False,
-    "axes.spines.right": False,
-}
-
-
-def finish_plot(fig, ax, path, *, xlabel: str, ylabel: str, ylim: tuple[float, float], legend="best") -> None:
-    """Label and bound a plot's axes, add its legend, and save it at the project's resolution."""
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_ylim(*ylim)
-    ax.legend(loc=legend, frameon=False)
-    fig.savefig(path, dpi=130)
-
-
-def matplotlib_or_say():
-    """matplotlib, or a one-line error naming the extra that installs it (plots are optional)."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise ValueError("plots need matplotlib: pip install 'smcsd_ppl[bench]'") from None
-    return matplotlib
 
 
 def draw_plots(rows: Sequence[Row], out_dir: Path) -> list[Path]:

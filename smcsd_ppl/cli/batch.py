@@ -82,7 +82,7 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the batch; a summary on stderr, 130 if interrupted (rerun to resume)."""
-    from ..bench import load_prompts
+    from ..batch.prompts import load_prompts
 
     config = smc_config(args)  # the base seed: each prompt's seed derives from it and the prompt's id
     wanted = read_constraint(args)
@@ -131,8 +131,8 @@ def check_resumable(out: str, prompts, config, method: str, constraint) -> None:
 
     The models' own settings (their names, dtype, device) are checked once they have loaded.
     """
-    from ..bench.batch import BATCH_KEY, WRITER, settings_before_loading
-    from ..bench.harness import check_compatible, read_records
+    from ..batch.records import check_compatible, read_records
+    from ..batch.run import BATCH_KEY, WRITER, settings_before_loading
 
     existing, _ = read_records(out, key_fields=BATCH_KEY, writer=WRITER)
     check_compatible(existing, settings_before_loading(config, method, constraint), prompts)
@@ -140,7 +140,7 @@ def check_resumable(out: str, prompts, config, method: str, constraint) -> None:
 
 def _in_process(args: argparse.Namespace):
     """``run_batch`` on a pair loaded here."""
-    from ..bench.batch import run_batch
+    from ..batch.run import run_batch
 
     pair = load_pair(args)
     return functools.partial(run_batch, pair)
@@ -149,7 +149,7 @@ def _in_process(args: argparse.Namespace):
 def _on_ray(args: argparse.Namespace):
     """``run_batch_on_ray`` over ``--workers`` actors, each loading the pair the options name."""
     from ..api import SMCSD
-    from ..bench.ray_batch import RAY_HINT, RayPool, run_batch_on_ray
+    from ..batch.on_ray import RAY_HINT, RayPool, run_batch_on_ray
 
     options = pair_options(args)
     gpus = args.gpus_per_worker

@@ -154,7 +154,7 @@ def _prompt_args(p: argparse.ArgumentParser, what: str, *, required: bool = True
 
 def _texts(sources: list[str], categories: str | None, limit: int | None) -> list[str]:
     """Prompt texts of every source; ``limit`` cuts each file (not the builtin set)."""
-    from ..bench.datasets import load_prompts
+    from ..batch.prompts import load_prompts
     from ..distill import builtin_prompts
 
     keep = {c.strip() for c in categories.split(",")} if categories else None

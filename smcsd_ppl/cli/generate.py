@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _generate(pair, prompt: str, config, method: str, constraint, stream):
     """The ``Generation``; a progress bar unless the text itself streams to standard output."""
-    from ..bench.batch import generate_one
+    from ..batch.run import generate_one
 
     if stream is None:
         with progress(config.max_new_tokens, "tokens") as bar:

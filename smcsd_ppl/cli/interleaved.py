@@ -42,8 +42,8 @@ def add_parser(sub) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from ..batch.prompts import load_prompts
     from ..bench import interleaved as bench
-    from ..bench.datasets import load_prompts
     from ..bench.editing import editing_prompts
     from ..methods import get
 

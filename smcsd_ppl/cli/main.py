@@ -234,7 +234,8 @@ def _bench(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from ..bench.report import matplotlib_or_say, write_report
+    from ..bench.report import write_report
+    from ..plots import matplotlib_or_say
 
     matplotlib_or_say()  # before reading anything: the plots need it
     out_dir = args.out_dir or str(Path(args.records).with_suffix(""))

@@ -242,7 +242,7 @@ def plot_curve(log_path: str | os.PathLike, png_path: str | os.PathLike) -> bool
 
     Returns False (and writes nothing) when the log holds no held-out evaluation.
     """
-    from ..bench.report import STYLE, finish_plot, matplotlib_or_say
+    from ..plots import STYLE, finish_plot, matplotlib_or_say
 
     matplotlib = matplotlib_or_say()
     from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend

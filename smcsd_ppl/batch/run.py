@@ -28,7 +28,8 @@ from ..inference.program import SMCSDModel
 from ..inference.state import StepInfo
 from ..inference.step import request_seed
 from ..results import Generation
-from .harness import (
+from .prompts import Prompt
+from .records import (
     append_record,
     appending,
     check_compatible,
@@ -37,7 +38,6 @@ from .harness import (
     record_seed,
     run_settings,
 )
-from .prompt import Prompt
 
 if TYPE_CHECKING:
     from ..api import SMCSD

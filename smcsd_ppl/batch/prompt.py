@@ -1,4 +1,4 @@
-"""One benchmark prompt, as every dataset loader returns it."""
+"""One prompt, as every loader returns it."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Prompt:
-    """One benchmark prompt.
+    """One prompt, as every loader returns it.
 
     Attributes:
         id: unique within its dataset (the record key uses it).

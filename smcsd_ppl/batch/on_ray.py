@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..config import SMCConfig
-from .batch import BATCH_KEY, WRITER, BatchSummary, OnRecord, PromptRunner, check_batch, collect
-from .harness import check_prompt_texts, check_settings, existing_records
-from .prompt import Prompt
+from .prompts import Prompt
+from .records import check_prompt_texts, check_settings, existing_records
+from .run import BATCH_KEY, WRITER, BatchSummary, OnRecord, PromptRunner, check_batch, collect
 
 if TYPE_CHECKING:
     from ..api import SMCSD

@@ -1,4 +1,4 @@
-"""Benchmark prompts: Spec-Bench, GSM8K, HumanEval or any JSONL with a prompt field."""
+"""Prompts from a file or a dataset's name: any JSONL with a prompt field, Spec-Bench, GSM8K, HumanEval."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ _SPEC_BENCH_URL = "https://raw.githubusercontent.com/hemingkx/Spec-Bench/main/da
 
 
 def load_prompts(spec: str | Path, limit: int | None = None, per_category: int | None = None) -> list[Prompt]:
-    """Load benchmark prompts from a JSONL path or a dataset name.
+    """Load prompts from a JSONL path or a dataset name.
 
     Args:
         spec: a JSONL file (Spec-Bench, GSM8K or generic ``prompt``/``text`` records), or one of
