@@ -335,11 +335,13 @@ def plot_exactness(rows: Sequence[ExactnessRow], refs: dict[str, float], path):
 
     Returns the figure (written to ``path``).
     """
-    import matplotlib
+    from ..plots import matplotlib_or_say
+
+    matplotlib = matplotlib_or_say()
     from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
     from matplotlib.ticker import NullLocator
 
-    from .report import STYLE, finish_plot
+    from ..plots import STYLE, finish_plot
 
     with matplotlib.rc_context(STYLE):
         fig = Figure(figsize=(7.5, 4.6), layout="constrained")

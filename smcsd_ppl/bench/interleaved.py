@@ -164,7 +164,9 @@ def summary_table(summary: dict, methods: Sequence[str]) -> str:
 
 def plot(records: Sequence[dict], methods: Sequence[str], path) -> None:
     """Time per token of every call by its place in the run, one series a method; memory below."""
-    import matplotlib
+    from ..plots import matplotlib_or_say
+
+    matplotlib = matplotlib_or_say()
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

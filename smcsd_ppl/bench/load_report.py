@@ -47,7 +47,9 @@ def _percent(x: float | None) -> str:
 
 def draw_load(summaries: Sequence[dict], ceiling: dict | None, path: Path) -> None:
     """Throughput (with the ceiling) and latency (p50, p95, TTFT) against concurrent clients."""
-    import matplotlib
+    from ..plots import matplotlib_or_say
+
+    matplotlib = matplotlib_or_say()
     from matplotlib.figure import Figure
 
     clients = [s["clients"] for s in summaries]
