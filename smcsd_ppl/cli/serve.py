@@ -68,7 +68,7 @@ def server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--engine-timeout",
         type=float,
-        default=120.0,
+        default=300.0,
         metavar="SECONDS",
         help="an engine process that ends no cycle for this long while requests run is killed as hung, "
         "and the server exits 1 for its supervisor to restart it, as when the engine dies (0: never; "

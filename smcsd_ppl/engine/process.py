@@ -29,7 +29,7 @@ from .request import Request, new_id
 from .ticket import Ticket
 from .worker import torch_thread
 
-DEFAULT_HANG_SECONDS = 120.0  # a cycle this long with requests in is a hang (a long prefill is seconds)
+DEFAULT_HANG_SECONDS = 300.0  # a cycle this long with requests in is a hang (a long CPU prefill: a minute)
 HEARTBEAT_SECONDS = 1.0  # a working child sends its counters at least this often, outputs or not
 
 

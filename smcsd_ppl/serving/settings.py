@@ -67,7 +67,7 @@ class ServeSettings:
     max_rows: int = 512
     max_body_bytes: int = 1 << 20
     engine: str = "process"
-    engine_timeout: float = 120.0
+    engine_timeout: float = 300.0
 
     def __post_init__(self) -> None:
         if not self.engine_timeout >= 0:
