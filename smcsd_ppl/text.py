@@ -93,7 +93,7 @@ class TextStream:
     """The text of a growing token prefix, handed out piece by piece.
 
     Args:
-        decode: token ids -> text.
+        decode: token ids -> text, U+FFFD where bytes are not a character (``IncrementalText``'s).
 
     Attributes:
         text: everything handed out so far.
@@ -102,7 +102,8 @@ class TextStream:
     """
 
     def __init__(self, decode) -> None:
-        self.decode, self.text, self.tokens, self.closed = decode, "", 0, False
+        self.whole = IncrementalText(decode)  # decodes only what each update adds
+        self.text, self.tokens, self.closed = "", 0, False
 
     def close(self) -> None:
         """Hand out nothing more: what was handed out is final (an interrupted run)."""
@@ -116,7 +117,7 @@ class TextStream:
         """
         if self.closed:
             return ""
-        text = whole_characters(self.decode(list(ids)))
+        text = self.whole.update(ids)
         if len(text) <= len(self.text) or not text.startswith(self.text):
             return ""
         new, self.text, self.tokens = text[len(self.text) :], text, len(ids)

@@ -104,11 +104,15 @@ def test_dead_particles_are_marked(tiny_smcsd):
 
 
 class Conditioned(SMCSDModel):
-    """A condition after each block (always true here): a program whose N is part of the inference."""
+    """A condition after each block, always ``holds``: a program whose N is part of the inference."""
+
+    def __init__(self, prompt, holds: bool = True):
+        super().__init__(prompt)
+        self.holds = holds
 
     async def step(self):
         await self.extend()
-        self.condition(True)
+        self.condition(self.holds)
 
 
 def test_only_plain_generation_goes_on_alone(tiny_smcsd):
@@ -122,14 +126,6 @@ def test_only_plain_generation_goes_on_alone(tiny_smcsd):
     assert plain.smc.alone == (plain.smc.particle_trace[-1] == 1) == (len(plain.smc.particles) == 1)
 
 
-class Doomed(SMCSDModel):
-    """Every particle fails its condition: the request ends in error, however it is run."""
-
-    async def step(self):
-        await self.extend()
-        self.condition(False)
-
-
 def test_a_request_ends_for_the_same_reason_on_every_path(tiny_smcsd):
     """``pair.run`` (the method table) and the engine (server, batch) decide the reason in one place."""
     from smcsd_ppl.inference.step import request_seed
@@ -138,7 +134,10 @@ def test_a_request_ends_for_the_same_reason_on_every_path(tiny_smcsd):
     tokenizer, eos = tiny_smcsd.tokenizer, tiny_smcsd.eos_token_ids
 
     def programs():
-        return [SMCSDModel("Hello", RegexConstraint("(ab|cd)+ ", tokenizer, eos)), Doomed("Hello")]
+        return [
+            SMCSDModel("Hello", RegexConstraint("(ab|cd)+ ", tokenizer, eos)),
+            Conditioned("Hello", holds=False),
+        ]  # every particle dies: error
 
     via_run = tiny_smcsd.call(lambda: tiny_smcsd.run(programs(), config))  # on the torch thread: the table
     seed = request_seed(config.seed, 0)

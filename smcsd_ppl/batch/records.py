@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..config import SMCConfig
-from .prompts import Prompt
+from .prompt import Prompt
 
 if TYPE_CHECKING:
     from ..api import SMCSD

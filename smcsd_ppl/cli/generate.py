@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     prompt = read_prompt(args.prompt)
     pair = load_pair(args)
     constraint = None if wanted is None else wanted.build(pair.tokenizer, pair.eos_token_ids)
-    stream = None if args.json or args.method != "smcsd" else TextStream(pair.decode)
+    stream = None if args.json or args.method != "smcsd" else TextStream(pair.core.decode_bytes)
     try:
         out = _generate(pair, prompt, config, args.method, constraint, stream)
     except KeyboardInterrupt:

@@ -293,15 +293,18 @@ async def complete(service: Service, request: Request, kind: str):
     tickets = await asyncio.to_thread(service.submit, requests)
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     answer = Answer(kind, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), service.model_name)
-    scores = partial(_logprobs, kind, None if call.tokens_as_ids else service.engine.tokenizer)
+    tokenizer = None if call.tokens_as_ids else service.engine.tokenizer
+
+    def fields(gen, req) -> dict:  # what a finished choice carries beside its text
+        return {"smcsd": diagnostics(gen, req), "logprobs": _logprobs(kind, tokenizer, gen)}
+
     told = {IGNORED_HEADER: ", ".join(call.ignored)} if call.ignored else {}
     if call.stream:
-        options = (call.include_usage, diagnostics, refusal, scores)
-        streams = ChoiceStreams(answer, tickets, call.n, requests, *options)
+        streams = ChoiceStreams(answer, tickets, call.n, requests, call.include_usage, fields, refusal)
         return EventStream(streams.events(), streams.close, told)
     gens = await results_unless_gone(request, tickets)
     choices = [
-        answer.choice(i, g.text, t.finish_reason.openai, diagnostics(g, r), scores(g))
+        answer.choice(i, g.text, t.finish_reason.openai, **fields(g, r))
         for i, (g, t, r) in enumerate(zip(gens, tickets, requests))
     ]
     return JSONResponse(answer.response(choices, request_usage(tickets, call.n)), headers=told)

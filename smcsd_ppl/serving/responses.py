@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -95,7 +96,7 @@ def logprobs_field(kind: str, scores, token_text) -> dict | None:
         ]
         return {"content": content, "refusal": None}
     tokens = [token_text(s.token_id) for s in scores]
-    offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    offsets = [0, *itertools.accumulate(len(t) for t in tokens)][: len(tokens)]  # where each begins
     return {
         "tokens": tokens,
         "token_logprobs": [s.logprob for s in scores],

@@ -50,17 +50,14 @@ class ChoiceStreams:
         requests: each choice's ``ServeRequest`` (for its ``smcsd`` diagnostics).
         include_usage: usage in a chunk of its own after the choices (``stream_options``); otherwise
             in the last choice's final chunk.
-        diagnostics: ``(Generation, ServeRequest) -> dict``, the ``smcsd`` field of a choice's last chunk.
+        fields: ``(Generation, ServeRequest) -> dict``, the fields a choice's last chunk carries
+            once its request finished (``smcsd``, ``logprobs``).
         failure: an exception -> the ``APIError`` a failed choice reports.
-        logprobs: ``Generation -> dict | None``, the ``logprobs`` field of a choice's last chunk.
     """
 
-    def __init__(
-        self, answer: Answer, tickets, n: int, requests, include_usage: bool, diagnostics, failure, logprobs
-    ):
+    def __init__(self, answer: Answer, tickets, n: int, requests, include_usage: bool, fields, failure):
         self.answer, self.tickets, self.n, self.requests = answer, list(tickets), n, list(requests)
-        self.include_usage, self.diagnostics, self.failure = include_usage, diagnostics, failure
-        self.logprobs = logprobs
+        self.include_usage, self.fields, self.failure = include_usage, fields, failure
         self.finished: set[int] = set()
         self.pumps: list[asyncio.Task] = []
 
@@ -92,8 +89,7 @@ class ChoiceStreams:
             index,
             "",
             finish_reason=self.tickets[index].finish_reason.openai,
-            smcsd=self.diagnostics(gen, self.requests[index]),
-            logprobs=self.logprobs(gen),
+            **self.fields(gen, self.requests[index]),
         )
         if not self.include_usage and len(self.finished) == len(self.tickets):
             last["usage"] = self._usage()
