@@ -5,6 +5,11 @@ model (or torch) loads.
 """
 
 import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the names, for type checkers and the API docs, without the import
+    from .constraints import Constraint, PotentialConstraint, token_bytes
+    from .grammar import GrammarConstraint, JsonSchemaConstraint, RegexConstraint
 
 _WHERE = {
     "Constraint": "constraints",
@@ -15,7 +20,14 @@ _WHERE = {
     "RegexConstraint": "grammar",
 }
 
-__all__ = sorted(_WHERE)
+__all__ = [
+    "Constraint",
+    "GrammarConstraint",
+    "JsonSchemaConstraint",
+    "PotentialConstraint",
+    "RegexConstraint",
+    "token_bytes",
+]
 
 
 def __getattr__(name: str):
