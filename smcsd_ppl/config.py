@@ -160,29 +160,56 @@ class DraftRecord:
 
     A value: requests start from it and never change it, so outputs do not depend on what
     ran before. Empty, requests probe the draft; a record saying the draft does not pay lets
-    them decode with the target alone from their first token.
+    them decode with the target alone from their first token. A distilled draft ships one
+    (``smcsd eval-draft --save-record``).
 
     Attributes:
         passed: drafted positions the quality cut kept.
         failed: cuts that fired.
         rates: ``(proposal, passed, failed)`` of the other proposals (``"retrieval"``,
             ``"mixture"``): positions kept and blocks that ended short, per particle.
+        row_cost: r, one verified position of one row against one target step, for which the
+            record's requests decide how far to draft; then every choice a request makes comes
+            from the record and the request alone, and a seed gives the same answer on every
+            machine. None: the machine's own estimate (``inference.schedule``).
     """
 
     passed: float = 0.0
     failed: float = 0.0
     rates: tuple[tuple[str, float, float], ...] = ()
+    row_cost: float | None = None
 
     def __post_init__(self) -> None:
         counts = [("passed", self.passed), ("failed", self.failed)]
+        if self.row_cost is not None:
+            counts.append(("row_cost", self.row_cost))
         for kind, p, f in self.rates:
             if kind not in PROPOSAL_NAMES[2:]:
                 raise ValueError(f"DraftRecord.rates names a proposal of {PROPOSAL_NAMES[2:]}, got {kind!r}")
             counts += [(f"rates[{kind}].passed", p), (f"rates[{kind}].failed", f)]
         for name, value in counts:
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise ValueError(f"DraftRecord.{name} must be a finite count >= 0, got {value!r}")
+                raise ValueError(f"DraftRecord.{name} must be a finite number >= 0, got {value!r}")
 
     def rate_of(self, proposal: str) -> tuple[float, float]:
         """(passed, failed) of a proposal other than the draft; (0, 0) if unknown."""
         return next(((p, f) for k, p, f in self.rates if k == proposal), (0.0, 0.0))
+
+    def as_json(self) -> dict:
+        """The record as a JSON object (``from_json`` reads it back)."""
+        return {"passed": self.passed, "failed": self.failed, "rates": [list(r) for r in self.rates]} | (
+            {} if self.row_cost is None else {"row_cost": self.row_cost}
+        )
+
+    @classmethod
+    def from_json(cls, obj: dict) -> DraftRecord:
+        """A record from ``as_json``'s object (a ValueError for anything else)."""
+        if not isinstance(obj, dict) or not set(obj) <= {"passed", "failed", "rates", "row_cost"}:
+            raise ValueError(
+                f"a draft record is an object of passed, failed, rates and row_cost, got {obj!r}"
+            )
+        try:
+            rates = tuple((str(k), float(p), float(f)) for k, p, f in obj.get("rates", ()))
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"a draft record's rates are [proposal, passed, failed] lists: {err}") from None
+        return cls(obj.get("passed", 0.0), obj.get("failed", 0.0), rates, obj.get("row_cost"))

@@ -11,6 +11,7 @@ from tiny import TEXT, llama, tokenizer
 
 from smcsd_ppl import SMCSD, SMCConfig
 from smcsd_ppl.cli import main
+from smcsd_ppl.config import DraftRecord
 from smcsd_ppl.distill import (
     DistillConfig,
     collect,
@@ -246,6 +247,15 @@ def test_cli_distill_resume_and_eval_draft(tmp_path, capsys):
     smc = smc_metrics(pair, PROMPTS[:2], SMCConfig(max_new_tokens=4, proposal="draft"))
     assert {k: v for k, v in result.items() if k.startswith("smc_")} == smc
     assert smc["smc_tokens_per_target_call"] > 0 and smc["smc_cycles"] >= 2
+    # --save-record writes the pooled evidence into the manifest; a loaded pair then starts from it.
+    save = ["eval-draft", "--target", str(model_dir), "--dtype", "fp32", "--draft", str(out / "draft")]
+    save += ["--prompts", str(prompts), "--max-new-tokens", "4", "--json", "--limit", "2", "--save-record"]
+    assert main(save) == 0
+    record = DraftRecord.from_json(json.loads((out / "draft" / MANIFEST).read_text())["record"])
+    assert (record.passed, record.failed, record.row_cost) == (smc["smc_passed"], smc["smc_failed"], 0.05)
+    assert SMCSD.load(str(model_dir), str(out / "draft"), dtype="fp32").draft_record == record
+    assert main(save) == 0  # measured from nothing again, not from the record it wrote
+    assert DraftRecord.from_json(json.loads((out / "draft" / MANIFEST).read_text())["record"]) == record
     tuned = tmp_path / "tuned"
     chi2 = [*args[: args.index("--out")], "--out", str(tuned), *args[args.index("--out") + 2 :]]
     assert main([*chi2, "--objective", "chi2", "--objective-temperature", "0.7", "--cut", "0.4"]) == 0
@@ -284,6 +294,8 @@ def test_eval_draft_defaults_to_held_out_prompts_and_honours_limit(tmp_path, cap
     argv = ["eval-draft", "--target", str(model_dir), "--dtype", "fp32", "--draft", "layers:1"]
     assert main([*argv, "--limit", "3", "--max-new-tokens", "2", "--json"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["prompts"] == 3
+    assert main([*argv, "--limit", "1", "--save-record"]) == 2  # a layer slice has no manifest
+    assert "not one" in capsys.readouterr().err
 
 
 def test_shipped_draft_knows_its_training_prompts():

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import importlib.metadata
+import json
+import re
+from pathlib import Path
 
 import huggingface_hub.constants
 import pytest
@@ -203,6 +206,24 @@ def test_default_model_loads_and_is_coherent(default_smcsd):
     assert not any(p.requires_grad for p in lm.model.parameters())
     assert lm.model.config.num_hidden_layers == 30
     assert "Paris" in greedy_answer(lm, "What is the capital of France?")
+
+
+@pytest.mark.slow
+def test_the_readme_question_gets_the_right_answer_from_the_draft_record_without_a_draft_forward(
+    default_smcsd,
+):
+    from smcsd_ppl import SMCConfig
+    from smcsd_ppl.models.drafts import MANIFEST, SHIPPED_DRAFT
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
+    question = re.search(r'&& smcsd generate "([^"]+)"', readme)[1]
+    shipped = json.loads((SHIPPED_DRAFT / MANIFEST).read_text())["record"]
+    assert default_smcsd.draft_record.as_json() == shipped and shipped["row_cost"] is not None
+    calls = default_smcsd.draft_lm.stats.calls
+    for seed in range(8):  # the target's own answer, not one seed's luck
+        out = default_smcsd.generate(question, config=SMCConfig(seed=seed, max_new_tokens=24))
+        assert "Paris" in out.text and not any(out.smc.draft_lengths), (seed, out.text)
+    assert default_smcsd.draft_lm.stats.calls == calls  # the draft not even prefilled
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import tiny
@@ -69,6 +70,53 @@ def test_requests_known_to_decode_alone_skip_the_draft_entirely():
     assert draft.stats.calls == before  # not even prefilled
     assert any(r.info.draft_lengths for r in results) and not any(any(r.info.draft_lengths) for r in results)
     assert all(len(r.info.particles) == 1 for r in results if r.info.draft_lengths)  # one particle decodes
+
+
+def test_a_record_with_its_row_cost_gives_a_seed_the_same_answer_whatever_the_machine():
+    answers, lengths = {}, {}
+    for record_cost in (0.05, None):  # None: each machine's own r decides
+        for machine_cost in (0.0, 0.5):
+            target, draft = mock_pair()
+            target.row_position_cost = machine_cost
+            results = smc(
+                target,
+                draft,
+                [SMCSDModel([1, 2]) for _ in range(6)],
+                max_new_tokens=10,
+                n_particles=4,
+                block_size=4,
+                cut=0.25,
+                seed=3,
+                record=DraftRecord(6.0, 2.0, row_cost=record_cost),
+                proposal="draft",
+            )
+            answers[record_cost, machine_cost] = [r.token_ids for r in results]
+            lengths[record_cost, machine_cost] = [r.info.draft_lengths for r in results]
+    assert answers[0.05, 0.0] == answers[0.05, 0.5] and lengths[0.05, 0.0] == lengths[0.05, 0.5]
+    assert any(any(n) for n in lengths[0.05, 0.0])  # it drafts, as r = 0.05 calls for
+    # Without the record's r the machines choose differently, and so answer differently.
+    assert lengths[None, 0.0] != lengths[None, 0.5] and answers[None, 0.0] != answers[None, 0.5]
+
+
+def test_a_record_survives_a_manifest_and_a_learned_record_keeps_its_row_cost():
+    record = DraftRecord(4.0, 1.0, (("retrieval", 2.0, 1.0),), row_cost=0.05)
+    assert DraftRecord.from_json(json.loads(json.dumps(record.as_json()))) == record
+    seen = schedule_from(record, 8, 4, True, 0.4).advanced().observed([3], [True])
+    assert learned(record, seen).row_cost == 0.05
+    assert schedule_from(record, 8, 4, True, 0.4, row_cost=0.9).row_cost == 0.05  # the record's wins
+    assert schedule_from(DraftRecord(), 8, 4, True, 0.4, row_cost=0.9).row_cost == 0.9
+    for bad in ({"passed": 1, "speed": 2}, {"rates": [["retrieval", 1]]}, {"row_cost": -1}, [1, 2]):
+        with pytest.raises(ValueError, match="(?i)record"):
+            DraftRecord.from_json(bad)
+
+
+def test_a_draft_that_does_not_pay_is_off_for_the_rest_of_a_plain_request():
+    # A pass rate that pays with N rows against N rows, not against one row alone: no prefill.
+    record = DraftRecord(453.0, 189.0, row_cost=0.05)
+    plain = schedule_from(record, 8, 8, True, 0.2).advanced()
+    assert plain.plan == (("target", 0),) and plain.draft_off
+    program = schedule_from(record, 8, 8, False, 0.2).advanced()  # N rows either way: it drafts
+    assert program.plan[0][0] == "draft" and not program.draft_off
 
 
 def test_with_the_target_as_draft_the_cut_never_fires_and_target_calls_match_the_paper():

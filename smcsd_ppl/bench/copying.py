@@ -22,6 +22,7 @@ from ..batch.prompts import Prompt, load_prompts
 from ..config import SMCConfig
 from .editing import editing_prompts
 from .quality import target_loglik_per_token
+from .speed import learn_draft
 
 COPY_CATEGORIES = ("summarization", "rag", "translation")
 CONTROL_CATEGORIES = ("short_answer", "mt_bench")  # where retrieval finds little
@@ -79,13 +80,13 @@ def compare_by_category(
 ) -> list[CategoryRow]:
     """Run every method on every prompt ``repeats`` times, interleaved; medians per category.
 
-    The pair's draft record is calibrated on the first prompt first (as ``compare_speed``
-    does), and each method runs once untimed, so no timed run pays for lazy set-up.
+    A pair without a draft record learns one on the first prompt first (``speed.learn_draft``),
+    and each method runs once untimed, so no timed run pays for lazy set-up.
     ``on_run`` gets each run's record (method, category, prompt, repeat and its figures).
     """
     config = dataclasses.replace(config, ignore_eos=True)
     warm = dataclasses.replace(config, max_new_tokens=8)
-    pair.calibrate(prompts[0].text, warm)
+    learn_draft(pair, prompts[0].text, warm)
     for method in methods:
         pair.generate(prompts[0].text, method=method, config=warm)
     records = []

@@ -28,6 +28,7 @@ from ..batch.records import (
 from ..config import SMCConfig
 from ..proposals.retrieval import RetrievalDrafter
 from .quality import check_answer, target_loglik_per_token
+from .speed import learn_draft
 
 if TYPE_CHECKING:
     from ..api import SMCSD
@@ -174,7 +175,7 @@ def _run_plan(pair, grid, plan, done: dict, settings: dict, f, *, warmup, on_rec
 
 
 def _calibrate(pair: SMCSD, grid: Grid, prompts: Sequence[Prompt]) -> None:
-    """Learn the draft once, from the first prompt and particle setting, for every request.
+    """Learn the draft once, from the first prompt and particle setting, unless it ships a record.
 
     The record is a value each request starts from, so a resumed run writes the records an
     uninterrupted one would.
@@ -182,7 +183,7 @@ def _calibrate(pair: SMCSD, grid: Grid, prompts: Sequence[Prompt]) -> None:
     particle = [(n, k, t) for name, n, k, t in grid.settings() if registry.get(name).particles]
     if particle and prompts:
         try:
-            pair.calibrate(prompts[0].text, grid.config(*particle[0], 0))
+            learn_draft(pair, prompts[0].text, grid.config(*particle[0], 0))
         except ValueError:
             pass  # the pair keeps its record; the measured calls record the error
 

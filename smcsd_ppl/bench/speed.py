@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..api import SMCSD
-from ..config import SMCConfig
+from ..config import DraftRecord, SMCConfig
 from ..methods import METHODS
 from ..methods.hf import hf_generate
 
@@ -54,6 +54,16 @@ class SpeedRow:
     runs: int
 
 
+def learn_draft(pair: SMCSD, prompt: str, config: SMCConfig) -> None:
+    """Give a pair with no draft record one learned from ``prompt`` (``SMCSD.calibrate``).
+
+    A benchmark runs as users do: a draft that ships a record is measured from it; a pair
+    without one learns once, as a served pair would, so no timed request probes the draft.
+    """
+    if pair.draft_record == DraftRecord():
+        pair.calibrate(prompt, config)
+
+
 def compare_speed(
     pair: SMCSD,
     prompts: Sequence[str],
@@ -70,9 +80,8 @@ def compare_speed(
     the HF backend's AR beside a vLLM pair's methods, say.
 
     Every run emits exactly ``config.max_new_tokens`` tokens (EOS ignored), so
-    tokens/s compare like with like; interleaving spreads machine noise evenly. The pair's
-    draft record is first calibrated on the first prompt (``SMCSD.calibrate``), so SMC-SD's
-    timed runs start from what it saw, as a served pair's would.
+    tokens/s compare like with like; interleaving spreads machine noise evenly. SMC-SD's
+    timed runs start from the pair's draft record (``learn_draft``).
     """
     unknown = set(methods) - set(speed_choices())
     if unknown:
@@ -81,7 +90,7 @@ def compare_speed(
     runs_of = {m: (pair, m) for m in methods} | dict(others or {})
     samples: dict[str, list[tuple[float, float, float]]] = {m: [] for m in runs_of}
     warm = dataclasses.replace(config, max_new_tokens=8)
-    pair.calibrate(prompts[0], warm)
+    learn_draft(pair, prompts[0], warm)
     pair.generate(prompts[0], method="smcsd", config=warm)  # first calls pay for lazy set-up
     for runner, method in (others or {}).values():  # a compiled row builds its graphs here, untimed
         runner.generate(prompts[0], method=method, config=config)

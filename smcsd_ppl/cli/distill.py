@@ -1,19 +1,18 @@
-"""``smcsd distill`` and ``smcsd eval-draft``: make a draft for a target and measure it."""
+"""``smcsd distill``: make a draft for a target (``eval_draft`` measures it)."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 
 from ..config import DIVERGENCE_NAMES
-from .loading import load_pair, load_target
-from .options import SMC_DEFAULTS, command, smc_args, smc_config
-from .util import check_output_dir, check_threads, csv, cut_value, err, progress
+from .loading import load_target
+from .options import SMC_DEFAULTS, command
+from .util import check_output_dir, csv, cut_value, err, progress
 
 
 def add_parsers(sub) -> None:
-    """Add the ``distill`` and ``eval-draft`` subcommands to the ``smcsd`` parser."""
+    """Add the ``distill`` subcommand to the ``smcsd`` parser."""
     dist = command(
         sub,
         "distill",
@@ -25,7 +24,7 @@ def add_parsers(sub) -> None:
         "Every stage resumes where an interrupted run stopped. The draft lands in OUT/draft.",
     )
     dist.add_argument("--out", required=True, help="run directory (data, checkpoint, log, draft)")
-    _prompt_args(dist, "training prompts: 'builtin' (a general instruction set) or")
+    prompt_args(dist, "training prompts: 'builtin' (a general instruction set) or")
     dist.add_argument("--limit", type=int, default=None, help="at most this many prompts from each file")
     dist.add_argument(
         "--corpus", action="append", default=[], help="plain-text file to train on too (repeatable)"
@@ -38,7 +37,6 @@ def add_parsers(sub) -> None:
     _data_args(dist.add_argument_group("data"))
     _training_args(dist.add_argument_group("training"))
     dist.set_defaults(run=_distill)
-    _add_eval_draft(sub)
 
 
 def _data_args(g) -> None:
@@ -117,32 +115,8 @@ def _objective_args(g) -> None:
     )
 
 
-def _add_eval_draft(sub) -> None:
-    ev = command(
-        sub,
-        "eval-draft",
-        "agreement, acceptance, what SMC-SD does with a draft, and its forward cost",
-        description="Measure a draft against its target on held-out prompts: on the target's greedy "
-        "continuations (--max-new-tokens each), how often the draft agrees, passes the quality cut and "
-        "would be accepted; then SMC-SD with the sampling settings below (the draft proposing, each "
-        "request on its own): tokens per target call, ESS and what the schedule chose; and the cost "
-        "of a draft forward.",
-    )
-    _prompt_args(
-        ev,
-        "held-out prompts (default: short_answer, the built-in short-answer task): short_answer, "
-        "'builtin' (the instruction set the shipped draft was TRAINED on: not held out) or",
-        required=False,
-    )
-    ev.add_argument("--limit", type=int, default=None, help="at most this many prompts in all")
-    ev.add_argument("--no-smc", action="store_true", help="skip the SMC-SD runs")
-    ev.add_argument("--json", action="store_true", help="print one JSON object")
-    smc_args(ev)
-    # the target's greedy tokens and SMC-SD's budget; the draft, not retrieval, proposes
-    ev.set_defaults(run=_eval_draft, max_new_tokens=64, proposal="draft")
-
-
-def _prompt_args(p: argparse.ArgumentParser, what: str, *, required: bool = True) -> None:
+def prompt_args(p: argparse.ArgumentParser, what: str, *, required: bool = True) -> None:
+    """``--prompts`` (``what`` they are) and ``--categories``."""
     p.add_argument(
         "--prompts",
         action="append",
@@ -152,7 +126,7 @@ def _prompt_args(p: argparse.ArgumentParser, what: str, *, required: bool = True
     p.add_argument("--categories", default=None, help="comma-separated categories of the files to use")
 
 
-def _texts(sources: list[str], categories: str | None, limit: int | None) -> list[str]:
+def prompt_texts(sources: list[str], categories: str | None, limit: int | None) -> list[str]:
     """Prompt texts of every source; ``limit`` cuts each file (not the builtin set)."""
     from ..batch.prompts import load_prompts
     from ..distill import builtin_prompts
@@ -176,7 +150,7 @@ def _distill(args: argparse.Namespace) -> int:
     from ..distill import load_examples
 
     config = _distill_config(args)
-    texts = _texts(args.prompts, args.categories, args.limit)
+    texts = prompt_texts(args.prompts, args.categories, args.limit)
     random.Random(args.seed).shuffle(texts)  # shards then mix sources evenly
     texts = texts[: args.max_prompts]
     check_output_dir(args.out, "--out")
@@ -249,7 +223,7 @@ def _collect_data(args: argparse.Namespace, target, texts: list[str], out: pathl
         )
     if not args.eval_prompts:
         return dirs, []
-    eval_texts = _texts([args.eval_prompts], args.eval_categories, None)[: args.eval_limit]
+    eval_texts = prompt_texts([args.eval_prompts], args.eval_categories, None)[: args.eval_limit]
     answers(
         eval_texts, "eval", "held-out prompts", max_new_tokens=64, temperature=None, batch_size=16, **common
     )
@@ -276,107 +250,3 @@ def _train(target, train: list, out: pathlib.Path, config, held_out: list) -> pa
                 )
 
         return distill(target, train, out, config, held_out=held_out, on_progress=tick)
-
-
-def _eval_draft(args: argparse.Namespace) -> int:
-    if args.limit is not None and args.limit < 1:
-        raise ValueError(f"--limit must be >= 1, got {args.limit}")
-    config = None if args.no_smc else smc_config(args)  # bad settings fail before any loading
-    texts = _texts(args.prompts or ["short_answer"], args.categories, None)[: args.limit]
-    check_threads(args.threads)
-    pair = load_pair(args, torch_models=True)
-    _warn_overlap(args.draft, pair, texts)
-    # the pass rate on the greedy tokens reads the TV cut SMC-SD runs with (the default's otherwise)
-    tv = args.cut if args.cut is not None and args.cut_divergence == "tv" else SMC_DEFAULTS.cut
-    result = _measure_draft(pair, texts, args.max_new_tokens, config, tv)
-    if args.json:
-        print(json.dumps(result))
-        return 0
-    print(
-        f"draft {result['draft']} vs target {result['target']}: {len(texts)} prompts, "
-        f"{result['positions']} greedy target tokens"
-    )
-    print(
-        "| agreement (top-1) | acceptance prob. T=1 | acceptance prob. T=0.7 | pass rate T=1 "
-        "| pass rate T=0.7 | draft 8 rows | target 1 row | ratio |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
-    print(
-        f"| {result['agreement']:.3f} | {result['acceptance_T1']:.3f} | {result['acceptance_T0.7']:.3f} | "
-        f"{result['pass_T1']:.3f} | {result['pass_T0.7']:.3f} | {result['cost_draft_ms']:.1f} ms | "
-        f"{result['cost_target_ms']:.1f} ms | {result['cost_ratio']:.2f} |"
-    )
-    err(
-        "agreement: share of positions where the draft's top token is the target's; acceptance prob.: "
-        "the mean per-position probability that speculative sampling accepts a drafted token; pass "
-        f"rate: share of positions the quality cut (TV <= {tv}) keeps"
-    )
-    if config is not None:
-        _print_smc(result, config)
-    return 0
-
-
-def _print_smc(result: dict, config) -> None:
-    """The SMC-SD half of ``eval-draft``'s report."""
-
-    def num(key: str, spec: str = ".3f") -> str:
-        return "-" if result[key] is None else format(result[key], spec)
-
-    print(
-        f"SMC-SD, N={config.n_particles}, K={config.block_size}, cut {config.cut}, proposal "
-        f"{config.proposal}, T_d={config.draft_temperature}, T_t={config.target_temperature}, "
-        f"{result['smc_cycles']} cycles:"
-    )
-    print(
-        "| tokens / target call | ESS / N | cycles with the target alone | mean draft length "
-        "| draft pass rate |"
-    )
-    print("|---|---|---|---|---|")
-    print(
-        f"| {num('smc_tokens_per_target_call', '.2f')} | {num('smc_ess_fraction')} | "
-        f"{num('smc_target_alone')} | {num('smc_draft_length', '.2f')} | {num('smc_pass_rate')} |"
-    )
-    err(
-        "ESS / N: over the cycles that ran two particles or more; mean draft length: over the cycles "
-        "that drafted; draft pass rate: kept drafted positions / (kept + cuts), what the schedule reads"
-    )
-
-
-def _measure_draft(pair, texts: list[str], max_new_tokens: int, config, tv_cut: float) -> dict:
-    from ..distill import forward_cost, match_metrics, smc_metrics
-    from ..distill.data import greedy_examples
-
-    prompts = [pair.encode(t) for t in texts]
-    target, draft = pair.target.model, pair.draft.model
-    # Model work on the pair's torch thread, as its calls run: one OpenMP team in the process.
-    with progress(len(prompts), "prompts") as bar:
-        examples = pair.call(
-            lambda: greedy_examples(
-                target, prompts, eos_ids=pair.eos_token_ids, max_new_tokens=max_new_tokens, on_progress=bar
-            )
-        )
-    result = {"prompts": len(texts), "draft": pair.draft.name, "target": pair.target.name}
-    result |= pair.call(lambda: match_metrics(target, draft, examples, cut=tv_cut)) | {"pass_cut": tv_cut}
-    if config is not None:
-        with progress(len(texts), "SMC-SD runs") as bar:
-            result |= smc_metrics(pair, texts, config, on_progress=bar)
-    result |= {f"cost_{k}": v for k, v in pair.call(lambda: forward_cost(target, draft)).items()}
-    return result
-
-
-def _warn_overlap(spec: str | None, pair, texts: list[str]) -> None:
-    """Warn when the prompts are among the ones the draft was trained on."""
-    from ..distill.overlap import training_overlap
-    from ..models.drafts import SHIPPED_DRAFT, is_draft_dir
-
-    if spec is None:
-        draft_dir = SHIPPED_DRAFT if pair.draft.name == "default distilled draft" else None
-    else:
-        draft_dir = pathlib.Path(spec).expanduser() if is_draft_dir(pathlib.Path(spec).expanduser()) else None
-    seen = None if draft_dir is None else training_overlap(draft_dir, texts)
-    if seen:
-        err(
-            f"warning: {seen} of these {len(texts)} prompts are in the draft's training data, where it "
-            "agrees with the target far more often than on held-out prompts; measure on held-out ones "
-            "(the default, short_answer, is)"
-        )

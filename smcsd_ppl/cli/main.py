@@ -20,6 +20,7 @@ from . import (
     copy_speed,
     device,
     distill,
+    eval_draft,
     fidelity,
     generate,
     interleaved,
@@ -76,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     device.add_parser(sub)
     fidelity.add_parser(sub)
     distill.add_parsers(sub)
+    eval_draft.add_parser(sub)
     serve.add_parser(sub)
     load.add_parser(sub)
     return parser

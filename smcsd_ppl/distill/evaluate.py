@@ -164,7 +164,8 @@ def smc_summary(outs: Sequence[Generation]) -> dict:
     Returns tokens per target call (prefill included), the mean ESS / N over cycles that ran
     two particles or more, the cycles run, the share of cycles the schedule gave to the
     target alone, the mean length of the cycles that drafted, how many cycles drafted each
-    length, and the draft's pass rate at the cut (kept positions / (kept + cuts that fired)).
+    length, and the draft's pass rate at the cut (kept positions / (kept + cuts that fired)),
+    with its two counts (the evidence a draft record holds).
     Without a cut (the paper's algorithm) there is no schedule: its entries are None.
     """
     tokens = sum(len(o.token_ids) for o in outs)
@@ -182,6 +183,8 @@ def smc_summary(outs: Sequence[Generation]) -> dict:
         "smc_draft_length": statistics.fmean(drafted) if drafted else (0.0 if lengths else None),
         "smc_lengths": {str(n): lengths.count(n) for n in sorted(set(lengths))},
         "smc_pass_rate": passed / seen if seen else None,
+        "smc_passed": passed,
+        "smc_failed": seen - passed,
     }
 
 

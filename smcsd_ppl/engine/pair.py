@@ -67,8 +67,9 @@ class PairCore:
         self._encode: Callable[[str], list[int]] | None = None
         self._facts: PairFacts | None = None
         # What SMC-SD's adaptive drafting knows of this draft before a request: a value each
-        # request starts from and none changes (assign a learned one to change it).
-        self.draft_record = DraftRecord()
+        # request starts from and none changes (assign a learned one to change it); a
+        # distilled draft may ship one.
+        self.draft_record = (draft.record if draft is not None else None) or DraftRecord()
 
     @classmethod
     def over(
@@ -92,8 +93,8 @@ class PairCore:
         return lambda prompt: encode_prompt(self.tokenizer, prompt, chat=self.chat)
 
     def with_draft(self, draft_lm: BatchedLM) -> PairCore:
-        """This pair with another draft backend, over a new row store."""
-        return PairCore(
+        """This pair with another draft backend, over a new row store (and no draft record)."""
+        core = PairCore(
             self.target_lm,
             draft_lm,
             tokenizer=self.tokenizer,
@@ -105,6 +106,8 @@ class PairCore:
             engine=self.engine,
             deterministic=self.deterministic,
         )
+        core.draft_record = DraftRecord()  # the loaded draft's record says nothing of another
+        return core
 
     @property
     def built_static(self) -> StaticEngine | None:

@@ -26,7 +26,8 @@ probes). The record is a value the caller passes in, never state a request chang
 same call gives the same output whatever ran before; a finished request's evidence can be
 folded into a new record (``learned``) by a caller who wants requests to learn.
 Once a record says the draft does not pay, requests decode alone from their first token
-without even prefilling the draft.
+without even prefilling the draft. A record that names its row cost r decides with it, not the
+machine's: a seed then gets the same answer on every machine.
 
 Proposals (``proposals.blocks``): the schedule may choose among several (``candidates``),
 each with its own recent pass rate and cost (retrieval runs no draft forward: c = 0, only
@@ -114,7 +115,10 @@ def schedule_from(
     candidates: tuple[str, ...] = ("draft",),
     row_cost: float = DEFAULT_ROW_POSITION_COST,
 ) -> DraftSchedule:
-    """A new request's schedule, starting from ``record`` (probing when it is empty)."""
+    """A new request's schedule, starting from ``record`` (probing when it is empty).
+
+    ``row_cost``: the machine's r, used where the record names none.
+    """
     passed, failed = _scaled(record.passed, record.failed)
     others = tuple((k, *_scaled(*record.rate_of(k))) for k in candidates if k != "draft")
     return DraftSchedule(
@@ -128,7 +132,7 @@ def schedule_from(
         failed,
         candidates=candidates,
         others=others,
-        row_cost=row_cost,
+        row_cost=row_cost if record.row_cost is None else record.row_cost,
     )
 
 
@@ -142,6 +146,7 @@ def learned(record: DraftRecord, schedule: DraftSchedule) -> DraftRecord:
         MEMORY * record.passed + schedule.passed - schedule.prior_passed,
         MEMORY * record.failed + schedule.failed - schedule.prior_failed,
         tuple(sorted((k, p, f) for k, (p, f) in rates.items())),
+        record.row_cost,
     )
 
 
@@ -204,6 +209,17 @@ class DraftSchedule:
             return max(1, self.block_size // 2)
         return self._best(self.passed / (self.passed + self.failed), self.cost)
 
+    def _draft_pays(self) -> bool:
+        """Whether the draft model may beat the target alone, now or later.
+
+        Its evidence moves only while it drafts, so a draft that does not pay now never will.
+        """
+        if self.probing:
+            return True
+        length = self.planned_length()
+        rate = self.passed / (self.passed + self.failed)
+        return length > 0 and self._value(rate, length, self.cost) > self._value(0.0, 0, 0.0)
+
     def _could_pay(self, length: int, cost: float) -> bool:
         """Whether a proposal of this draft cost, every position passing, beats the target alone."""
         return self._value(1.0, length, cost) > self._value(0.0, 0, 0.0)
@@ -220,7 +236,7 @@ class DraftSchedule:
     def _options(self, retrievable: bool) -> tuple[list[str], list[tuple[float, str, int]]]:
         """Proposals to probe, and (expected tokens per cost, proposal, length) of the others."""
         probes, known = [], []
-        draft_off = self.draft_off or self.planned_length() == 0
+        draft_off = self.draft_off or not self._draft_pays()
         for kind in self.candidates:
             if (USES_DRAFT[kind] and draft_off) or (kind != "draft" and not retrievable):
                 continue
@@ -254,7 +270,7 @@ class DraftSchedule:
             alone = (self._value(0.0, 0, 0.0), "target", 0)
             best = max([alone, *known], key=lambda o: o[0])
             plan = (("target", 0),) if best[2] == 0 else ((best[1], best[2]),)
-        off = self.draft_off or ("draft" in self.candidates and self.planned_length() == 0)
+        off = self.draft_off or ("draft" in self.candidates and not self._draft_pays())
         return replace(
             self,
             lengths=(*self.lengths, max(n for _, n in plan)),

@@ -21,6 +21,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from ..config import DraftRecord
 from .feature_draft import FeatureDraft, feature_student, own_modules
 from .layers import assemble, decoder_layers, trainable_copy
 from .loading import DEFAULT_TARGET, LoadedModel, load_model
@@ -153,7 +154,20 @@ def load_draft(directory: str | os.PathLike, target: LoadedModel) -> LoadedModel
         module.load_state_dict(state)  # strict: a missing or extra tensor is an error
         module.to(device=target.model.device, dtype=target.model.dtype)
     model.eval().requires_grad_(False)
-    return LoadedModel(model, target.tokenizer, draft_name(path), draft_source(path, manifest))
+    record = DraftRecord.from_json(manifest["record"]) if "record" in manifest else None
+    return LoadedModel(model, target.tokenizer, draft_name(path), draft_source(path, manifest), record=record)
+
+
+def save_record(directory: str | os.PathLike, record: DraftRecord, measured: dict) -> None:
+    """Write ``record`` into a distilled draft's manifest, as the record its requests start from.
+
+    ``measured``: how it was measured (prompts, settings), kept beside it.
+    """
+    path = pathlib.Path(directory) / MANIFEST
+    manifest = json.loads(path.read_text())
+    manifest |= {"record": record.as_json(), "record_measured": measured}
+    path.with_suffix(".tmp").write_text(json.dumps(manifest, indent=2) + "\n")
+    os.replace(path.with_suffix(".tmp"), path)
 
 
 def draft_name(path: pathlib.Path) -> str:

@@ -26,6 +26,8 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from ..config import DraftRecord
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_TARGET = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -60,6 +62,8 @@ class LoadedModel:
             None for a model built in memory (a layer slice, a distilled draft).
         dtype: a model not built: the dtype its engine runs in (else None: the model's own).
         device: a model not built: where its LM head lives (else None: the model's own).
+        record: a distilled draft's shipped draft record, which SMC-SD's requests start from
+            (None: none shipped; requests probe the draft).
 
     """
 
@@ -71,6 +75,7 @@ class LoadedModel:
     path: str | None = None
     dtype: torch.dtype | None = None
     device: torch.device | None = None
+    record: DraftRecord | None = None
 
 
 AUTO_DTYPE = "auto"  # the fastest of the usual dtypes on the device at hand (``auto_dtype``)
