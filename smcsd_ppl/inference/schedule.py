@@ -236,7 +236,7 @@ class DraftSchedule:
     def _options(self, retrievable: bool) -> tuple[list[str], list[tuple[float, str, int]]]:
         """Proposals to probe, and (expected tokens per cost, proposal, length) of the others."""
         probes, known = [], []
-        draft_off = self.draft_off or not self._draft_pays()
+        draft_off = self.draft_off or self.planned_length() == 0
         for kind in self.candidates:
             if (USES_DRAFT[kind] and draft_off) or (kind != "draft" and not retrievable):
                 continue
