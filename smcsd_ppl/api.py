@@ -46,12 +46,11 @@ class SMCSD:
     Args:
         target: the target model, loaded (see ``smcsd_ppl.models``).
         draft: the draft model, loaded; its tokenizer must have the target's vocabulary.
-        chat: wrap text prompts in the tokenizer's chat template when it has one.
+        chat: wrap text prompts in the tokenizer's chat template (if it has one).
         max_cache_bytes: KV-cache budget of each backend (HF backend).
         backend: ``"hf"`` (batched KV caches in PyTorch, the default and the exactness
             reference) or ``"vllm"`` (both models on vLLM engines; see docs/scaling.md).
-        vllm_options: more ``vllm.LLM`` arguments for both engines (``tensor_parallel_size``,
-            ``max_model_len``, ...).
+        vllm_options: more ``vllm.LLM`` arguments for both engines (``tensor_parallel_size``, ...).
         engine: ``"compiled"``: ``ar`` and ``smcsd_paper`` on the static path's graphs.
         deterministic: the static path's fixed row bucket (both: ``engine.pair.PairCore``).
     """
@@ -100,8 +99,7 @@ class SMCSD:
             engine=engine,
             deterministic=deterministic,
         )
-        # RACER's index and cues, kept across calls only if the caller sets one (as the RACER
-        # reference does): faster on repeated content, but later outputs depend on earlier calls.
+        # RACER's index across calls, only if the caller sets one: later outputs then depend on earlier.
         self.retrieval_memory: RetrievalDrafter | None = None
         self._engine: Engine | None = None
 
@@ -114,16 +112,17 @@ class SMCSD:
         device: str = "cpu",
         dtype: str = "auto",
         threads: int | None = None,
+        draft_record: DraftRecord | None = None,
         **kwargs,
     ) -> SMCSD:
         """Load models by name: hub id, local path, ``None`` for the embedded default.
 
-        ``draft`` may also be ``"layers:N"``, the target's first N layers (a weak draft). With
-        ``backend="vllm"`` no model is built in PyTorch: each engine loads its model, and only
-        the tokenizer and the LM heads are read here (``models.checkpoint``). ``threads`` sets
-        torch's CPU threads (default: torch's own, one per core, or ``OMP_NUM_THREADS``); when
-        other processes keep the CPU busy while the models load, one warning says so.
-        Loading runs on the process's torch thread, as every later call does.
+        ``draft`` may also be ``"layers:N"``, the target's first N layers (a weak draft).
+        ``draft_record``: what SMC-SD's requests start from (None: what a distilled draft ships,
+        else nothing). With ``backend="vllm"`` no model is built in PyTorch: each engine loads
+        its model; the tokenizer and LM heads are read here (``models.checkpoint``). ``threads``:
+        torch's CPU threads (default: torch's, or ``OMP_NUM_THREADS``); a busy CPU while the
+        models load gets one warning. Loading runs on the process's torch thread, as calls do.
         """
         set_threads(threads)
         watch = LoadWatch()
@@ -133,6 +132,7 @@ class SMCSD:
         if load is not None and load.busy:
             note = f"{load.describe()}; pass threads=N to SMCSD.load, or set OMP_NUM_THREADS, to choose"
             warnings.warn(note, BusyCPUWarning, stacklevel=2)
+        pair.draft_record = pair.draft_record if draft_record is None else draft_record
         return pair
 
     @classmethod
@@ -164,7 +164,7 @@ class SMCSD:
     def calibrate(self, prompt: str, config: SMCConfig | None = None) -> DraftRecord:
         """Learn from one request how far this draft pays, and start every later request from that.
 
-        It replaces ``draft_record``: later calls' outputs and speed change; nothing else does that.
+        It replaces ``draft_record`` (at this machine's row cost); nothing else changes it.
         """
         config = config or SMCConfig()
 

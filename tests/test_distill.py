@@ -298,6 +298,21 @@ def test_eval_draft_defaults_to_held_out_prompts_and_honours_limit(tmp_path, cap
     assert "not one" in capsys.readouterr().err
 
 
+def test_a_pair_starts_from_the_record_it_is_given_shipped_none_or_a_file(tmp_path):
+    from smcsd_ppl.cli.loading import draft_record
+
+    lm = target()
+    lm.model.save_pretrained(tmp_path / "target")
+    lm.tokenizer.save_pretrained(tmp_path / "target")
+    record = DraftRecord(3.0, 1.0, row_cost=0.05)
+    (tmp_path / "record.json").write_text(json.dumps(record.as_json()))
+    assert draft_record("shipped") is None and draft_record("none") == DraftRecord()
+    assert draft_record(str(tmp_path / "record.json")) == record
+    given = SMCSD.load(str(tmp_path / "target"), "layers:1", dtype="fp32", draft_record=record)
+    assert given.draft_record == record
+    assert SMCSD.load(str(tmp_path / "target"), "layers:1", dtype="fp32").draft_record == DraftRecord()
+
+
 def test_shipped_draft_knows_its_training_prompts():
     from smcsd_ppl.batch import load_prompts
     from smcsd_ppl.distill import builtin_prompts

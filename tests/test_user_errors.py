@@ -60,6 +60,13 @@ CASES = [
     ("bench out is a directory", [*BENCH, "--out", "{d}"], b"", "not a regular file"),
     ("bench out under a file", [*BENCH, "--out", "{d}/a_file/r.jsonl"], b"", "is not a directory"),
     ("Spec-Bench record without turns", TURNS, b"", "no turns"),
+    ("draft record not a file", ["generate", "Hi", "--draft-record", "{d}/no.json"], b"", "--draft-record"),
+    (
+        "draft record not a record",
+        ["generate", "Hi", "--draft-record", "{d}/data.jsonl"],
+        b"",
+        "--draft-record",
+    ),
     (
         "batch record of unknown fields",
         ["batch", "{d}/unknown.jsonl", "--out", "{d}/u.jsonl"],

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
+import pathlib
 import warnings
 
 from .util import check_threads, err, status
@@ -54,7 +56,24 @@ def pair_options(args: argparse.Namespace) -> dict:
         "chat": not args.no_chat,
         "backend": args.backend,
         "vllm_options": {"tensor_parallel_size": args.tensor_parallel} if args.tensor_parallel > 1 else {},
+        "draft_record": draft_record(getattr(args, "draft_record", "shipped")),
     }
+
+
+def draft_record(spec: str):
+    """``--draft-record``: None for the draft's shipped record, an empty record, or one read from a file."""
+    from ..config import DraftRecord
+
+    if spec == "shipped":
+        return None
+    if spec == "none":
+        return DraftRecord()
+    try:
+        return DraftRecord.from_json(json.loads(pathlib.Path(spec).read_text(encoding="utf-8")))
+    except (OSError, ValueError) as err:  # a JSON syntax error is a ValueError too
+        raise ValueError(
+            f"--draft-record {spec!r}: {err} (give shipped, none, or a record's JSON file)"
+        ) from None
 
 
 @contextlib.contextmanager

@@ -38,6 +38,13 @@ def model_args(p: argparse.ArgumentParser, *, draft: bool = True) -> None:
             help="a directory made by `smcsd distill`, hub id, local path, or layers:N (default: the shipped "
             "distilled draft for the default target, else the target's first 2 layers)",
         )
+        g.add_argument(
+            "--draft-record",
+            default="shipped",
+            help="what SMC-SD's requests know of the draft before they start: shipped (default: the "
+            "record a distilled draft ships, else none), none (every request probes the draft), or a "
+            "JSON file of passed, failed, rates and row_cost",
+        )
     g.add_argument(
         "--dtype",
         default="auto",

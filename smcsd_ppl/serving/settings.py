@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..config import SMCConfig
+from ..config import DraftRecord, SMCConfig
 
 ENGINE_MODES = ("process", "thread")
 
@@ -26,6 +26,7 @@ class PairSpec:
     chat: bool = True
     backend: str = "hf"
     vllm_options: dict = field(default_factory=dict)
+    draft_record: DraftRecord | None = None
     factory: Callable[[], object] | None = None
 
     def load(self):
@@ -35,6 +36,7 @@ class PairSpec:
         from ..api import SMCSD
 
         options = dict(chat=self.chat, backend=self.backend, vllm_options=self.vllm_options or None)
+        options["draft_record"] = self.draft_record
         return SMCSD.load(
             self.target, self.draft, device=self.device, dtype=self.dtype, threads=self.threads, **options
         )
