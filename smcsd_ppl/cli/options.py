@@ -42,8 +42,8 @@ def model_args(p: argparse.ArgumentParser, *, draft: bool = True) -> None:
             "--draft-record",
             default="shipped",
             help="what SMC-SD's requests know of the draft before they start: shipped (default: the "
-            "record a distilled draft ships, else none), none (every request probes the draft), or a "
-            "JSON file of passed, failed, rates and row_cost",
+            "record a distilled draft ships, else none), none (requests probe the draft; a benchmark "
+            "learns it once first), or a JSON file of passed, failed, rates and row_cost",
         )
     g.add_argument(
         "--dtype",
