@@ -12,6 +12,8 @@ from .loading import load_pair
 from .options import SMC_DEFAULTS, command, smc_args, smc_config
 from .util import check_threads, err, progress
 
+NOT_DISTILLED = "--save-record writes a distilled draft's manifest; this draft is not one"
+
 
 def add_parser(sub) -> None:
     """Add the ``eval-draft`` subcommand to the ``smcsd`` parser."""
@@ -52,11 +54,13 @@ def _eval_draft(args: argparse.Namespace) -> int:
     texts = prompt_texts(args.prompts or ["short_answer"], args.categories, None)[: args.limit]
     if args.save_record and args.no_smc:
         raise ValueError("--save-record saves what the SMC-SD runs learn; drop --no-smc")
+    if args.save_record and args.draft is not None and _draft_dir(args.draft, None) is None:
+        raise ValueError(NOT_DISTILLED)  # before loading anything
     check_threads(args.threads)
     pair = load_pair(args, torch_models=True)
     draft_dir = _draft_dir(args.draft, pair)
     if args.save_record and draft_dir is None:
-        raise ValueError("--save-record writes a distilled draft's manifest; this draft is not one")
+        raise ValueError(NOT_DISTILLED)
     pair.draft_record = DraftRecord()  # the draft measured from nothing, not from its shipped record
     _warn_overlap(draft_dir, pair, texts)
     # the pass rate on the greedy tokens reads the TV cut SMC-SD runs with (the default's otherwise)
