@@ -256,6 +256,10 @@ def test_cli_distill_resume_and_eval_draft(tmp_path, capsys):
     assert SMCSD.load(str(model_dir), str(out / "draft"), dtype="fp32").draft_record == record
     assert main(save) == 0  # measured from nothing again, not from the record it wrote
     assert DraftRecord.from_json(json.loads((out / "draft" / MANIFEST).read_text())["record"]) == record
+    manifest = json.loads((out / "draft" / MANIFEST).read_text())
+    (out / "draft" / MANIFEST).write_text(json.dumps(manifest | {"record": {"passed": "many"}}))
+    with pytest.raises(ValueError, match="ships a bad draft record"):
+        SMCSD.load(str(model_dir), str(out / "draft"), dtype="fp32")
     tuned = tmp_path / "tuned"
     chi2 = [*args[: args.index("--out")], "--out", str(tuned), *args[args.index("--out") + 2 :]]
     assert main([*chi2, "--objective", "chi2", "--objective-temperature", "0.7", "--cut", "0.4"]) == 0

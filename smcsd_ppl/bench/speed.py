@@ -57,8 +57,8 @@ class SpeedRow:
 def learn_draft(pair: SMCSD, prompt: str, config: SMCConfig) -> None:
     """Give a pair with no draft record one learned from ``prompt`` (``SMCSD.calibrate``).
 
-    A benchmark runs as users do: a draft that ships a record is measured from it; a pair
-    without one learns once, as a served pair would, so no timed request probes the draft.
+    A draft that ships a record is measured from it, as users run it; a pair without one
+    learns once first, so that the timed requests measure drafting, not one probe each.
     """
     if pair.draft_record == DraftRecord():
         pair.calibrate(prompt, config)

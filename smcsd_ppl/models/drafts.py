@@ -154,7 +154,10 @@ def load_draft(directory: str | os.PathLike, target: LoadedModel) -> LoadedModel
         module.load_state_dict(state)  # strict: a missing or extra tensor is an error
         module.to(device=target.model.device, dtype=target.model.dtype)
     model.eval().requires_grad_(False)
-    record = DraftRecord.from_json(manifest["record"]) if "record" in manifest else None
+    try:
+        record = DraftRecord.from_json(manifest["record"]) if "record" in manifest else None
+    except ValueError as err:
+        raise ValueError(f"draft {str(path)!r} ships a bad draft record: {err}") from None
     return LoadedModel(model, target.tokenizer, draft_name(path), draft_source(path, manifest), record=record)
 
 
