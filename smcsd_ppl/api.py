@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from . import methods
 from .backends.base import BatchedLM, call_clock, call_stats
 from .backends.hf import DEFAULT_CACHE_BUDGET
-from .config import DraftRecord, SMCConfig, paper_settings
+from .config import DraftRecord, SMCConfig, checked_record, paper_settings
 from .engine.client import Engine
 from .engine.pair import PairCore
 from .engine.worker import torch_thread
@@ -125,6 +125,7 @@ class SMCSD:
         models load gets one warning. Loading runs on the process's torch thread, as calls do.
         """
         set_threads(threads)
+        draft_record = draft_record if draft_record is None else checked_record(draft_record)  # before cost
         watch = LoadWatch()
         built = functools.partial(cls._built, target, draft, device, dtype, kwargs)
         pair = built() if kwargs.get("backend") == "vllm" else torch_thread().run(built)  # see __init__
@@ -157,15 +158,12 @@ class SMCSD:
 
     draft_record = property(
         lambda self: self.core.draft_record,
-        lambda self, record: setattr(self.core, "draft_record", record),
+        lambda self, record: setattr(self.core, "draft_record", checked_record(record)),
         doc="What SMC-SD's adaptive drafting knows of this draft before a request (assign to change).",
     )
 
     def calibrate(self, prompt: str, config: SMCConfig | None = None) -> DraftRecord:
-        """Learn from one request how far this draft pays, and start every later request from that.
-
-        It replaces ``draft_record`` (at this machine's row cost); nothing else changes it.
-        """
+        """Learn how far this draft pays here from one request: later requests start from that record."""
         config = config or SMCConfig()
 
         def learn() -> DraftRecord:

@@ -213,3 +213,12 @@ class DraftRecord:
         except (TypeError, ValueError) as err:
             raise ValueError(f"a draft record's rates are [proposal, passed, failed] lists: {err}") from None
         return cls(obj.get("passed", 0.0), obj.get("failed", 0.0), rates, obj.get("row_cost"))
+
+
+def checked_record(record: object) -> DraftRecord:
+    """``record`` if it is a ``DraftRecord``; else a one-line ``ValueError`` saying what to pass."""
+    if not isinstance(record, DraftRecord):
+        raise ValueError(
+            f"a draft record must be a DraftRecord (DraftRecord() for none), got {type(record).__name__}"
+        )
+    return record

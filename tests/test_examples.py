@@ -85,6 +85,13 @@ def test_short_words(default_smcsd):
 
 
 @pytest.mark.slow
+def test_lipogram(default_smcsd):
+    out = run("lipogram", default_smcsd, 24)
+    assert out.token_ids and "e" not in out.text.lower()
+    assert out.smc.particles and len(out.smc.particles) == 4  # a program with a condition keeps its N
+
+
+@pytest.mark.slow
 def test_arithmetic_cfg(default_smcsd):
     out = run("arithmetic_cfg", default_smcsd, 8)
     assert re.fullmatch(r"[0-9+\-*/()]*", out.text) and out.text

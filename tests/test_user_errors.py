@@ -20,7 +20,7 @@ import time
 import pytest
 from helpers import ROOT, assert_one_line_error, run_cli
 
-from smcsd_ppl import SMCSD, SMCConfig, models
+from smcsd_ppl import SMCSD, SMCConfig, api, models
 from smcsd_ppl.batch import Prompt
 from smcsd_ppl.batch.records import prompt_digest
 from smcsd_ppl.batch.run import settings_before_loading
@@ -133,6 +133,7 @@ CASES = [
         b"",
         "runs the target in PyTorch",
     ),
+    ("unknown lipogram form", ["compare-lipogram", "--forms", "regex,bogus"], b"", "unknown form 'bogus'"),
     *(
         (f"{command} on vLLM", [command, "--backend", "vllm", *more], b"", "runs the models in PyTorch")
         for command, more in [
@@ -293,6 +294,15 @@ def test_help_is_fast_and_imports_no_torch():
         env=os.environ | {"PYTHONPATH": str(ROOT)},
     )
     assert run.stdout.strip() == "[]", run.stderr
+
+
+def test_a_draft_record_that_is_no_record_is_refused_before_loading(monkeypatch):
+    def loading(*_args, **_kwargs):
+        raise AssertionError("a model was loaded for a call that is refused")
+
+    monkeypatch.setattr(api, "load_model", loading)
+    with pytest.raises(ValueError, match="must be a DraftRecord .DraftRecord.. for none., got str"):
+        SMCSD.load(draft_record="none")
 
 
 def test_lazy_exports_still_work():

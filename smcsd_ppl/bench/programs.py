@@ -47,20 +47,29 @@ def compare_program(
     on_run: Callable[[str], None] | None = None,
 ) -> list[ProgramRow]:
     """Run the program ``repeats`` times each way, interleaved, with the same seeds and N."""
+    ways = {mode: (make_program, mode == "token-level") for mode in MODES}
+    return [row_of(mode, recs) for mode, recs in run_ways(pair, ways, config, repeats, on_run).items()]
+
+
+def run_ways(pair: SMCSD, ways: dict, config: SMCConfig, repeats: int, on_run=None) -> dict[str, list]:
+    """Each way's (result, target log p per token) of every repeat, the ways interleaved, same seeds.
+
+    ``ways``: name -> (program factory, whether it runs token-level).
+    """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
-    runs: dict[str, list] = {m: [] for m in MODES}
+    runs: dict[str, list] = {name: [] for name in ways}
     for rep in range(repeats):
-        for mode in MODES:
-            cfg = dataclasses.replace(config, seed=config.seed + rep, token_level=mode == "token-level")
+        for name, (make_program, token_level) in ways.items():
+            cfg = dataclasses.replace(config, seed=config.seed + rep, token_level=token_level)
             program = make_program()
             [out] = pair.run([program], cfg)
             prompt = program.main_context.prompt
             prompt_ids = pair.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            runs[mode].append((out, target_loglik_per_token(pair, prompt_ids, out.token_ids)))
+            runs[name].append((out, target_loglik_per_token(pair, prompt_ids, out.token_ids)))
             if on_run is not None:
-                on_run(mode)
-    return [_row(mode, recs) for mode, recs in runs.items()]
+                on_run(name)
+    return runs
 
 
 def _median(values) -> float:
@@ -68,7 +77,8 @@ def _median(values) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def _row(mode: str, recs: list) -> ProgramRow:
+def row_of(mode: str, recs: list) -> ProgramRow:
+    """One way's row from its records (medians; ``valid``: a share)."""
     outs = [out for out, _ in recs]
     return ProgramRow(
         mode,

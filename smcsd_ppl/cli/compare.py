@@ -36,6 +36,15 @@ def add_parser(sub) -> None:
     cp.add_argument("--repeats", type=int, default=3, help="runs each way (medians reported)")
     smc_args(cp)
     cp.set_defaults(run=_compare_program)
+    lp = command(
+        sub,
+        "compare-lipogram",
+        'the no-"e" program three ways: a condition inside extend(), a regex, a condition after the block',
+    )
+    lp.add_argument("--forms", default="condition,regex,after", help="comma-separated forms to run")
+    lp.add_argument("--limit", type=int, default=None, help="the first LIMIT of the 4 built-in prompts")
+    side_by_side_args(lp, max_new_tokens=32)
+    lp.set_defaults(run=_compare_lipogram)
 
 
 def side_by_side_args(p: argparse.ArgumentParser, *, max_new_tokens: int) -> None:
@@ -136,7 +145,43 @@ def _compare_program(args: argparse.Namespace) -> int:
         f"N={config.n_particles}, K={config.block_size}, T_d={config.draft_temperature}, "
         f"T_t={config.target_temperature}; medians of {args.repeats} repeat(s)"
     )
-    print("| mode | valid | tokens/s | tokens | target calls | log p/tok | log Z | mean ESS | output |")
+    _program_table(rows, "mode")
+    print(summary(rows))
+    return 0
+
+
+def _compare_lipogram(args: argparse.Namespace) -> int:
+    from ..bench.lipogram import FORMS, PROMPTS, compare_lipogram
+
+    forms = [f if f in FORMS else _unknown("form", f, FORMS) for f in csv(args.forms, str, "--forms")]
+    prompts = PROMPTS[: args.limit] if args.limit else PROMPTS
+    check_threads(args.threads)
+    pair = load_pair(args)
+    with progress(args.repeats * len(prompts) * len(forms), "runs") as bar:
+        done = [0]
+
+        def tick(_form: str) -> None:
+            done[0] += 1
+            bar(done[0])
+
+        rows = compare_lipogram(
+            pair, smc_config(args), prompts=prompts, forms=forms, repeats=args.repeats, on_run=tick
+        )
+    print(
+        f"N={args.particles}, K={args.block_size}, T={args.temperature} for both models, max "
+        f"{args.max_new_tokens} new tokens, {len(prompts)} prompt(s) x {args.repeats} repeat(s): medians"
+    )
+    _program_table(rows, "form")
+    regex = next((r.tokens_per_second for r in rows if r.mode == "regex"), 0.0)
+    for r in rows:
+        if r.mode != "regex" and regex and r.tokens_per_second:
+            print(f"{r.mode} runs at {r.tokens_per_second / regex:.2f}x the regex form")
+    return 0
+
+
+def _program_table(rows, first: str) -> None:
+    """Program rows as a markdown table (``first``: what the rows are)."""
+    print(f"| {first} | valid | tokens/s | tokens | target calls | log p/tok | log Z | mean ESS | output |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         text = r.example.replace("|", "\\|").replace("\n", " ")[:40]
@@ -144,8 +189,6 @@ def _compare_program(args: argparse.Namespace) -> int:
             f"| {r.mode} | {r.valid:.0%} | {r.tokens_per_second:.2f} | {r.tokens:.0f} | "
             f"{r.target_calls:.0f} | {r.loglik_per_token:.2f} | {r.log_z:.2f} | {r.mean_ess:.2f} | {text} |"
         )
-    print(summary(rows))
-    return 0
 
 
 def _load_program(spec: str):

@@ -207,7 +207,7 @@ class EngineCore:
     def _kernel(self, config: SMCConfig) -> SMCSDKernel:
         """The kernel of a batch of ``config``'s shared settings (the base's own, when it shares them)."""
         c = self.base if shared_key(config) == shared_key(self.base) else config
-        return SMCSDKernel(self.pair.store, c, self.pair.eos_for(c), self.pair.decode)
+        return SMCSDKernel(self.pair.store, c, self.pair.eos_for(c), self.pair.decode, self.pair.conditions)
 
     # A cycle, and what it tells.
     async def _cycle(self) -> list[Output]:

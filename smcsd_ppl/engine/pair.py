@@ -14,6 +14,8 @@ from ..config import DraftRecord, SMCConfig
 from ..inference.rows import RowStore
 from ..inference.static_engine import DETERMINISTIC_ROWS, StaticEngine, graph_mode
 from ..models import LoadedModel
+from ..potentials.conditions import Conditions
+from ..potentials.constraints import special_ids
 from ..text import check_token_ids, encode_prompt, whole_characters
 
 STATIC_METHODS = ("ar", "smcsd_paper")
@@ -70,6 +72,7 @@ class PairCore:
         # request starts from and none changes (assign a learned one to change it); a
         # distilled draft may ship one.
         self.draft_record = (draft.record if draft is not None else None) or DraftRecord()
+        self._conditions: Conditions | None = None
 
     @classmethod
     def over(
@@ -142,6 +145,18 @@ class PairCore:
         a result's text is what its stream joins into.
         """
         return whole_characters(self.decode_bytes(ids))
+
+    @property
+    def conditions(self) -> Conditions:
+        """The programs' per-token conditions over this vocabulary (each test applied once)."""
+        if self._conditions is None:
+            self._conditions = Conditions(self._pieces, self.eos_token_ids)
+        return self._conditions
+
+    def _pieces(self) -> list[str | None]:
+        """Each token's text, by id (None: a special token, which no condition lets through)."""
+        special = special_ids(self.tokenizer) if self.tokenizer is not None else set()
+        return [None if i in special else self.decode_bytes([i]) for i in range(self.target_lm.vocab_size)]
 
     def decode_bytes(self, ids: Sequence[int]) -> str:
         """Text of token ids (special tokens dropped), U+FFFD where bytes are not yet a character."""

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from llamppl import Model
 
+from ..potentials.conditions import Conditions
 from ..potentials.constraints import Constraint
 from ..potentials.twist import Twister
 from .blocks import BlockRequest, CycleAnswer, CycleRequest, RowConstraint, ScoredBlock, check_constraint
@@ -79,7 +80,8 @@ class Runtime:
     """What one step shares with the particles it steps (made by each step, bound to its copies).
 
     ``generator`` is the step's host generator: token-level draws use it; ``twist``: how
-    hard constraints are twisted by their future validity (None: they are not).
+    hard constraints are twisted by their future validity (None: they are not);
+    ``conditions``: the vocabulary's per-token conditions (None: ``extend(condition=...)`` is refused).
     """
 
     barrier: CycleBarrier
@@ -88,6 +90,7 @@ class Runtime:
     eos: frozenset[int]
     generator: torch.Generator
     twist: Twister | None = None
+    conditions: Conditions | None = None
 
 
 class SMCSDModel(Model):
@@ -165,7 +168,11 @@ class SMCSDModel(Model):
         await self.extend()
 
     async def extend(
-        self, constraint=None, mode: str | None = None, context: LMContext | None = None
+        self,
+        constraint=None,
+        mode: str | None = None,
+        context: LMContext | None = None,
+        condition: Callable[[str], bool] | None = None,
     ) -> ScoredBlock:
         """Draft up to K tokens, score them with the target, weight, and commit them with the bonus.
 
@@ -179,6 +186,12 @@ class SMCSDModel(Model):
             mode: ``"proposal"`` (the draft samples only allowed tokens) or ``"critic"``
                 (the block is cut before its first impossible token). Defaults to ``self.mode``.
             context: the context to extend (default: the main context).
+            condition: a test every emitted token's text must pass (``piece -> bool``), such
+                as ``lambda piece: "e" not in piece``. It is applied once to each token of
+                the vocabulary and enters as a hard constraint (with ``constraint``, both):
+                the draft proposes, and the target draws, only passing tokens, and the
+                weight carries the mass they kept, so no block is thrown away for one token.
+                It must depend on the token's text alone (it is remembered by its code).
 
         Finishes the particle at an EOS token (drafted or bonus), when the context's
         ``max_new_tokens`` is reached, or when the constraint allows nothing more. Under the
@@ -194,8 +207,7 @@ class SMCSDModel(Model):
                 f"{type(self).__name__} is not bound to a run: run it with SMCSD.run or "
                 "smcsd_ppl.llamppl.smc_standard (llamppl.smc_standard cannot batch its blocks)"
             )
-        constraint = self.constraint if constraint is None else constraint
-        check_constraint(constraint)
+        constraint = self._constraint_of(constraint, condition)
         row_constraint = None if constraint is None else self._row_constraint(constraint, mode, ctx)
         budget = self.runtime.max_new_tokens - len(ctx.generated)
         request = BlockRequest(ctx.row, budget, row_constraint, ctx.take_unsent(), ctx.mask)
@@ -212,6 +224,16 @@ class SMCSDModel(Model):
         elif block.log_future is not None:
             self.twist(block.log_future)
         return block
+
+    def _constraint_of(self, constraint, condition) -> Constraint | None:
+        """The block's hard constraint: the one given (else the program's), and the condition's mask."""
+        constraint = self.constraint if constraint is None else constraint
+        check_constraint(constraint)
+        if condition is None:
+            return constraint
+        if self.runtime.conditions is None:
+            raise ValueError("extend(condition=...) needs a run over a pair (SMCSD.run, or the engine)")
+        return self.runtime.conditions.constraint(condition, constraint)
 
     def _row_constraint(self, constraint, mode: str | None, ctx) -> RowConstraint:
         """The block's constraint, under the run's twist: exact (a ``FutureValidity``), or estimated."""

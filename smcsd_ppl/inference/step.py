@@ -24,6 +24,7 @@ import torch
 from .. import smc
 from ..config import DraftRecord, SMCConfig
 from ..ends import row_ends
+from ..potentials.conditions import Conditions
 from ..potentials.twist import Twister
 from ..proposals.blocks import RequestIndex
 from . import proposing
@@ -78,10 +79,19 @@ class SMCSDKernel:
         config: the run's settings (an admitted request may bring its own).
         eos: EOS ids in force.
         decode: token ids -> text, for the particles' ``text``.
+        conditions: the vocabulary's per-token conditions (``extend(condition=...)``; None: refused).
     """
 
-    def __init__(self, store: RowStore, config: SMCConfig, eos: Sequence[int], decode: Callable) -> None:
+    def __init__(
+        self,
+        store: RowStore,
+        config: SMCConfig,
+        eos: Sequence[int],
+        decode: Callable,
+        conditions: Conditions | None = None,
+    ) -> None:
         self.store, self.config, self.eos, self.decode = store, config, frozenset(int(e) for e in eos), decode
+        self.conditions = conditions
         self.draft_cost = draft_step_cost(
             getattr(store.draft, "n_params", None), getattr(store.target, "n_params", None)
         )
@@ -237,7 +247,8 @@ class SMCSDKernel:
         """What a request's particles share in a step: the barrier, its budget, its token-level draws."""
         generator = host_generator(mix64(step_key(pop.seed, pop.cycles + 1)) >> 1)
         c = self.settings(pop)
-        return Runtime(barrier, c.max_new_tokens, self.decode, self.eos, generator, self._twister(c))
+        twist = self._twister(c)
+        return Runtime(barrier, c.max_new_tokens, self.decode, self.eos, generator, twist, self.conditions)
 
     def _twister(self, c: SMCConfig) -> Twister | None:
         """The twist of requests with settings ``c`` (one per setting: its dynamic programmes are kept)."""
