@@ -25,7 +25,8 @@ def main(pair=None, config=None):
     )
     [out] = pair.run([Lipogram("Describe a cat in two sentences.")], config)
     print(out.text)
-    print(f'letters "e": {out.text.lower().count("e")}; mean ESS {out.smc.mean_ess:.2f} of {config.n_particles}')
+    letters = out.text.lower().count("e")
+    print(f'letters "e": {letters}; mean ESS {out.smc.mean_ess:.2f} of {config.n_particles}')
     return out
 
 

@@ -220,6 +220,16 @@ def test_kv_budget_is_checked_up_front(tiny_models, method):
     assert smc.target_lm.stats.calls == calls  # refused before any forward
 
 
+@pytest.mark.parametrize("method", ["smcsd", "sd", "ar"])
+def test_an_idle_pair_holds_no_rows_and_answers_as_before(tiny_models, method):
+    pair = SMCSD(*tiny_models)
+    first = pair.generate(PROMPTS, method=method, config=cfg())
+    for lm in (pair.target_lm, pair.draft_lm):
+        assert lm.n_rows == 0 and lm.cache_bytes == 0, lm.name
+    again = pair.generate(PROMPTS, method=method, config=cfg())
+    assert [g.token_ids for g in again] == [g.token_ids for g in first]
+
+
 def test_different_tokenizers_raise(tiny_models):
     target, _ = tiny_models
     other = tiny.mismatched_draft()

@@ -120,6 +120,13 @@ def test_health_models_and_metrics(tiny_server):
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
 
 
+def test_an_idle_server_holds_no_kv_cache(tiny_server):
+    for body in (CHAT | {"n_particles": 4, "max_tokens": 8}, CHAT):
+        assert tiny_server.post("/v1/chat/completions", json=body).status_code == 200
+        wait_idle(tiny_server)
+        assert gauge(tiny_server, "smcsd_kv_cache_bytes") == 0
+
+
 def test_openapi_lists_the_smcsd_fields_and_types_are_checked_by_the_models(tiny_server):
     spec = tiny_server.get("/openapi.json").json()
     schemas = spec["components"]["schemas"]

@@ -64,6 +64,8 @@ class BatchedLM(Protocol):
     A backend may subclass this protocol to inherit ``prefill``, ``extend`` (their checks,
     then its own ``_prefill(prompts, hidden)`` and ``_extend(tokens, valid, hidden, vocab)``)
     and ``keep_hidden_states``, as the HF and vLLM backends do; the mock only matches it.
+    A backend whose rows hold memory of their own may define ``release()``: drop every row
+    and free it (the next ``prefill`` starts afresh); the engine calls it when it goes idle.
     """
 
     name: str  # names the backend in error messages

@@ -77,6 +77,11 @@ class HFBatchedLM(BatchedLM, TreeOps):
         """Bytes the KV cache holds now (its capacity, for every row held)."""
         return self.cache.nbytes if self.cache is not None else 0
 
+    def release(self) -> None:
+        """Drop every row and free the KV cache (the next ``prefill`` starts afresh)."""
+        self.cache, self.hidden, self.tree_width = None, None, 0
+        self.lengths, self.bound = self.lengths.new_zeros(0), []
+
     def _prefill(self, prompts: Sequence[Sequence[int]], hidden) -> torch.Tensor:
         """``BatchedLM.prefill``'s forward: the prompts left-padded, one forward."""
         ids, valid = pad_left(prompts)

@@ -62,6 +62,11 @@ class MockLM(TreeOps):
         """Rows currently held."""
         return self.history.shape[0]
 
+    def release(self) -> None:
+        """Drop every row (the next ``prefill`` starts afresh)."""
+        self.history = torch.zeros(0, 0, dtype=torch.long)
+        self.rows = RowMask(torch.zeros(0, 0, dtype=torch.bool))
+
     def next_logits(self, context: Sequence[int]) -> torch.Tensor:
         """Logits ``[V]`` after a token sequence (missing history reads as token 0)."""
         last = [0] * max(0, self.order - len(context)) + list(context)[-self.order :]

@@ -125,13 +125,23 @@ class EngineCore:
         if self.running:
             self._loop = self._loop or asyncio.new_event_loop()
             outputs += self._loop.run_until_complete(self._cycle())
-        return outputs
+        return self._rested(outputs)
 
     async def astep(self) -> list[Output]:
         """``step`` from a running event loop (a call must then not start a loop of its own)."""
         outputs = self._boundary()
         if self.running:
             outputs += await self._cycle()
+        return self._rested(outputs)
+
+    def _rested(self, outputs: list[Output]) -> list[Output]:
+        """``outputs``, after freeing the rows once nothing waits or runs.
+
+        A new batch prefills into fresh caches, so rows kept past the last request would hold
+        their memory for nothing (a burst's hundreds of MB, on a server that then sits idle).
+        """
+        if not self.has_work and not self.state.populations and self.pair.store.release():
+            self._publish()
         return outputs
 
     def close(self) -> None:

@@ -11,6 +11,7 @@ sends it, so a refusal is immediate; its reader thread hands the child's outputs
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import multiprocessing
 import os
 import signal
@@ -226,7 +227,10 @@ def _engine_main(conn, spec, base: SMCConfig, max_rows: int) -> None:
         while conn.poll(wait):  # every message that has arrived, then a step
             done, failed = _take(conn.recv(), core, pair.core)
             closing, refused, wait = closing or done, refused + failed, 0
-        outputs = refused + (core.step() if core.has_work else [])
+        busy = core.has_work
+        outputs = refused + (core.step() if busy else [])
+        if busy and not core.has_work:  # idle now: the rows are freed (``EngineCore``), and so is the heap
+            _trim_heap()
         if outputs or time.monotonic() - told > HEARTBEAT_SECONDS:  # a cycle with nothing to tell says so
             conn.send(([replace(o, population=None) for o in outputs], core.stats))
             told = time.monotonic()
@@ -237,6 +241,16 @@ def _engine_main(conn, spec, base: SMCConfig, max_rows: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _trim_heap() -> None:
+    """Hand the C allocator's free pages back to the system (glibc), so an idle engine's RSS is what it holds.
+
+    A cycle's activations are freed into the allocator's arenas, which keep them: after a burst
+    the process would stay as large as its largest cycle, and vary with whichever that was.
+    """
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).malloc_trim(0)
 
 
 def _take(message: tuple, core: EngineCore, pair) -> tuple[bool, list[Output]]:

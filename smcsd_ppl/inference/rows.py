@@ -302,6 +302,21 @@ class RowStore:
         if self.reads_hidden and self.draft_hidden:
             self.draft_hidden = [self.draft_hidden[r] for r in rows]
 
+    def release(self) -> bool:
+        """Drop every row of both models and free what they hold, where both backends can.
+
+        Returns whether it did. The next ``start`` prefills afresh, as it always does.
+        """
+        backends = (self.target, self.draft)  # a fork to no rows empties only the store's lists
+        if not any(lm.n_rows for lm in backends) or not all(hasattr(lm, "release") for lm in backends):
+            return False
+        for lm in backends:
+            lm.release()
+        self.draft_ready = False
+        self.target_pending, self.draft_pending, self.draft_hidden = [], [], []
+        self.known, self.known_hidden = [], []
+        return True
+
     def check_finite(self) -> None:
         """Raise if either backend produced NaN logits since the last check (one host read)."""
         check_finite(self.target, self.draft)
