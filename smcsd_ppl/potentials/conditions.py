@@ -84,7 +84,7 @@ class Conditions:
     """The token conditions of one vocabulary: each test applied to every token once, remembered.
 
     A test is remembered by its code, defaults and captured values, so the same lambda written
-    in a program's ``step`` is applied once per run, not once per step. It must therefore
+    in a program's ``step`` is applied once for the pair, not once per step. It must therefore
     depend on the token's text alone.
 
     Args:
