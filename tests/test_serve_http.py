@@ -173,13 +173,22 @@ def test_a_completion_carries_text_usage_and_smc_diagnostics(tiny_server):
     [choice] = body["choices"]
     assert choice["finish_reason"] in ("stop", "length") and isinstance(choice["text"], str)
     smc = choice["smcsd"]
-    assert smc["seed"] == 7 and smc["n_particles"] == 4 and smc["block_size"] == 3
+    assert smc["seed"] == 7 and smc["n_particles"] == 4 and smc["block_size"] == 3 and smc["twist"] is None
     assert {"log_z", "mean_ess", "n_resamples", "tokens_per_target_call"} <= set(smc)
     usage = body["usage"]
     assert (
         usage["completion_tokens"] <= 6
         and usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
     )
+
+
+@pytest.mark.parametrize("twist", ["structure", "lookahead"])
+def test_a_constrained_completion_reports_its_twist(tiny_server, twist):
+    ask = {"model": MODEL, "prompt": "The quick brown", "seed": 7, "regex": "(yes|no)", "twist": twist}
+    response = tiny_server.post("/v1/completions", json=ask)
+    assert response.status_code == 200, response.text
+    [choice] = response.json()["choices"]
+    assert choice["text"] in ("yes", "no") and choice["smcsd"]["twist"] == twist
 
 
 def test_a_request_drafts_the_block_size_it_asks_for(tiny_server, monkeypatch):

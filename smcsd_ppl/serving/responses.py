@@ -131,6 +131,7 @@ def diagnostics(gen: Generation, request) -> dict:
         "seed": c.seed,
         "n_particles": c.n_particles,
         "block_size": c.block_size,
+        "twist": c.twist,  # how a constraint was twisted (None: not at all)
     }
     smc, stats = gen.smc, gen.stats
     if smc is not None:
