@@ -13,7 +13,7 @@ import math
 
 import pytest
 import torch
-from helpers import EOS, NoOneZero, V, exact_target, mock_pair, satisfies, smc, total_variation
+from helpers import EOS, NoOneZero, V, exact_target, marginal_tv, mock_pair, satisfies, smc, total_variation
 from test_constraints_exact import z_weighted
 
 from smcsd_ppl.inference import constrained
@@ -82,6 +82,19 @@ def test_the_check_fails_when_the_restricted_draft_is_not_renormalized(monkeypat
     target, results = run_without_zero(RUNS, seed=11)
     z_error, tv = weighting_errors(target, results)
     assert z_error > 4 or tv > TV_LIMIT, (z_error, tv)
+
+
+@pytest.mark.parametrize("n", [pytest.param(32, marks=pytest.mark.slow), 1])
+def test_the_outputs_returned_follow_the_conditioned_target(n):
+    # What the user gets back, not a Z-pooled estimate: the returned outputs' token marginals
+    # against the exact law. One particle returns a draft sample, which the same check must see.
+    target, draft = mock_pair()
+    exact, _ = conditioned_target(target)
+    programs = [WithoutZero(PROMPT) for _ in range(2000)]
+    cfg = dict(max_new_tokens=H, draft_temperature=1.0, seed=3, n_particles=n, block_size=2)
+    outs = [r.token_ids for r in smc(target, draft, programs, **cfg)]
+    tv = marginal_tv(outs, exact, H)
+    assert tv < 0.05 if n > 1 else tv > 0.1, tv
 
 
 class WithoutTwoAndNoOneZero(SMCSDModel):

@@ -133,6 +133,7 @@ CASES = [
         b"",
         "runs the target in PyTorch",
     ),
+    ("lipogram limit below one", ["compare-lipogram", "--limit", "0"], b"", "--limit must be >= 1, got 0"),
     ("unknown lipogram form", ["compare-lipogram", "--forms", "regex,bogus"], b"", "unknown form 'bogus'"),
     *(
         (f"{command} on vLLM", [command, "--backend", "vllm", *more], b"", "runs the models in PyTorch")

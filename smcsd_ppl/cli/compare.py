@@ -154,7 +154,9 @@ def _compare_lipogram(args: argparse.Namespace) -> int:
     from ..bench.lipogram import FORMS, PROMPTS, compare_lipogram
 
     forms = [f if f in FORMS else _unknown("form", f, FORMS) for f in csv(args.forms, str, "--forms")]
-    prompts = PROMPTS[: args.limit] if args.limit else PROMPTS
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {args.limit}")
+    prompts = PROMPTS[: args.limit]
     check_threads(args.threads)
     pair = load_pair(args)
     with progress(args.repeats * len(prompts) * len(forms), "runs") as bar:
