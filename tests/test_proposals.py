@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -27,13 +28,17 @@ def test_unknown_proposals_are_probed_side_by_side_only_where_retrieval_knows_so
     assert costly.advanced(retrievable=True).plan == (("draft", 4), ("retrieval", 8))
 
 
-def test_the_schedule_runs_the_proposal_that_pays_and_keeps_n_particles_for_it():
+def test_the_schedule_runs_the_proposal_that_pays_with_n_particles_where_weights_differ():
     weak_draft = DraftSchedule(8, 6, plain=True, cost=0.4, passed=1, failed=20, candidates=BOTH)
     weak_draft = weak_draft.advanced()  # nothing to retrieve: the target alone, one particle
     assert weak_draft.plan == (("target", 0),) and weak_draft.n_particles() == 1
     copying = DraftSchedule(8, 6, True, 0.4, 1, 20, candidates=BOTH, others=(("retrieval", 8.0, 0.2),))
     plan = copying.advanced(retrievable=True)
-    assert plan.plan == (("retrieval", 8),) and plan.n_particles() == 6  # weights need N particles
+    # The target checks each retrieved token: a plain request's weights stay equal, one particle
+    # will do; any other request's weights differ, which needs its N particles.
+    assert plan.plan == (("retrieval", 8),) and plan.n_particles() == 1
+    steered = replace(copying, plain=False).advanced(retrievable=True)
+    assert steered.plan == (("retrieval", 8),) and steered.n_particles() == 6
     poor = DraftSchedule(
         8, 6, True, 0.4, 1, 20, candidates=BOTH, others=(("retrieval", 0.5, 8.0),), row_cost=0.1
     )
@@ -124,41 +129,73 @@ def test_the_copy_benchmark_reads_spec_bench_categories_and_our_edits(tmp_path):
     assert plot(rows, tmp_path / "p.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("stop", [False, True])
-def test_a_retrieval_rows_weight_divides_by_the_mixture_with_the_target(stop):
-    # The weight formula itself, at alpha = 2: kept tokens and a bonus after a stop for the target
-    # weigh p^alpha / ((1 - s) r + s p~); a bonus after the block's length weighs log Z. Mutants:
-    # log q taken as log r fails both cases, the stop's bonus weighed as log Z fails the second.
+def checked_blocks():
+    """20,000 rows retrieve 2 tokens from r and the target checks them (alpha = 2, token 3 forbidden).
+
+    Returns the verdict, each row's first emitted token and the one after, and p~ (the
+    normalized power times the factor) and its log Z at the three positions.
+    """
+    from smcsd_ppl.proposals.blocks import Retrieval
     from smcsd_ppl.verification import BlockBatch, verify_blocks
 
-    alpha, s, k = 2.0, 1 / 16, 2
-    logits = torch.randn(1, k + 1, 4, generator=torch.Generator().manual_seed(5))
-    r = torch.tensor([[[0.5, 0.5, 0.0, 0.0], [0.0, 0.25, 0.75, 0.0]]])
-    tokens = torch.tensor([[1, 2]])
+    n, k, alpha, g = 20_000, 2, 2.0, torch.Generator().manual_seed(5)
+    logits = torch.randn(1, k + 1, 4, generator=g).expand(n, k + 1, 4)
+    factor = torch.tensor([0.0, 0.0, 0.0, -math.inf]).expand(n, k + 1, 4)
+    r = torch.tensor([[0.6, 0.3, 0.1, 0.0], [0.1, 0.2, 0.7, 0.0]])  # far from p~
+    retrieval, tokens, logq = Retrieval([], [], 4), [], []
+    for j in range(k):
+        t, log_r = retrieval.draw(list(range(n)), r[j].expand(n, 4), torch.rand(n, generator=g))
+        tokens.append(t)
+        logq.append(log_r)
     batch = BlockBatch(
-        tokens=tokens,
-        draft_logq=r[0, [0, 1], [1, 2]].log()[None],
-        limit=torch.tensor([1 if stop else k]),
-        stops=torch.tensor([False]),
-        dead=torch.tensor([False]),
-        lead_log_w=torch.zeros(1),
-        draft_probs=r,
-        target_share=torch.tensor([s]),
-        stopped_at=torch.tensor([1 if stop else -1]),
+        tokens=torch.tensor(tokens).T,
+        draft_logq=torch.tensor(logq).T,
+        limit=torch.full((n,), k),
+        stops=torch.zeros(n, dtype=torch.bool),
+        dead=torch.zeros(n, dtype=torch.bool),
+        lead_log_w=torch.zeros(n),
+        draft_probs=r.expand(n, k, 4),
+        log_factor=factor,
+        retrieved=torch.ones(n, dtype=torch.bool),
+        checks=torch.tensor([retrieval.checks[i] for i in range(n)], dtype=torch.float64),
     )
-    verdict = verify_blocks(
-        logits, batch, torch.rand(1, generator=torch.Generator().manual_seed(0)), alpha=alpha
-    )
-    tilted = alpha * torch.log_softmax(logits[0], -1)  # [k+1, V]
-    p = torch.softmax(tilted, -1)  # the normalized power p~
+    v = verify_blocks(logits, batch, torch.rand(n, generator=g), alpha=alpha)
+    emitted = torch.cat([batch.tokens, v.bonus[:, None]], 1)
+    first = torch.where(v.kept > 0, emitted[:, 0], v.bonus)
+    second = torch.where(v.kept > 1, emitted[:, 1], v.bonus)
+    tilted = alpha * torch.log_softmax(logits[0], -1) + factor[0]
+    return v, first, second, torch.softmax(tilted, -1), torch.logsumexp(tilted, -1)
 
-    def term(j, x):
-        rx = float(r[0, j, x]) if j < k else 0.0
-        return float(tilted[j, x]) - math.log((1 - s) * rx + s * float(p[j, x]))
 
-    kept = 1 if stop else k
-    bonus = int(verdict.bonus[0])
-    expect = sum(term(j, int(tokens[0, j])) for j in range(kept))
-    expect += term(kept, bonus) if stop else float(torch.logsumexp(tilted[kept], -1))
-    assert int(verdict.kept[0]) == kept and bool(verdict.has_bonus[0])
-    assert float(verdict.log_w[0]) == pytest.approx(expect, abs=1e-5)
+def law(tokens: torch.Tensor) -> torch.Tensor:
+    return torch.bincount(tokens, minlength=4).double() / len(tokens)
+
+
+@pytest.mark.parametrize("residual", [True, False])
+def test_the_target_checks_retrieved_tokens_so_each_follows_it_exactly(residual, monkeypatch):
+    # The check keeps a retrieved x with chance min(1, p~(x) / r(x)), and the bonus after the
+    # first refusal comes from the residual: each emitted token follows p~ (TV noise ~0.01 at
+    # 20,000 rows) and weighs log Z where it was drawn. The mutant (the bonus after a refusal
+    # from p~, not the residual (p~ - r)+) moves the first token's law by about 0.2.
+    from smcsd_ppl.verification import smcsd as verification
+
+    if not residual:
+        real = verification.checked_retrieval
+
+        def mutant(*args):
+            first, logq, spare = real(*args)
+            return first, logq, torch.zeros_like(spare)  # no residual: the caller draws from p~
+
+        monkeypatch.setattr(verification, "checked_retrieval", mutant)
+    v, first, second, p, log_z = checked_blocks()
+    tv_first = 0.5 * float((law(first) - p[0].double()).abs().sum())
+    went_on = v.kept > 0
+    tv_second = 0.5 * float((law(second[went_on]) - p[1].double()).abs().sum())
+    print(f"residual={residual}: TV of the first token {tv_first:.3f}, of the second {tv_second:.3f}")
+    if not residual:
+        assert tv_first > 0.1
+        return
+    assert tv_first < 0.02 and tv_second < 0.02 and not bool((first == 3).any())
+    expect = torch.cumsum(log_z, 0)[v.kept]  # log Z at each emitted position
+    assert torch.allclose(v.log_w, expect, atol=1e-5)
+    assert bool(v.has_bonus.all()) and 0 < float(went_on.float().mean()) < 1

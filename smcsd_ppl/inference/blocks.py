@@ -102,8 +102,7 @@ class DraftedBlock:
     dead: bool = False  # the constraint allowed nothing where the block ends: zero weight
     fed: int = 0  # drafted tokens the draft model has read (k-1, fewer after forced tokens)
     allowed: list[torch.Tensor] = field(default_factory=list)  # [V] per position: a proposal mask
-    target_share: float = 0.0  # retrieval rows: the chance, per position, of stopping for the target
-    stopped_at: int = -1  # where a retrieval row stopped for the target (-1: it did not)
+    checks: list[float] | None = None  # a retrieval row: the uniform the target checks each token with
 
     @property
     def countable(self) -> list[int]:

@@ -272,11 +272,10 @@ def block_batch(
 
 
 def _retrieval_fields(drafted: Sequence[DraftedBlock], device: torch.device) -> dict:
-    """``target_share`` and ``stopped_at`` of the batch, when a row was drawn by retrieval."""
-    if not any(b.target_share for b in drafted):
+    """``retrieved`` and ``checks`` of the batch, when a row was drawn by retrieval."""
+    if all(b.checks is None for b in drafted):
         return {}
-    share = torch.tensor([b.target_share for b in drafted], dtype=torch.float32)
-    return dict(
-        target_share=to_device(share, device),
-        stopped_at=to_device(torch.tensor([b.stopped_at for b in drafted], dtype=torch.long), device),
-    )
+    k = len(drafted[0].tokens)
+    checks = torch.tensor([b.checks or [0.0] * k for b in drafted], dtype=torch.float64).view(len(drafted), k)
+    retrieved = torch.tensor([b.checks is not None for b in drafted])
+    return dict(retrieved=to_device(retrieved, device), checks=to_device(checks, device))

@@ -16,7 +16,7 @@ import torch
 
 from ..backends.base import BatchedLM
 from ..ends import first_end
-from ..proposals.blocks import TARGET_SHARE, Retrieval, RowProposal
+from ..proposals.blocks import Retrieval, RowProposal
 from ..verification import inverse_cdf
 from . import constrained
 from .blocks import BlockRequest, DraftedBlock
@@ -69,7 +69,7 @@ def draft_blocks(
     retrieval = None
     if any(p is not None and p.kind != "draft" for p in proposals):
         retrieval = Retrieval(proposals, rows, store.draft.vocab_size)
-        keep_probs = keep_probs or bool(retrieval.requests("retrieval"))  # r where a row stops
+        keep_probs = keep_probs or bool(retrieval.requests("retrieval"))  # a refused token's residual reads r
     settings = dict(
         block_size=block_size, temperature=temperature, eos=eos, draws=draws, keep_probs=keep_probs
     )
@@ -133,7 +133,7 @@ def _blocks(run: Drafting, requests, limits, eos) -> list[DraftedBlock]:
     tokens, logq, q_all = run.drawn()
     critic = constrained.Masking(run.rows, [r.constraint for r in requests], "critic")
     dead_at = run.masking.dead_at | critic.first_impossible(tokens)  # request -> position
-    ends = run.retrieval.ended_at | run.retrieval.stopped_at if run.retrieval is not None else {}
+    ends = run.retrieval.ended_at if run.retrieval is not None else {}
     asked = run.asked.tolist()
     blocks = []
     for i, (req, n) in enumerate(zip(requests, limits)):
@@ -149,7 +149,8 @@ def _blocks(run: Drafting, requests, limits, eos) -> list[DraftedBlock]:
         )
         block.fed, block.allowed = (run.fed if asked[r] else 0), run.masking.history.get(i, [])
         if run.retrieval is not None and run.retrieval.kinds.get(i) == "retrieval":
-            block.target_share, block.stopped_at = TARGET_SHARE, run.retrieval.stopped_at.get(i, -1)
+            checks = run.retrieval.checks.get(i, [])
+            block.checks = checks + [1.0] * (len(block.tokens) - len(checks))
         blocks.append(block)
     return blocks
 
@@ -285,15 +286,14 @@ class Drafting:
             self.masking.restrict(probs, {i: allowed[i] for i in items if i in allowed})
             keep = [n for n, i in enumerate(items) if i not in self.masking.cut_at]
             items, rows = [items[n] for n in keep], rows[keep]
-            tokens, log_r = self.retrieval.draw(j, items, probs[rows], self._uniforms(j)[rows])
+            tokens, log_r = self.retrieval.draw(items, probs[rows], self._uniforms(j)[rows])
             if items:
                 d[rows] = torch.tensor(tokens, device=self.device)
                 self.logqs[-1][rows] = torch.tensor(log_r, device=self.device)
                 if q is not None:
                     q[rows] = probs[rows]
-        ends = self.retrieval.ended_at | self.retrieval.stopped_at
-        if ends:
-            self.ended[[self.rows[i] for i in ends]] = True
+        if self.retrieval.ended_at:
+            self.ended[[self.rows[i] for i in self.retrieval.ended_at]] = True
 
     def _uniforms(self, j: int) -> torch.Tensor:
         """Position ``j``'s uniforms ``[R]``, the same for the draft's rows and retrieval's."""

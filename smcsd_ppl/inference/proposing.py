@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..config import SMCConfig
-from ..proposals.blocks import NGRAM, PROBE_MATCH, USES_DRAFT, RequestIndex, RowProposal
+from ..proposals.blocks import MIN_MATCH, NGRAM, PROBE_MATCH, USES_DRAFT, RequestIndex, RowProposal
 from .blocks import ScoredBlock
 from .program import SMCSDModel
 from .state import Population
@@ -80,9 +80,15 @@ def fed(pop: Population, before: Population) -> None:
         pop.retrieval.feed(_tail(p.main_context.prompt_ids, old), new[len(old) :])
 
 
-def continues(index: RequestIndex | None, program: SMCSDModel) -> bool:
+def probe_match(plain: bool) -> int:
+    """The suffix match that makes a request try retrieval (a plain one retrieves with one row)."""
+    return MIN_MATCH if plain else PROBE_MATCH
+
+
+def continues(index: RequestIndex | None, program: SMCSDModel, plain: bool) -> bool:
     """Whether retrieval knows a continuation of a request's prompt."""
-    return index is not None and index.continues(_tail(program.main_context.prompt_ids, ()), PROBE_MATCH)
+    prompt = _tail(program.main_context.prompt_ids, ())
+    return index is not None and index.continues(prompt, probe_match(plain))
 
 
 def retrievable(pop: Population) -> bool:
@@ -93,8 +99,9 @@ def retrievable(pop: Population) -> bool:
     """
     if pop.retrieval is None:
         return False
+    match = probe_match(pop.schedule is not None and pop.schedule.plain)
     return any(
-        pop.retrieval.continues(_tail(p.main_context.prompt_ids, p.token_ids), PROBE_MATCH)
+        pop.retrieval.continues(_tail(p.main_context.prompt_ids, p.token_ids), match)
         for p in pop.particles
         if not p.done_stepping()
     )

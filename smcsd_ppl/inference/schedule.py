@@ -16,9 +16,10 @@ accelerator, where the forward is memory-bound, and large on a CPU (``ROW_POSITI
 L = 0 is decoding with the target alone. A draft length depends only on earlier cycles,
 so every block is still cut by a rule that sees its prefix only, and weights stay proper.
 
-The plain program (no constraint, no conditions, alpha = 1) decodes alone with one
-particle: the weights of a draft-free cycle are then all equal, so more particles would buy
-nothing. Every other request keeps its N particles throughout, and a plain request probes
+The plain program (no constraint, no conditions, alpha = 1) decodes alone, or from retrieval,
+with one particle: the target checks every retrieved token (``proposals.blocks``), so the
+weights of a cycle that runs no draft are all equal and more particles would buy nothing.
+Every other request keeps its N particles throughout, and a plain request probes the draft
 with all N (a probe's kept tokens carry weights like any block's).
 
 A request starts from a ``DraftRecord``: what is known of the draft beforehand (none: it
@@ -224,13 +225,17 @@ class DraftSchedule:
         """Whether a proposal of this draft cost, every position passing, beats the target alone."""
         return self._value(1.0, length, cost) > self._value(0.0, 0, 0.0)
 
+    def _rows(self, length: int, cost: float) -> int:
+        """Rows a cycle runs: one for a plain request that runs no draft (c = 0), else N."""
+        return 1 if self.plain and (length == 0 or cost == 0.0) else self.particles
+
     def _best(self, pass_rate: float, cost: float) -> int:
-        """The best length for a proposal of this pass rate and draft cost, at N rows."""
-        return best_length(pass_rate, cost, self.block_size, self.particles, self.row_cost)
+        """The best length for a proposal of this pass rate and draft cost."""
+        return best_length(pass_rate, cost, self.block_size, self._rows(1, cost), self.row_cost)
 
     def _value(self, pass_rate: float, length: int, cost: float) -> float:
-        """Expected tokens per unit of cost of one cycle (the target alone: one row if plain)."""
-        rows = 1 if length == 0 and self.plain else self.particles
+        """Expected tokens per unit of cost of one cycle."""
+        rows = self._rows(length, cost)
         return expected_tokens(pass_rate, length) / cycle_cost(length, rows, cost, self.row_cost)
 
     def _options(self, retrievable: bool) -> tuple[list[str], list[tuple[float, str, int]]]:
@@ -290,8 +295,9 @@ class DraftSchedule:
         return self.lengths[-1]
 
     def n_particles(self) -> int:
-        """How many particles the current cycle runs."""
-        return 1 if self.plain and self.plan == (("target", 0),) else self.particles
+        """How many particles the current cycle runs (one: a plain request that runs no draft)."""
+        no_draft = all(kind in ("target", "retrieval") for kind, _ in self.plan)
+        return 1 if self.plain and no_draft and len(self.plan) == 1 else self.particles
 
     def observed(self, kept: Sequence[int], diverged: Sequence[bool]) -> DraftSchedule:
         """The schedule after one cycle's drafted blocks: tokens kept by the cut, and whether it fired."""

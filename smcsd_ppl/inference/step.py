@@ -188,7 +188,7 @@ class SMCSDKernel:
         schedule = schedule_from(
             record, c.block_size, c.n_particles, plain, self.draft_cost, kinds, self.row_cost
         )
-        return schedule.advanced(proposing.continues(index, program))
+        return schedule.advanced(proposing.continues(index, program, plain))
 
     async def step(self, state: SMCState) -> tuple[SMCState, StepInfo]:
         """One cycle of every request: step copies of the programs, then reweigh, resample, resize, pack.

@@ -3,11 +3,12 @@
 A row's block comes from one of:
 
 * ``"draft"``: the draft model q (one draft forward per position);
-* ``"retrieval"``: the n-grams of the request's prompt and of what its particles wrote,
-  mixed with the target itself: at each position the row stops with chance
-  ``TARGET_SHARE`` and the target draws the token (as the bonus), else the token comes from
-  retrieval r. The token's proposal is the mixture m = (1 - s) r + s p, whose density the
-  verifier computes once it has p; no draft forward runs;
+* ``"retrieval"``: the n-grams of the request's prompt and of what its particles wrote. The
+  target checks each retrieved token x drawn from r as speculative decoding does: it keeps x
+  with chance min(1, p(x) / r(x)) and, at the first it refuses, draws the bonus from the
+  residual (p - r)+ instead. Every token so emitted follows p exactly, so the block weighs
+  what the target alone would (log Z per token: nothing at alpha = 1 without a constraint);
+  no draft forward runs;
 * ``"mixture"``: q = (1 - w) r + w q_draft with ``w = DRAFT_SHARE`` (the draft's forwards);
 * the target alone: a draft length of 0.
 
@@ -24,18 +25,17 @@ from dataclasses import dataclass
 
 import torch
 
-from ..verification import inverse_cdf
 from .retrieval import NGramIndex
 
 KINDS = ("draft", "retrieval", "mixture")
 """What one row's block may be drawn from (besides the target alone)."""
 USES_DRAFT = {"draft": True, "retrieval": False, "mixture": True}
 
-TARGET_SHARE = 1 / 16  # retrieval: weights stay under 1/s, blocks average about 1/s tokens at most
 DRAFT_SHARE = 0.25  # mixture: the draft's share, which gives q full support
 MIN_MATCH = 2  # the shortest context suffix whose continuations retrieval uses
-# The shortest suffix match that makes the schedule try retrieval: two tokens recur in any
-# text ("of the"), four rarely unless the output is copying.
+# The shortest suffix match that makes the schedule try retrieval for a request of N weighted
+# particles: two tokens recur in any text ("of the"), four rarely unless the output is copying.
+# A plain request retrieves with one row, which costs little: it tries from MIN_MATCH.
 PROBE_MATCH = 4
 NGRAM = 10  # the longest n-gram indexed (RACER's)
 
@@ -104,7 +104,7 @@ class Retrieval:
                 self.walks[i] = (r, p.index.index, p.index.index.match(p.history))
                 self.kinds[i] = p.kind
         self.ended_at: dict[int, int] = {}  # request -> position where retrieval knew nothing
-        self.stopped_at: dict[int, int] = {}  # request -> position where a retrieval row let the target draw
+        self.checks: dict[int, list[float]] = {}  # request -> the uniform of its check at each position
         self.known: dict[int, tuple] = {}  # id(node) -> (node, its continuations): the index is fixed
 
     def requests(self, kind: str) -> list[int]:
@@ -148,7 +148,7 @@ class Retrieval:
         """
         items, found = [], []
         for i in self.requests("retrieval"):
-            if not live[self.walks[i][0]] or i in self.ended_at or i in self.stopped_at:
+            if not live[self.walks[i][0]] or i in self.ended_at:
                 continue
             f = self._found(i)
             if f is None:
@@ -158,22 +158,21 @@ class Retrieval:
                 found.append(f)
         return items, self._dense(items, found, device)
 
-    def draw(
-        self, j: int, items: list[int], r: torch.Tensor, u: torch.Tensor
-    ) -> tuple[list[int], list[float]]:
-        """Retrieval rows' tokens at ``j`` from their (restricted) r ``[n, V]``, or a stop for the target.
+    def draw(self, items: list[int], r: torch.Tensor, u: torch.Tensor) -> tuple[list[int], list[float]]:
+        """Retrieval rows' tokens from their (restricted) r ``[n, V]``, and their log r.
 
-        ``u``: each item's uniform. Returns each item's token and its log r. A row stops with
-        chance ``TARGET_SHARE`` (u below it; its token there is the target's bonus, weighed by
-        the mixture's density); else u, rescaled, draws its token from r.
+        ``u``: each item's uniform. Where u falls inside the drawn token's share of the CDF,
+        rescaled, is a second uniform independent of the token: the target's check of the
+        token reads it (``checks``).
         """
         if not items:
             return [], []
-        u = u.to(torch.float64)
-        stop = u < TARGET_SHARE
-        tokens = inverse_cdf(r, torch.where(stop, u / TARGET_SHARE, (u - TARGET_SHARE) / (1 - TARGET_SHARE)))
-        log_r = r.gather(1, tokens[:, None])[:, 0].log()
-        for i, stopped in zip(items, stop.tolist()):
-            if stopped:
-                self.stopped_at[i] = j
-        return tokens.tolist(), log_r.tolist()
+        cdf = torch.cumsum(r.double(), -1)
+        spot = u.to(cdf) * cdf[:, -1]
+        tokens = torch.searchsorted(cdf, spot[:, None], right=True)[:, 0].clamp_(max=r.shape[-1] - 1)
+        upper = cdf.gather(1, tokens[:, None])[:, 0]
+        mass = r.double().gather(1, tokens[:, None])[:, 0]
+        check = ((spot - (upper - mass)) / mass).clamp(0.0, 1.0 - 2**-53)
+        for i, c in zip(items, check.tolist()):
+            self.checks.setdefault(i, []).append(c)
+        return tokens.tolist(), (mass / cdf[:, -1]).log().tolist()

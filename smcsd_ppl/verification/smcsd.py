@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import draw_restricted, pick
+from .sampling import draw_restricted, inverse_cdf, pick
 
 
 def block_log_weights(
@@ -102,10 +102,9 @@ class BlockBatch:
             not allowed; the lead's, the kept tokens' and the bonus's); None: no row has one.
         critic_allowed: ``[R, k+1, V]`` bool, what a critic's hard constraint allows at each
             position: a bonus drawn from the whole target outside it vetoes the block; None: none.
-        target_share: ``[R]`` the share s of the target in a retrieval row's proposal
-            m = (1 - s) r + s p (0 for other rows; ``draft_logq`` then holds log r and
-            ``draft_probs`` r); None: no such row.
-        stopped_at: ``[R]`` the position where a retrieval row stopped for the target (-1: none).
+        retrieved: ``[R]`` bool, the row's block was drawn by retrieval (``draft_logq`` then
+            holds log r and ``draft_probs`` r): the target checks each token; None: no such row.
+        checks: ``[R, k]`` float64, the uniform each retrieved token is checked with.
     """
 
     tokens: torch.Tensor
@@ -117,53 +116,39 @@ class BlockBatch:
     draft_probs: torch.Tensor | None = None
     log_factor: torch.Tensor | None = None
     critic_allowed: torch.Tensor | None = None
-    target_share: torch.Tensor | None = None
-    stopped_at: torch.Tensor | None = None
+    retrieved: torch.Tensor | None = None
+    checks: torch.Tensor | None = None
 
 
-def mixed_with_target(
-    log_p: torch.Tensor,  # [R, k+1, V] log p_T (alpha-free) at the drafted positions and after
+def checked_retrieval(
+    log_p: torch.Tensor,  # [R, k, V] log p_T (alpha-free) at the drafted positions
     alpha: float,
     batch: BlockBatch,
-    kept: torch.Tensor,  # [R]
-    cut_at: torch.Tensor,  # [R] where the quality cut falls (k: nowhere)
-    bonus: torch.Tensor,  # [R]
-    bonus_log_z: torch.Tensor,  # [R]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log q of the drafted tokens and the bonus's log-weight, for rows mixed with the target.
+    kept: torch.Tensor,  # [R] drafted tokens that may count
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where the target refuses a retrieved token, the log q that weighs each, and the residual there.
 
-    A retrieval row draws each token from m = (1 - s) r + s p~ (p~: the normalized, restricted
-    target power), the p~ part by stopping and drawing the bonus there: the weight of every
-    token so drawn, kept or bonus, is p^alpha / m. A bonus after any other end (the cut, an
-    end retrieval saw coming) was drawn from p~ alone and keeps its weight log Z.
+    Retrieval drew token x from r; the target keeps it with chance min(1, p~(x) / r(x)) (p~:
+    the target power times the constraint's factor, normalized) and at the first refusal the
+    bonus comes from the residual (p~ - r)+, as in speculative decoding: each token emitted
+    follows p~ exactly. Its log q is then log p~(x), so its weight is log Z there, what the
+    target alone would earn. Returns the retrieved rows' ``kept`` (refused: the refusal's
+    position), the drafted tokens' log q ``[R, k]`` and the residual ``[R, V]`` at ``kept``
+    (the bonus is drawn from it where a token was refused).
     """
-    k, factor = batch.tokens.shape[1], batch.log_factor
-    share = batch.target_share[:, None]
-    rows = torch.arange(len(kept), device=kept.device)
-    # log p~ = tilted - its log-normalizer, read where the tokens were drawn only.
-    if alpha == 1.0 and factor is None:
-        log_norm = torch.zeros(log_p.shape[:2], device=log_p.device)  # log p is normalized already
-    else:
-        log_norm = torch.logsumexp(alpha * log_p + (0.0 if factor is None else factor), -1)  # [R, k+1]
-
-    def tilted(positions, tokens):
-        t = alpha * log_p[positions + (tokens,)]
-        return t if factor is None else t + factor[positions + (tokens,)]
-
-    def log_mix(log_r: torch.Tensor, log_pt: torch.Tensor) -> torch.Tensor:
-        return torch.logaddexp(torch.log1p(-share) + log_r, share.log() + log_pt)
-
-    drafted_at = (rows[:, None], torch.arange(k, device=kept.device)[None, :])
-    log_pt = tilted(drafted_at, batch.tokens) - log_norm[:, :k]
-    drafted = torch.where(share > 0, log_mix(batch.draft_logq, log_pt), batch.draft_logq)
-    at = kept.clamp(max=max(k - 1, 0))
-    r_bonus = (
-        batch.draft_probs[rows, at, bonus].float().log() if k else torch.full_like(bonus_log_z, -torch.inf)
-    )
-    tilted_bonus = tilted((rows, kept), bonus)
-    mixed = log_mix(r_bonus[:, None], (tilted_bonus - log_norm[rows, kept])[:, None])[:, 0]
-    stopped = (batch.target_share > 0) & (batch.stopped_at == kept) & (cut_at > kept)
-    return drafted, torch.where(stopped, tilted_bonus - mixed, bonus_log_z)
+    r, k = batch.tokens.shape
+    rows = torch.arange(r, device=kept.device)
+    tilted = alpha * log_p if batch.log_factor is None else alpha * log_p + batch.log_factor[:, :k]
+    log_pt = tilted - torch.logsumexp(tilted, -1, keepdim=True)  # log p~ at each position
+    log_pt_drafted = pick(log_pt, batch.tokens)
+    ratio = (log_pt_drafted - batch.draft_logq).exp().double()
+    live = torch.arange(k, device=kept.device)[None, :] < kept[:, None]
+    refused = live & (batch.checks >= ratio) & batch.retrieved[:, None]
+    first = torch.where(refused.any(1), refused.float().argmax(1), kept)
+    at = first.clamp(max=max(k - 1, 0))
+    residual = (log_pt[rows, at].exp() - batch.draft_probs[rows, at].float()).clamp_min(0)
+    logq = torch.where(batch.retrieved[:, None], log_pt_drafted, batch.draft_logq)
+    return first, logq, residual
 
 
 @dataclass(frozen=True)
@@ -215,30 +200,36 @@ def verify_blocks(
     tokens, log_factor = batch.tokens, batch.log_factor
     r, k = tokens.shape
     kept, diverged, stops, dead = batch.limit, torch.zeros_like(batch.stops), batch.stops, batch.dead
-    at = torch.full_like(kept, k)
-    mixed = batch.target_share is not None  # the mixture with the target reads the bonus position too
-    log_p = torch.log_softmax((logits if mixed else logits[:, :k]).float(), -1)  # one pass, shared
+    log_p = torch.log_softmax(logits[:, :k].float(), -1)  # one pass, shared
     if cut is not None and k:
         factor = log_factor[:, :k] if log_factor is not None else None
-        power = log_p[:, :k] if alpha == 1.0 else torch.log_softmax(alpha * logits[:, :k].float(), -1)
+        power = log_p if alpha == 1.0 else torch.log_softmax(alpha * logits[:, :k].float(), -1)
         at = first_cut(cut_divergence(power, batch.draft_probs, divergence, factor), cut)
+        if batch.retrieved is not None:  # the target's own check decides where those end
+            at = at.masked_fill(batch.retrieved, k)
         diverged = (at < kept) | (dead & (at == kept))
         kept = torch.where(diverged, at, kept)
         stops, dead = stops & ~diverged, dead & ~diverged
-    target_logp = pick(log_p[:, :k], tokens)
+    draft_logq, refused = batch.draft_logq, None
+    if batch.retrieved is not None and k:
+        first, draft_logq, residual = checked_retrieval(log_p, alpha, batch, kept)
+        refused = first < kept
+        kept, stops, dead = torch.where(refused, first, kept), stops & ~refused, dead & ~refused
+    target_logp = pick(log_p, tokens)
     rows = torch.arange(r, device=logits.device)
     bonus, bonus_log_z = draw_restricted(
         logits[rows, kept], alpha, log_factor[rows, kept] if log_factor is not None else None, u
     )
+    if refused is not None:
+        spare = residual.sum(-1) > 0  # else p~ = r there: a refusal had no chance, save rounding's
+        drawn = inverse_cdf(torch.where(spare[:, None], residual, torch.ones_like(residual)), u)
+        bonus = torch.where(refused & spare, drawn, bonus)
     has_bonus = ~stops & ~dead & torch.isfinite(bonus_log_z)
     vetoed = torch.zeros_like(has_bonus)
     if batch.critic_allowed is not None:
         vetoed = has_bonus & ~batch.critic_allowed[rows, kept, bonus]
     drafted_factor = pick(log_factor[:, :k], tokens) if log_factor is not None else None
-    draft_logq, bonus_log_w = batch.draft_logq, bonus_log_z
-    if mixed:
-        draft_logq, bonus_log_w = mixed_with_target(log_p, alpha, batch, kept, at, bonus, bonus_log_z)
-    log_w = block_log_weights(target_logp, draft_logq, kept, bonus_log_w, has_bonus, alpha, drafted_factor)
+    log_w = block_log_weights(target_logp, draft_logq, kept, bonus_log_z, has_bonus, alpha, drafted_factor)
     log_w = (log_w + batch.lead_log_w).masked_fill(dead | (~stops & ~has_bonus) | vetoed, -torch.inf)
     has_bonus = has_bonus & ~vetoed
     return Verdict(kept, diverged, stops, dead, target_logp, bonus, has_bonus, bonus_log_z, log_w)
