@@ -19,6 +19,7 @@ from tiny import MAX_POSITIONS, llama
 
 from smcsd_ppl import SMCConfig
 from smcsd_ppl.backends import hf, kv
+from smcsd_ppl.backends.base import length_groups
 from smcsd_ppl.backends.hf import HFBatchedLM
 
 ATOL, RTOL = 1e-4, 1e-4
@@ -35,7 +36,21 @@ def test_prefill_equals_scratch_for_left_padded_prompts(tiny_llama):
     assert logits.shape == (len(PROMPTS), lm.vocab_size) and logits.dtype == torch.float32
     for i, p in enumerate(PROMPTS):
         torch.testing.assert_close(logits[i], scratch_logits(tiny_llama, p, 1)[0], atol=ATOL, rtol=RTOL)
-    assert lm.stats.calls == 1
+    assert lm.stats.calls == 1  # short prompts: the padding costs less than another forward
+
+
+def test_prompts_of_unlike_lengths_prefill_in_groups_each_row_on_its_own_prompt(tiny_llama):
+    # 100 and 70 tokens share a forward, 2 and 1 another; every row then reads its own cache.
+    prompts = [list(range(3, 103)), [40, 41], list(range(5, 75)), [3]]
+    assert length_groups([len(p) for p in prompts]) == [[0, 2], [1, 3]]
+    assert length_groups([100, 40, 60]) == [[0, 2, 1]]  # 60 pads 40 positions: within the slack
+    lm = HFBatchedLM(tiny_llama)
+    logits = lm.prefill(prompts)
+    nxt = lm.extend(torch.tensor([[60], [61], [62], [63]]))[:, -1]
+    assert lm.stats.calls == 3
+    for i, p in enumerate(prompts):
+        torch.testing.assert_close(logits[i], scratch_logits(tiny_llama, p), atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(nxt[i], scratch_logits(tiny_llama, [*p, 60 + i]), atol=ATOL, rtol=RTOL)
 
 
 def test_fork_that_moves_few_rows_copies_in_place(tiny_llama):
