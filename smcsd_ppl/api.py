@@ -13,7 +13,7 @@ from .backends.base import BatchedLM, call_clock, call_stats
 from .backends.hf import DEFAULT_CACHE_BUDGET
 from .config import DraftRecord, SMCConfig, checked_record, paper_settings
 from .engine.client import Engine
-from .engine.pair import PairCore
+from .engine.pair import Execution, PairCore
 from .engine.worker import torch_thread
 from .inference.program import SMCSDModel
 from .inference.rows import RowStore
@@ -52,7 +52,7 @@ class SMCSD:
             reference) or ``"vllm"`` (both models on vLLM engines; see docs/scaling.md).
         vllm_options: more ``vllm.LLM`` arguments for both engines (``tensor_parallel_size``, ...).
         engine: ``"compiled"``: ``ar`` and ``smcsd_paper`` on the static path's graphs.
-        deterministic: the static path's fixed row bucket (both: ``engine.pair.PairCore``).
+        deterministic: the static path's fixed row bucket (both: ``engine.pair.Execution``).
     """
 
     def __init__(
@@ -95,9 +95,7 @@ class SMCSD:
             chat=chat,
             target=target,
             draft=draft,
-            backend=backend,
-            engine=engine,
-            deterministic=deterministic,
+            execution=Execution(backend, engine, deterministic),
         )
         # RACER's index across calls, only if the caller sets one: later outputs then depend on earlier.
         self.retrieval_memory: RetrievalDrafter | None = None

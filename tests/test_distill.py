@@ -13,6 +13,7 @@ from smcsd_ppl import SMCSD, SMCConfig
 from smcsd_ppl.cli import main
 from smcsd_ppl.config import DraftRecord
 from smcsd_ppl.distill import (
+    CollectSettings,
     DistillConfig,
     collect,
     distill,
@@ -43,9 +44,8 @@ def data(tmp_path_factory):
     lm = target()
     out = tmp_path_factory.mktemp("data")
     eos = [lm.tokenizer.eos_token_id]
-    collect(
-        lm.model, prompt_ids(lm), out, eos_ids=eos, max_new_tokens=10, temperature=1.0, top_k=8, batch_size=3
-    )
+    settings = CollectSettings(max_new_tokens=10, temperature=1.0, top_k=8, batch_size=3)
+    collect(lm.model, prompt_ids(lm), out, eos_ids=eos, settings=settings)
     return out
 
 
@@ -75,7 +75,8 @@ def test_collect_writes_shards_with_topk(data):
 def test_collect_resumes_and_refuses_other_settings(data, tmp_path):
     lm = target()
     eos = [lm.tokenizer.eos_token_id]
-    kwargs = dict(eos_ids=eos, max_new_tokens=10, temperature=1.0, top_k=8, batch_size=3)
+    settings = CollectSettings(max_new_tokens=10, temperature=1.0, top_k=8, batch_size=3)
+    kwargs = dict(eos_ids=eos, settings=settings)
     for shard in data.glob("shard-*.pt"):
         (tmp_path / shard.name).write_bytes(shard.read_bytes())
     (tmp_path / "meta.json").write_text((data / "meta.json").read_text())
@@ -86,7 +87,8 @@ def test_collect_resumes_and_refuses_other_settings(data, tmp_path):
         torch.equal(a.ids, b.ids) and torch.equal(a.top_ids, b.top_ids) for a, b in zip(redone, original)
     )
     with pytest.raises(ValueError, match="other max_new_tokens"):
-        collect(lm.model, prompt_ids(lm), tmp_path, **(kwargs | {"max_new_tokens": 5}))
+        shorter = dataclasses.replace(settings, max_new_tokens=5)
+        collect(lm.model, prompt_ids(lm), tmp_path, eos_ids=eos, settings=shorter)
 
 
 @pytest.mark.parametrize("kind", ["layers", "features"])

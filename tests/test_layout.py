@@ -27,10 +27,10 @@ LAYERS = [
     {"backends"},
     {"smc", "verification"},
     {"results", "text", "ends", "plots"},
-    {"config", "names"},
+    {"config", "names", "keys"},
 ]
 RANK = {part: rank for rank, parts in enumerate(LAYERS) for part in parts}
-MAX_FILE_LINES, MAX_FUNCTION_LINES = 400, 60
+MAX_FILE_LINES, MAX_FUNCTION_LINES, MAX_PARAMETERS = 400, 60, 8
 
 
 def module_name(path: Path) -> str:
@@ -163,3 +163,21 @@ def test_files_and_functions_stay_small(name):
         and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
     ]
     assert long == []
+    assert many_parameters(text) == []
+
+
+def many_parameters(source: str) -> list[str]:
+    """Functions taking more than ``MAX_PARAMETERS`` (``self`` and ``cls`` aside): two ideas, or a record."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            a = node.args
+            names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs if x.arg not in ("self", "cls")]
+            if len(names) > MAX_PARAMETERS:
+                out.append(f"{node.name} ({len(names)} parameters)")
+    return out
+
+
+def test_the_parameter_count_catches_a_long_signature():
+    assert many_parameters("def f(self, a, b, c, d, e, f, g, h): pass") == []
+    assert many_parameters("def f(a, b, c, d, e, f, g, *, h, i): pass") == ["f (9 parameters)"]

@@ -165,8 +165,7 @@ def test_racer_sampling_reproduces_the_target():
         eos_token_ids=[EOS],
         max_new_tokens=horizon,
         budget=6,
-        temperature=1.0,
-        g=torch.Generator().manual_seed(0),
+        sampling=(1.0, torch.Generator().manual_seed(0)),
     )
     assert out.accepted > 0.3 * out.steps  # drafts were used, not only bonus tokens
     exact, z = exact_target(target, [1, 2], horizon)

@@ -140,15 +140,19 @@ class StaticLlama:
         cos, sin = self.decoder.rotary_emb(h, positions)
         rows = torch.arange(r, device=tokens.device)[:, None]
         for i, layer in enumerate(self.layers):
-            h = h + self._attention(layer, i, h, cos, sin, arena, rows, dest, allowed)
+            h = h + self._attention(layer, i, h, (cos, sin), arena, (rows, dest), allowed)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         arena.lengths.add_(valid.sum(1))
         h = self.decoder.norm(h[:, -1:] if last_only else h)
         return self.head(h).float()
 
-    def _attention(self, layer, i, h, cos, sin, arena: Arena, rows, dest, allowed) -> torch.Tensor:
-        """Layer ``i``'s attention: new keys and values written to the arena, all columns read."""
+    def _attention(self, layer, i, h, rope, arena: Arena, at, allowed) -> torch.Tensor:
+        """Layer ``i``'s attention: new keys and values written to the arena, all columns read.
+
+        ``rope``: the rotary (cos, sin) of the positions; ``at``: the (rows, columns) written.
+        """
         attn = layer.self_attn
+        (cos, sin), (rows, dest) = rope, at
         r, t, _ = h.shape
         x = layer.input_layernorm(h)
         q = attn.q_proj(x).view(r, t, self.n_heads, self.head_dim).transpose(1, 2)

@@ -218,27 +218,31 @@ def timings(
     return out
 
 
-def check(
-    device: str | None = None,
-    *,
-    tiny: bool = False,
-    compile: bool = False,
-    max_new_tokens: int = 128,
-    prompt_tokens: int = 128,
-    repeats: int = 3,
-    backend: str = "hf",
-    engine: str = "eager",
-    static_prompts: tuple[int, ...] = (256, 1024),
-) -> dict:
-    """Run the whole check (on CUDA when there is one, else tiny on the CPU); the report as a dict.
+@dataclasses.dataclass(frozen=True)
+class CheckSettings:
+    """What the device check runs.
 
-    ``backend="vllm"`` also times AR, SD and SMC-SD on vLLM engines over the same models;
-    ``engine="compiled"`` (or ``"auto"``) adds the static path beside the eager one
+    ``tiny``: tiny shapes (always on a CPU); ``compile``: also time ``torch.compile``d
+    forwards; ``backend="vllm"``: also time AR, SD and SMC-SD on vLLM engines over the same
+    models; ``engine="compiled"`` (or ``"auto"``): the static path beside the eager one
     (``device_static``), with prompts of ``static_prompts`` tokens.
     """
+
+    tiny: bool = False
+    compile: bool = False
+    max_new_tokens: int = 128
+    prompt_tokens: int = 128
+    repeats: int = 3
+    backend: str = "hf"
+    engine: str = "eager"
+    static_prompts: tuple[int, ...] = (256, 1024)
+
+
+def check(device: str | None = None, settings: CheckSettings = CheckSettings()) -> dict:
+    """Run the whole check (on CUDA when there is one, else tiny on the CPU); the report as a dict."""
     start = time.perf_counter()
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    tiny = tiny or device.type == "cpu"
+    tiny = settings.tiny or device.type == "cpu"
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     vocab = 512 if tiny else VOCAB_8B
@@ -251,18 +255,20 @@ def check(
     report["equivalence_ok"] = all(v <= BF16_TOL for v in errors.values())
     report["forward_ms"] = forward_ms(target.model, device)
     pair = SMCSD(target, draft, chat=False)
-    prompt = torch.randint(3, vocab, (prompt_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
-    config = SMCConfig(n_particles=8, block_size=8, max_new_tokens=max_new_tokens, ignore_eos=True)
-    report["config"] = {"n": 8, "k": 8, "max_new_tokens": max_new_tokens, "prompt_tokens": len(prompt)}
-    report["methods"] = timings(pair, prompt, config, repeats)
-    if compile:
-        report["compiled"] = _compiled(pair, prompt, config, repeats)
-    if backend == "vllm":
-        report["vllm"] = _on_vllm(target, draft, prompt, config, repeats)
-    if engine != "eager":
+    n_new, g = settings.max_new_tokens, torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, vocab, (settings.prompt_tokens,), generator=g).tolist()
+    config = SMCConfig(n_particles=8, block_size=8, max_new_tokens=n_new, ignore_eos=True)
+    report["config"] = {"n": 8, "k": 8, "max_new_tokens": n_new, "prompt_tokens": len(prompt)}
+    report["methods"] = timings(pair, prompt, config, settings.repeats)
+    if settings.compile:
+        report["compiled"] = _compiled(pair, prompt, config, settings.repeats)
+    if settings.backend == "vllm":
+        report["vllm"] = _on_vllm(target, draft, prompt, config, settings.repeats)
+    if settings.engine != "eager":
         g = torch.Generator().manual_seed(1)
-        prompts = {f"{n}": torch.randint(3, vocab, (n,), generator=g).tolist() for n in static_prompts}
-        report["static"] = static_report(target, draft, prompts, config, repeats, engine)
+        lengths = settings.static_prompts
+        prompts = {f"{n}": torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths}
+        report["static"] = static_report(target, draft, prompts, config, settings.repeats, settings.engine)
     report["peak_memory_bytes"] = _peak_memory(device)
     report["seconds"] = round(time.perf_counter() - start, 1)
     return report

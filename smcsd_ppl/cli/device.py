@@ -42,10 +42,9 @@ def add_parser(sub) -> None:
 
 
 def _device_check(args: argparse.Namespace) -> int:
-    from ..bench.device_check import check
+    from ..bench.device_check import CheckSettings, check
 
-    report = check(
-        args.device,
+    settings = CheckSettings(
         tiny=args.tiny,
         compile=args.compile,
         max_new_tokens=args.max_new_tokens,
@@ -55,5 +54,6 @@ def _device_check(args: argparse.Namespace) -> int:
         engine=args.engine,
         static_prompts=tuple(csv(args.static_prompts, int, "--static-prompts")),
     )
+    report = check(args.device, settings)
     print(json.dumps(report))
     return 0 if report["equivalence_ok"] else 1

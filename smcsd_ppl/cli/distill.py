@@ -199,22 +199,29 @@ def _collect_data(args: argparse.Namespace, target, texts: list[str], out: pathl
 
     Returns the training data's directories and the held-out examples (empty without --eval-prompts).
     """
-    from ..distill import collect, corpus_examples, load_examples
+    from ..distill import CollectSettings, collect, corpus_examples, load_examples
     from ..models import eos_ids
     from ..text import encode_prompt
 
     tok, chat = target.tokenizer, not args.no_chat
     common = dict(max_prompt_tokens=args.max_prompt_tokens, top_k=args.top_k, seed=args.seed)
-    common["eos_ids"] = eos_ids(target)  # as generation stops: the generation config's too
+    stops = eos_ids(target)  # as generation stops: the generation config's too
 
     def answers(texts: list[str], where: str, unit: str, **kw) -> None:
         with progress(len(texts), unit) as bar:
             prompts = [encode_prompt(tok, t, chat=chat) for t in texts]
-            collect(target.model, prompts, out / "data" / where, on_progress=lambda done, _: bar(done), **kw)
+            collect(
+                target.model,
+                prompts,
+                out / "data" / where,
+                eos_ids=stops,
+                settings=CollectSettings(**kw, **common),
+                on_progress=lambda done, _: bar(done),
+            )
 
     err(f"collecting the target's answers to {len(texts)} prompts in {out / 'data'}")
     gen = dict(max_new_tokens=args.gen_tokens, temperature=args.sample_temperature, batch_size=args.gen_batch)
-    answers(texts, "train", "prompts", **gen, **common)
+    answers(texts, "train", "prompts", **gen)
     dirs = [out / "data" / "train"]
     for n, path in enumerate(args.corpus):
         text = pathlib.Path(path).read_text(encoding="utf-8")
@@ -224,9 +231,7 @@ def _collect_data(args: argparse.Namespace, target, texts: list[str], out: pathl
     if not args.eval_prompts:
         return dirs, []
     eval_texts = prompt_texts([args.eval_prompts], args.eval_categories, None)[: args.eval_limit]
-    answers(
-        eval_texts, "eval", "held-out prompts", max_new_tokens=64, temperature=None, batch_size=16, **common
-    )
+    answers(eval_texts, "eval", "held-out prompts", max_new_tokens=64, temperature=None, batch_size=16)
     return dirs, load_examples(out / "data" / "eval")
 
 

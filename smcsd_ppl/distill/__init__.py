@@ -1,6 +1,6 @@
 """Distilling a draft model for a target: data, training, evaluation."""
 
-from .data import Example, collect, continue_prompts, corpus_examples, load_examples
+from .data import CollectSettings, Example, collect, continue_prompts, corpus_examples, load_examples
 from .evaluate import forward_cost, match_metrics, smc_metrics
 from .losses import Objective
 from .prompts import builtin_prompts
@@ -12,6 +12,7 @@ __all__ = [
     "Objective",
     "Progress",
     "builtin_prompts",
+    "CollectSettings",
     "collect",
     "continue_prompts",
     "corpus_examples",

@@ -15,7 +15,7 @@ import json
 import os
 import pathlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import transformers
@@ -108,18 +108,34 @@ def teacher_topk(
     return out
 
 
+@dataclass(frozen=True)
+class CollectSettings:
+    """How ``collect`` samples and keeps the target's answers.
+
+    Attributes:
+        max_new_tokens: continuation length cap.
+        temperature: sampling temperature of the continuations; ``None`` is greedy.
+        max_prompt_tokens: keep only this many trailing prompt tokens in the examples.
+        top_k: how many next-token log-probs to keep per position.
+        batch_size: prompts per generation batch, and per shard.
+        seed: shard ``i`` samples with seed ``seed + i``.
+    """
+
+    max_new_tokens: int = 128
+    temperature: float | None = 0.7
+    max_prompt_tokens: int = 192
+    top_k: int = 64
+    batch_size: int = 16
+    seed: int = 0
+
+
 def collect(
     model: transformers.PreTrainedModel,
     prompts: Sequence[Sequence[int]],
     out_dir: str | os.PathLike,
     *,
     eos_ids: Sequence[int],
-    max_new_tokens: int = 128,
-    temperature: float | None = 0.7,
-    max_prompt_tokens: int = 192,
-    top_k: int = 64,
-    batch_size: int = 16,
-    seed: int = 0,
+    settings: CollectSettings = CollectSettings(),
     on_progress: Callable[[int, int], None] | None = None,
 ) -> pathlib.Path:
     """Write the target's continuations of ``prompts`` with its top-k log-probs, shard by shard.
@@ -127,34 +143,29 @@ def collect(
     Args:
         model: the target.
         prompts: token-id prompts (chat template already applied).
-        out_dir: shard directory; existing complete shards are kept (resume).
+        out_dir: shard directory; existing complete shards are kept (resume, under the same
+            settings only).
         eos_ids: the target's end-of-sequence ids.
-        max_new_tokens: continuation length cap.
-        temperature: sampling temperature of the continuations; ``None`` is greedy.
-        max_prompt_tokens: keep only this many trailing prompt tokens in the examples.
-        top_k: how many next-token log-probs to keep per position.
-        batch_size: prompts per generation batch, and per shard.
-        seed: shard ``i`` samples with seed ``seed + i``.
+        settings: how answers are sampled and kept.
         on_progress: called with (prompts done, prompts in all).
 
     Returns:
         ``out_dir``.
     """
-    _check_collect(model, prompts, max_new_tokens=max_new_tokens, top_k=top_k, batch_size=batch_size)
+    c = settings
+    _check_collect(model, prompts, max_new_tokens=c.max_new_tokens, top_k=c.top_k, batch_size=c.batch_size)
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    settings = dict(prompts=_digest(prompts), max_new_tokens=max_new_tokens, temperature=temperature)
-    settings |= dict(max_prompt_tokens=max_prompt_tokens, top_k=top_k, batch_size=batch_size, seed=seed)
-    _check_meta(out, settings)
-    generation = dict(max_new_tokens=max_new_tokens, temperature=temperature, eos_ids=eos_ids)
-    for n, first in enumerate(range(0, len(prompts), batch_size)):
+    _check_meta(out, dict(prompts=_digest(prompts), **asdict(c)))
+    generation = dict(max_new_tokens=c.max_new_tokens, temperature=c.temperature, eos_ids=eos_ids)
+    for n, first in enumerate(range(0, len(prompts), c.batch_size)):
         path = out / f"shard-{n:05d}.pt"
         if not path.is_file():  # a complete shard is never redone
-            batch = [list(p) for p in prompts[first : first + batch_size]]
-            answers = continue_prompts(model, batch, seed=seed + n, **generation)
-            _write_answers(path, model, batch, answers, max_prompt_tokens, top_k)
+            batch = [list(p) for p in prompts[first : first + c.batch_size]]
+            answers = continue_prompts(model, batch, seed=c.seed + n, **generation)
+            _write_answers(path, model, batch, answers, c.max_prompt_tokens, c.top_k)
         if on_progress is not None:
-            on_progress(min(first + batch_size, len(prompts)), len(prompts))
+            on_progress(min(first + c.batch_size, len(prompts)), len(prompts))
     return out
 
 

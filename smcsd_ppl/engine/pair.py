@@ -22,6 +22,24 @@ STATIC_METHODS = ("ar", "smcsd_paper")
 """The methods the static path runs (``--engine compiled``)."""
 
 
+@dataclass(frozen=True)
+class Execution:
+    """How a pair's calls run.
+
+    Attributes:
+        backend: what runs the models (``"hf"``, ``"vllm"``, or a test's name).
+        engine: ``"eager"`` (the backends' forwards, the reference), ``"compiled"`` (the static
+            path's graphs, ``inference.static_engine``, for the calls it runs: ``ar`` and
+            ``smcsd_paper``) or ``"auto"`` (compiled on CUDA where the static path runs the call).
+        deterministic: the static path runs SMC-SD in a fixed row bucket, so a seeded request's
+            tokens do not depend on its batch-mates (``StaticEngine.row_bucket``).
+    """
+
+    backend: str = "hf"
+    engine: str = "eager"
+    deterministic: bool = False
+
+
 class PairCore:
     """A target and a draft backend with their one ``RowStore``, a tokenizer and the request checks.
 
@@ -33,12 +51,7 @@ class PairCore:
         chat: wrap text prompts in the tokenizer's chat template when it has one.
         target: the loaded target (None for backends built without PyTorch models).
         draft: the loaded draft, likewise.
-        backend: what runs the models (``"hf"``, ``"vllm"``, or a test's name).
-        engine: ``"eager"`` (the backends' forwards, the reference), ``"compiled"`` (the static
-            path's graphs, ``inference.static_engine``, for the calls it runs: ``ar`` and
-            ``smcsd_paper``) or ``"auto"`` (compiled on CUDA where the static path runs the call).
-        deterministic: the static path runs SMC-SD in a fixed row bucket, so a seeded request's
-            tokens do not depend on its batch-mates (``StaticEngine.row_bucket``).
+        execution: the backend's name and how calls run (``Execution``).
     """
 
     def __init__(
@@ -51,13 +64,12 @@ class PairCore:
         chat: bool = True,
         target: LoadedModel | None = None,
         draft: LoadedModel | None = None,
-        backend: str = "hf",
-        engine: str = "eager",
-        deterministic: bool = False,
+        execution: Execution = Execution(),
     ) -> None:
-        self.backend = backend
-        self.engine, self.deterministic = engine, deterministic
-        graph_mode(engine, target_lm.device)  # checks the name
+        self.execution = execution
+        self.backend, self.engine = execution.backend, execution.engine
+        self.deterministic = execution.deterministic
+        graph_mode(self.engine, target_lm.device)  # checks the name
         self._static: StaticEngine | None = None
         self.target_lm, self.draft_lm = target_lm, draft_lm
         self.store = RowStore(target_lm, draft_lm)  # the only one: every run's rows live here
@@ -105,9 +117,7 @@ class PairCore:
             chat=self.chat,
             target=self.target,
             draft=self.draft,
-            backend=self.backend,
-            engine=self.engine,
-            deterministic=self.deterministic,
+            execution=self.execution,
         )
         core.draft_record = DraftRecord()  # the loaded draft's record says nothing of another
         return core

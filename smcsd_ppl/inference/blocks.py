@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..potentials.constraints import Constraint
+from ..proposals.blocks import RowProposal
 
 CONSTRAINT_MODES = ("proposal", "critic")
 
@@ -63,6 +64,9 @@ class BlockRequest:
         unsent: tokens the context appended since its last request (the row reads them first).
         mask: ``[V]`` bool, what the context's next token may be (a ``mask_dist`` observation),
             or None: it applies to the block's lead token.
+        limit: how many drafted tokens may count (0: the row does not draft; None: the
+            call's block size).
+        proposal: what draws the block (None: the draft model).
     """
 
     row: int
@@ -70,6 +74,8 @@ class BlockRequest:
     constraint: RowConstraint | None = None
     unsent: tuple[int, ...] = ()
     mask: torch.Tensor | None = None
+    limit: int | None = None
+    proposal: RowProposal | None = None
 
 
 @dataclass(frozen=True)

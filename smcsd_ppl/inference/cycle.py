@@ -98,13 +98,17 @@ def run_blocks(
     go = [i for i in range(len(requests)) if i not in out]
     if go:
         store.queue({requests[i].row: [leads[i].token] for i in go if i in leads})
-        asked = [_after_lead(requests[i], leads.get(i)) for i in go]
-        lead_log_w = [leads[i].log_w if i in leads else 0.0 for i in go]
         # A row's retrieval reads what it sent and its lead too.
-        proposals = [_then(flush.proposals[i], requests[i].unsent, leads.get(i)) for i in go]
-        limits = [flush.limits[i] for i in go]
-        blocks = _blocks(store, asked, limits, proposals, lead_log_w, config, eos, flush)
-        for i, b in zip(go, blocks):
+        asked = [
+            replace(
+                _after_lead(requests[i], leads.get(i)),
+                limit=flush.limits[i],
+                proposal=_then(flush.proposals[i], requests[i].unsent, leads.get(i)),
+            )
+            for i in go
+        ]
+        lead_log_w = [leads[i].log_w if i in leads else 0.0 for i in go]
+        for i, b in zip(go, _blocks(store, asked, lead_log_w, config, eos, flush)):
             out[i] = replace(b, lead=leads[i].token) if i in leads else b
     return [out[i] for i in range(len(requests))]
 
@@ -202,9 +206,7 @@ def _then(proposal: RowProposal | None, unsent: Sequence[int], lead: Lead | None
     return proposal.then([*unsent, *([] if lead is None else [lead.token])])
 
 
-def _blocks(
-    store, requests, limits, proposals, lead_log_w, c: SMCConfig, eos, flush: Flush
-) -> list[ScoredBlock]:
+def _blocks(store, requests, lead_log_w, c: SMCConfig, eos, flush: Flush) -> list[ScoredBlock]:
     """Draft, score in one fused forward, verify and commit the blocks of rows with a token queued."""
     u = flush.uniforms.to(store.device)
     drafted = draft_blocks(
@@ -214,9 +216,7 @@ def _blocks(
         temperature=flush.draft_t,
         eos=eos,
         draws=lambda j: u[:, 1 + j],
-        limits=limits,
         keep_probs=c.cut is not None,
-        proposals=proposals,
     )
     k = block_length(drafted)  # one length for all: they are verified together
     rows = [b.row for b in drafted]

@@ -16,7 +16,7 @@ import torch
 
 from ..backends.base import BatchedLM
 from ..ends import first_end
-from ..proposals.blocks import Retrieval, RowProposal
+from ..proposals.blocks import Retrieval
 from ..verification import inverse_cdf
 from . import constrained
 from .blocks import BlockRequest, DraftedBlock
@@ -39,15 +39,13 @@ def draft_blocks(
     temperature: float | torch.Tensor,
     eos: set[int],
     draws: Draws,
-    limits: Sequence[int] | None = None,
     keep_probs: bool = False,
-    proposals: Sequence[RowProposal | None] | None = None,
 ) -> list[DraftedBlock]:
     """Up to ``block_size`` batched draft forwards over all rows; rows not asked for are fed holes.
 
     ``requests[i]`` asks for a block on row ``requests[i].row`` within its budget, under
-    its constraint; ``limits[i]`` caps how many of its drafted tokens may count (0: the
-    row does not draft); ``keep_probs`` also returns q over the whole vocabulary.
+    its constraint, from its proposal; its ``limit`` caps how many of its drafted tokens may
+    count (0: the row does not draft); ``keep_probs`` also returns q over the whole vocabulary.
     ``temperature``: T_d, or one per backend row ``[R]``; ``draws(j)``: the uniforms ``[R]``
     position j is drawn with (see ``generator_draws``). Drafting
     stops early once every asked row has ended (an EOS, its budget, a constraint's dead
@@ -57,23 +55,14 @@ def draft_blocks(
     Where a constraint leaves every drafting row one allowed token, q is a point mass
     whatever the draft says: that step skips its forward and the token is fed with the
     next one. Where every drafting row is constrained to a few tokens, the draft computes
-    the logits of those tokens only. ``proposals[i]`` says what draws request i's block
-    (None: the draft); retrieval rows run no draft forward and leave their queued tokens
-    for the draft to read when it next drafts them.
+    the logits of those tokens only. Retrieval rows run no draft forward and leave their
+    queued tokens for the draft to read when it next drafts them.
     """
-    rows = [r.row for r in requests]
-    limits = [block_size] * len(rows) if limits is None else [min(block_size, n) for n in limits]
+    limits = [block_size if r.limit is None else min(block_size, r.limit) for r in requests]
     if not any(limits):  # nobody drafts: the target alone decodes this cycle
         return [_ended(r, [], torch.zeros(0), eos) for r in requests]
-    proposals = [None] * len(rows) if proposals is None else list(proposals)
-    retrieval = None
-    if any(p is not None and p.kind != "draft" for p in proposals):
-        retrieval = Retrieval(proposals, rows, store.draft.vocab_size)
-        keep_probs = keep_probs or bool(retrieval.requests("retrieval"))  # a refused token's residual reads r
-    settings = dict(
-        block_size=block_size, temperature=temperature, eos=eos, draws=draws, keep_probs=keep_probs
-    )
-    run = _start(store, requests, limits, proposals, retrieval, **settings)
+    settings = dict(block_size=block_size, temperature=temperature, eos=eos, draws=draws)
+    run = _start(store, requests, limits, keep_probs=keep_probs, **settings)
     for j in range(block_size):
         run.step(j)
         if run.finished(j):
@@ -83,26 +72,20 @@ def draft_blocks(
     return _blocks(run, requests, limits, eos)
 
 
-def _start(
-    store: RowStore,
-    requests,
-    limits,
-    proposals,
-    retrieval,
-    *,
-    block_size,
-    temperature,
-    eos,
-    draws,
-    keep_probs,
-) -> Drafting:
+def _start(store: RowStore, requests, limits, *, block_size, temperature, eos, draws, keep_probs) -> Drafting:
     """The drafting state: each asked row's queued tokens are the first input."""
     rows = [r.row for r in requests]
+    proposals = [r.proposal for r in requests]
+    retrieval = None
+    if any(p is not None and p.kind != "draft" for p in proposals):
+        retrieval = Retrieval(proposals, rows, store.draft.vocab_size)
+        keep_probs = keep_probs or bool(retrieval.requests("retrieval"))  # a refused token's residual reads r
     caps = [min(r.budget, n) for r, n in zip(requests, limits)]
     asked, retrieving = [False] * store.n_rows, [False] * store.n_rows
-    for r, n, p in zip(rows, limits, proposals):
-        asked[r] = n > 0 and (p is None or p.uses_draft)
-        retrieving[r] = n > 0 and not asked[r]
+    for req, n in zip(requests, limits):
+        p = req.proposal
+        asked[req.row] = n > 0 and (p is None or p.uses_draft)
+        retrieving[req.row] = n > 0 and not asked[req.row]
     ids, valid, hidden = store.draft_input(asked)
     budget = torch.full((store.n_rows,), block_size, device=store.device)
     budget[rows] = torch.tensor(caps, device=store.device)

@@ -29,6 +29,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ..backends.base import ForwardStats, Timer
+from ..config import SMCConfig
 from .hf import plain_sampling
 from .registry import MethodOutput, RunContext, register
 
@@ -92,15 +93,11 @@ def _no_default_eos(model: PreTrainedModel, *, drop: bool) -> Iterator[None]:
 def hf_speculative(
     target: PreTrainedModel,
     prompts: Sequence[Sequence[int]],
-    *,
-    block_size: int,
-    max_new_tokens: int,
-    temperature: float,
+    config: SMCConfig,
     eos_token_ids: Sequence[int],
-    seed: int,
+    *,
     assistant: PreTrainedModel | None = None,
-    target_stats: ForwardStats | None = None,
-    draft_stats: ForwardStats | None = None,
+    stats: tuple[ForwardStats | None, ForwardStats | None] = (None, None),
     on_step: Callable[[int], None] | None = None,
 ) -> list[list[int]]:
     """HF assisted generation (with ``assistant``) or prompt lookup (without), per prompt.
@@ -108,27 +105,26 @@ def hf_speculative(
     Args:
         target: the HF causal LM sampled from.
         prompts: token ids, one request each (HF assisted generation is batch 1).
-        block_size: K, tokens the assistant drafts (or prompt lookup copies) per round.
-        max_new_tokens: budget per request.
-        temperature: T_t of the target (and of the assistant: HF drafts with the target's).
+        config: K (tokens the assistant drafts, or prompt lookup copies, per round), the
+            budget per request, T_t (the assistant's too: HF drafts with the target's) and the
+            seed of torch's global generator, which HF samples from (the caller's global RNG
+            state is restored afterwards).
         eos_token_ids: stop ids; empty means run to ``max_new_tokens``.
-        seed: seeds torch's global generator, which HF samples from; the caller's
-            global RNG state is restored afterwards.
         assistant: the draft LM (same vocabulary); None for prompt lookup decoding.
-        target_stats: forward counter of the target to add to.
-        draft_stats: forward counter of the assistant to add to.
+        stats: forward counters of the target and of the assistant to add to.
         on_step: called with the longest output length after each request.
 
     Returns:
         New token ids per prompt (an ending EOS included).
     """
+    k, temperature = config.block_size, config.target_temperature
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     eos = [int(e) for e in eos_token_ids]
-    settings = _generate_settings(target, assistant, block_size, max_new_tokens, temperature, eos)
+    settings = _generate_settings(target, assistant, k, config.max_new_tokens, temperature, eos)
     outs: list[list[int]] = []
-    with _generation_scope(target, assistant, block_size, not eos, target_stats, draft_stats):
-        torch.manual_seed(seed)
+    with _generation_scope(target, assistant, k, not eos, *stats):
+        torch.manual_seed(config.seed)
         for prompt in prompts:
             outs.append(_generate_one(target, prompt, settings))
             if on_step is not None:
@@ -181,18 +177,13 @@ def _run(ctx: RunContext, *, assisted: bool) -> MethodOutput:
             f"hf_assisted needs a standalone draft model; {draft.name!r} reads the target's hidden "
             "states, which Hugging Face's assistant interface cannot pass (use --draft layers:N)"
         )
-    cfg = ctx.config
     tokens = hf_speculative(
         target.model,
         ctx.prompts,
+        ctx.config,
+        ctx.eos,
         assistant=draft.model if assisted else None,
-        block_size=cfg.block_size,
-        max_new_tokens=cfg.max_new_tokens,
-        temperature=cfg.target_temperature,
-        eos_token_ids=ctx.eos,
-        seed=cfg.seed,
-        target_stats=ctx.target_lm.stats,
-        draft_stats=ctx.draft_lm.stats if assisted else None,
+        stats=(ctx.target_lm.stats, ctx.draft_lm.stats if assisted else None),
         on_step=ctx.on_progress,
     )
     return MethodOutput(tokens)

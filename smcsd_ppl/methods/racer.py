@@ -88,19 +88,19 @@ def racer_generate(
     eos_token_ids: Sequence[int],
     max_new_tokens: int,
     budget: int = DEFAULT_BUDGET,
-    temperature: float = 0.0,
-    g: torch.Generator | None = None,
+    sampling: tuple[float, torch.Generator] | None = None,
     on_step: Callable[[int], None] | None = None,
 ) -> RacerRun:
-    """Generate with RACER drafting, all prompts batched; temperature 0 is greedy.
+    """Generate with RACER drafting, all prompts batched; greedy unless ``sampling`` is given.
 
-    At temperature > 0 the output is an exact sample of softmax(l / T_t): every node at
-    output position t draws with the request's uniform for t, and only the draws along
-    the walked path count, so the output is the one autoregressive inverse-CDF sampling
-    with those uniforms gives, whatever the trees.
+    ``sampling``: (T_t, the generator the uniforms come from). The output is then an exact
+    sample of softmax(l / T_t): every node at output position t draws with the request's
+    uniform for t, and only the draws along the walked path count, so the output is the one
+    autoregressive inverse-CDF sampling with those uniforms gives, whatever the trees.
     """
-    if temperature < 0 or (temperature > 0 and g is None):
-        raise ValueError("temperature must be >= 0, and sampling (temperature > 0) needs a generator")
+    temperature, g = sampling if sampling is not None else (0.0, None)
+    if sampling is not None and temperature <= 0:
+        raise ValueError(f"a sampling temperature must be > 0, got {temperature}")
     uniforms = None
     if temperature > 0:  # [B, max_new_tokens]: one per request and output position
         uniforms = torch.rand(len(prompts), max_new_tokens, generator=g, device=g.device).to(target.device)
@@ -209,8 +209,7 @@ def _run(ctx: RunContext, temperature: float) -> MethodOutput:
         ctx.retrieval or RetrievalDrafter(ctx.target_lm.vocab_size),
         eos_token_ids=ctx.eos,
         max_new_tokens=ctx.config.max_new_tokens,
-        temperature=temperature,
-        g=g,
+        sampling=(temperature, g) if temperature > 0 else None,
         on_step=ctx.on_progress,
     )
     return MethodOutput(run.token_ids)
