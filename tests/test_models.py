@@ -222,8 +222,8 @@ def test_the_readme_question_gets_the_right_answer_from_the_draft_record_without
     calls = default_smcsd.draft_lm.stats.calls
     for seed in range(8):  # the target's own answer, not one seed's luck
         out = default_smcsd.generate(question, config=SMCConfig(seed=seed, max_new_tokens=24))
-        assert "Paris" in out.text and not any(out.smc.draft_lengths), (seed, out.text)
-    assert default_smcsd.draft_lm.stats.calls == calls  # the draft not even prefilled
+        assert "Paris" in out.text and out.smc.alone, (seed, out.text)  # one particle throughout
+    assert default_smcsd.draft_lm.stats.calls == calls  # the draft not even prefilled (retrieval may run)
 
 
 @pytest.mark.slow

@@ -26,17 +26,19 @@ def hf_generate(
     """
     device = next(model.parameters()).device
     ids = torch.tensor([list(prompt)], device=device)
-    torch.manual_seed(seed)
-    start = time.perf_counter()
-    out = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        **plain_sampling(temperature, max_new_tokens),
-        min_new_tokens=max_new_tokens if exact_length else 0,
-        pad_token_id=model.generation_config.eos_token_id,
-    )
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    # generate() samples from torch's global generator: seeded here, the caller's state restored.
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        start = time.perf_counter()
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            **plain_sampling(temperature, max_new_tokens),
+            min_new_tokens=max_new_tokens if exact_length else 0,
+            pad_token_id=model.generation_config.eos_token_id,
+        )
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
     return out[0, ids.shape[1] :].tolist(), time.perf_counter() - start
 
 
