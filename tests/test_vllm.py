@@ -198,9 +198,9 @@ def test_a_model_vllm_cannot_run_is_one_line(tmp_path):
 
 
 def test_device_check_times_both_backends():
-    from smcsd_ppl.bench.device_check import check
+    from smcsd_ppl.bench.device_check import CheckSettings, check
 
-    report = check(tiny=True, backend="vllm", max_new_tokens=8, repeats=1)
+    report = check(settings=CheckSettings(tiny=True, backend="vllm", max_new_tokens=8, repeats=1))
     assert report["equivalence_ok"]
     assert set(report["vllm"]) == {"ar", "sd", "smcsd_paper"}, report["vllm"]
     assert report["vllm"]["smcsd_paper"]["tokens_per_target_call"] > 1

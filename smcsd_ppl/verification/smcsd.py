@@ -221,7 +221,7 @@ def verify_blocks(
         logits[rows, kept], alpha, log_factor[rows, kept] if log_factor is not None else None, u
     )
     if refused is not None:
-        spare = residual.sum(-1) > 0  # else p~ = r there: a refusal had no chance, save rounding's
+        spare = residual.sum(-1) > 0  # none: p~ = r there, so only rounding refused; p~'s draw stands
         drawn = inverse_cdf(torch.where(spare[:, None], residual, torch.ones_like(residual)), u)
         bonus = torch.where(refused & spare, drawn, bonus)
     has_bonus = ~stops & ~dead & torch.isfinite(bonus_log_z)
