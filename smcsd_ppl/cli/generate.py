@@ -149,5 +149,5 @@ def _drafting(lengths: list[int]) -> str:
     if not any(lengths):
         return ", target alone (the draft does not pay here)"
     if lengths[-1] == 0:
-        return f", target alone after {lengths.index(0)} drafting cycle(s)"
+        return f", target alone besides {sum(1 for n in lengths if n)} cycle(s) that drafted or retrieved"
     return f", draft lengths {min(lengths)}-{max(lengths)}"
