@@ -79,7 +79,7 @@ def test_reading_the_whole_structure_gives_the_exact_phi_and_tilt(grammar, monke
     # estimate is Phi itself, at each block's end and after each token the next lead may be.
     monkeypatch.setattr(structure.grow, "__defaults__", (structure.WIDTH, 10_000))
     RecordingTilt.tilts = []
-    target, constraint = run_mock(grammar, RecordingTilt, "structure", 40)
+    target, constraint = run_mock(grammar, RecordingTilt, "structure", 60)
     exact = FutureValidity(constraint, lm_step(target, ge.PROMPT, temperature=0.7), ge.HORIZON)
     assert len(Recording.seen) >= 10 and len(RecordingTilt.tilts) >= 10, (
         len(Recording.seen),

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..config import SMCConfig
+from ..keys import derive
 from .prompt import Prompt
 
 if TYPE_CHECKING:
@@ -26,8 +27,7 @@ if TYPE_CHECKING:
 
 def record_seed(key: Sequence, base_seed: int = 0) -> int:
     """A seed that depends on the record's key only, never on the order records are run in."""
-    digest = hashlib.sha256(json.dumps([base_seed, *key]).encode()).digest()
-    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
+    return derive(base_seed, "record", json.dumps(list(key))) & 0x7FFFFFFF
 
 
 def read_records(path: str | Path, key_fields: Sequence[str], writer: str) -> tuple[list[dict], int]:

@@ -13,11 +13,12 @@ import torch
 from .. import smc
 from ..config import DraftRecord
 from ..ends import FinishReason, finish_reason
+from ..keys import derive, generator
 from ..results import ParticleOut, SMCInfo
 from .program import SMCSDModel
 from .schedule import learned
 from .state import Population, final_log_z
-from .step import SMCSDKernel, host_generator, step_key
+from .step import SMCSDKernel
 
 # A request whose ESS averages under this share of its particles is flagged as collapsed:
 # its output is then close to the best of a few draft samples, not a target sample.
@@ -72,7 +73,7 @@ def result_of(pop: Population, kernel: SMCSDKernel, record: DraftRecord) -> SMCR
     if kernel.settings(pop).selection == "argmax":
         chosen = int(torch.argmax(log_w))
     else:  # each request draws its output from its own stream
-        g = host_generator(step_key(pop.seed, -1))
+        g = generator(derive(pop.seed, "choose"))
         chosen = int(smc.resample(log_w, "multinomial", g, 1)[0])
     best, particle = info.particles[chosen], pop.particles[chosen]
     constrained = getattr(particle, "constraint", None) is not None

@@ -20,13 +20,13 @@ import torch
 from .. import smc
 from ..backends.base import Timer, check_prompts, pad_left, to_device
 from ..config import DraftRecord, SMCConfig
+from ..keys import derive, generator, mix64
 from ..results import ParticleOut, SMCInfo
 from ..verification import draw_restricted
 from .outcome import COLLAPSE_ESS_FRACTION
 from .static_cycle import CycleState, smcsd_cycle
 from .static_engine import StaticEngine
-from .step import host_generator, step_key
-from .streams import block_uniforms, mix64, row_key
+from .streams import block_uniforms, row_key
 
 NO_EOS = -1  # stands for the EOS ids when none are in force (isin over an empty set is avoided)
 
@@ -99,7 +99,7 @@ def _run(engine: StaticEngine, prompts, config: SMCConfig, eos, seeds, on_step) 
     while not all(done):
         u = torch.tensor([row for seed in seeds for row in _uniforms(seed, step, n, k)], dtype=torch.float64)
         points = torch.stack(
-            [smc.POINTS[config.resampling](host_generator(step_key(s, step)), n) for s in seeds]
+            [smc.POINTS[config.resampling](generator(derive(s, "resample", step)), n) for s in seeds]
         )
         device = engine.target.device
         with Timer(engine.target_stats, device, b * n * (k + 1)):
@@ -239,5 +239,5 @@ def _result(histories, log_w: list[float], trace, config: SMCConfig, seed: int) 
     if config.selection == "argmax":
         chosen = int(torch.argmax(w))
     else:
-        chosen = int(smc.resample(w, "multinomial", host_generator(step_key(seed, -1)), 1)[0])
+        chosen = int(smc.resample(w, "multinomial", generator(derive(seed, "choose")), 1)[0])
     return StaticResult(list(histories[chosen]), info)

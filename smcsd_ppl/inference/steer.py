@@ -20,8 +20,8 @@ from dataclasses import replace
 import numpy as np
 import torch
 
+from ..keys import derive, generator
 from .state import Population
-from .step import step_key
 
 
 def _uniform(g: torch.Generator) -> float:
@@ -115,7 +115,7 @@ class Steering:
 
     def __init__(self, n: int, k: int, seed: int) -> None:
         self.n, self.k = n, k
-        self.generator = torch.Generator().manual_seed(step_key(seed, -2))
+        self.generator = generator(derive(seed, "steer"))
 
     def before(self, pop: Population) -> Population:
         """Every unfinished particle as ``k`` children."""

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -24,6 +23,7 @@ import torch
 from .. import smc
 from ..config import DraftRecord, SMCConfig
 from ..ends import row_ends
+from ..keys import derive, generator
 from ..potentials.conditions import Conditions
 from ..potentials.twist import Twister
 from ..proposals.blocks import RequestIndex
@@ -34,20 +34,14 @@ from .program import CycleBarrier, Runtime, SMCSDModel, unawaited_calls
 from .rows import RowStore
 from .schedule import DraftSchedule, draft_step_cost, row_position_cost, schedule_from
 from .state import Population, SMCState, StepInfo, resampled
-from .streams import RowPlan, RowStreams, mix64, row_key
+from .streams import RowPlan, RowStreams, row_key
 
 MAX_IDLE_CYCLES = 64  # cycles in a row in which no particle did anything: a step that never extends
 
 
-def step_key(seed: int, step: int) -> int:
-    """The key of step ``step`` of a run seeded with ``seed`` (0 starts it; -1 selects the outputs)."""
-    digest = hashlib.blake2b(f"{seed}/{step}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
-
-
 def request_seed(seed: int, index: int) -> int:
     """The seed of request ``index`` of a call seeded with ``seed``: its own resampling stream."""
-    return step_key(seed, -2 - index)
+    return derive(seed, "request", index)
 
 
 @dataclass(frozen=True)
@@ -61,11 +55,6 @@ class Admission:
     config: SMCConfig | None = None
     seed: int | None = None
     request_id: str = ""
-
-
-def host_generator(key: int) -> torch.Generator:
-    """The host generator of a key (resampling, output choice, token-level draws)."""
-    return torch.Generator().manual_seed(key ^ 0x5DEECE66D)
 
 
 class SMCSDKernel:
@@ -231,7 +220,7 @@ class SMCSDKernel:
             plans = [(streams.plans[r], b) for rs in pop.rows for r in rs for b in blocks.get(r, [])]
             pop = proposing.observed(pop, [((plan.kind, plan.limit), b) for plan, b in plans])
             before.append(pop)
-            g = host_generator(step_key(pop.seed, pop.cycles + 1))
+            g = generator(derive(pop.seed, "resample", pop.cycles + 1))
             pop, e, r = self._maybe_resample(pop, g)
             new.append(self._resized(pop, g))
             ess.append(e)
@@ -245,10 +234,10 @@ class SMCSDKernel:
 
     def _runtime(self, pop: Population, barrier: CycleBarrier) -> Runtime:
         """What a request's particles share in a step: the barrier, its budget, its token-level draws."""
-        generator = host_generator(mix64(step_key(pop.seed, pop.cycles + 1)) >> 1)
+        g = generator(derive(pop.seed, "tokens", pop.cycles + 1))
         c = self.settings(pop)
         twist = self._twister(c)
-        return Runtime(barrier, c.max_new_tokens, self.decode, self.eos, generator, twist, self.conditions)
+        return Runtime(barrier, c.max_new_tokens, self.decode, self.eos, g, twist, self.conditions)
 
     def _twister(self, c: SMCConfig) -> Twister | None:
         """The twist of requests with settings ``c`` (one per setting: its dynamic programmes are kept)."""

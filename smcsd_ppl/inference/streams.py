@@ -16,23 +16,15 @@ from dataclasses import dataclass
 
 import torch
 
+from ..keys import derive, mix64
 from ..proposals.blocks import RowProposal
 
-MASK64 = (1 << 64) - 1
 LEAD, BONUS, DRAFT = 1, 2, 3  # purposes; DRAFT + j is draft position j
-
-
-def mix64(x: int) -> int:
-    """A 64-bit integer hash (the splitmix64 finalizer): nearby inputs give unrelated outputs."""
-    x = (x + 0x9E3779B97F4A7C15) & MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
-    return x ^ (x >> 31)
 
 
 def row_key(seed: int, cycle: int, slot: int, context: int) -> int:
     """The key of one context row of one particle slot of a request in one cycle."""
-    return mix64(mix64(mix64(mix64(seed & MASK64) ^ cycle) ^ slot) ^ context)
+    return derive(seed, "row", cycle, slot, context)
 
 
 def uniform(key: int, purpose: int) -> float:

@@ -8,7 +8,6 @@ fields beyond OpenAI's (``EXTRA_FIELDS``) carry SMC-SD's own settings and constr
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import secrets
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from dataclasses import dataclass
 from ..config import MAX_SEED, MIN_TEMPERATURE, SMCConfig
 from ..engine.client import SERVE_METHODS, ServeRequest
 from ..engine.scoring import MAX_TOP_LOGPROBS
+from ..keys import derive
 from ..potentials.spec import ConstraintSpec
 from .errors import APIError, invalid
 from .schema import ChatCompletionRequest, CompletionRequest, ignored_fields, validated
@@ -101,13 +101,13 @@ class Call:
 
 
 def choice_seed(seed: int, index: int) -> int:
-    """The seed of choice ``index``: ``seed`` for choice 0, then 63 bits of SHA-256 of ``"seed/index"``.
+    """The seed of choice ``index``: ``seed`` for choice 0, then a key derived from it (``keys.derive``).
 
     Choice 0 keeps the seed so that a request with ``n=1`` is choice 0 of the same request with any ``n``.
     """
     if index == 0:
         return seed
-    return int.from_bytes(hashlib.sha256(f"{seed}/{index}".encode()).digest()[:8], "big") & MAX_SEED
+    return derive(seed, "choice", index) & MAX_SEED
 
 
 def parse_chat(body: dict, base: SMCConfig) -> Call:
