@@ -138,3 +138,50 @@ def test_a_tree_past_the_context_falls_back_to_one_token_ahead(tiny_smcsd):
     assert len(structure.grow([end])[0].tokens) > 5
     logits, read = lookahead.read_structure(store, [0], [end], torch.ones(1), 1.0)
     assert read == [None] and torch.equal(logits, store.next_logits([0]).float())
+
+
+def test_a_forced_text_is_read_along_its_canonical_tokens(default_smcsd):
+    # Every split of a forced phrase is allowed, so its mask is wide; the tree still reads the
+    # phrase, one canonical token per node, up to where the grammar ends it.
+    from smcsd_ppl.inference.blocks import RowConstraint
+    from smcsd_ppl.potentials import RegexConstraint
+
+    tok, eos = default_smcsd.tokenizer, default_smcsd.eos_token_ids  # a real vocabulary: wide masks
+    phrase = " is a cat on the mat"
+    language = RegexConstraint(f"(Mercury{phrase}|Venus|Mars)", tok, eos)
+    context = tuple(tok.encode("Mercury", add_special_tokens=False))
+    canonical = tok.encode(phrase, add_special_tokens=False)
+    assert language.forced_tokens(context) == canonical and language.forced_tokens(()) == []
+    tree = structure.grow([RowConstraint(language, "proposal", context, lookahead=True, structure=True)])[0]
+    assert tree.forced[0] and tree.path(len(tree.tokens) - 1) == canonical
+    log_law = torch.log_softmax(torch.randn(len(tree.tokens), language.vocab_size, dtype=torch.float64), -1)
+    value, tilt = structure.log_phi(tree, log_law, eos)
+    path = sum(float(log_law[j, t]) for j, t in enumerate(canonical))  # node j reads token j + 1
+    end = torch.logsumexp(log_law[len(canonical), list(eos)], 0).item()
+    # Every split of the phrase is tilted as the phrase read: the lead is steered toward none.
+    assert value == pytest.approx(path + end) and set(dict(tilt).values()) == {
+        value - float(log_law[0, canonical[0]])
+    }
+
+
+def test_a_context_s_first_token_is_read_word_by_word(default_smcsd):
+    # The first token's mask holds every split of three words: each word is read from its own
+    # first token, a split shared by two words ("M") on its own, and each split is tilted as the
+    # word it begins.
+    from smcsd_ppl.inference.blocks import RowConstraint
+    from smcsd_ppl.potentials import RegexConstraint
+
+    tok, eos = default_smcsd.tokenizer, default_smcsd.eos_token_ids
+    language = RegexConstraint("(Mercury is a cat|Venus|Mars)", tok, eos)
+    allowed = set(language.next_mask([()])[0].nonzero().flatten().tolist()) - set(eos)
+    assert len(allowed) > structure.WIDTH  # too wide to follow every split
+    first = {w: tok.encode(w, add_special_tokens=False)[0] for w in ("Mercury", "Venus", "Mars")}
+    (m,) = tok.encode("M", add_special_tokens=False)
+    assert language.word_start((), m) == m and language.word_start((), first["Venus"]) == first["Venus"]
+    tree = structure.grow([RowConstraint(language, "proposal", (), lookahead=True, structure=True)])[0]
+    read = {tree.tokens[j] for j, p in enumerate(tree.parents) if p == 0}
+    assert read == {*first.values(), m} and set(tree.aliases) == allowed
+    log_law = torch.log_softmax(torch.randn(len(tree.tokens), language.vocab_size, dtype=torch.float64), -1)
+    _, tilt = structure.log_phi(tree, log_law, eos)
+    (v,) = tok.encode("V", add_special_tokens=False)
+    assert dict(tilt)[v] == dict(tilt)[first["Venus"]] and set(dict(tilt)) == allowed

@@ -30,9 +30,11 @@ def add_parsers(sub) -> None:
     )
     eng.set_defaults(run=_engines)
 
-    ex = sub.add_parser(
+    ex = command(
+        sub,
         "grammar-exactness",
-        help="SMC-SD vs locally masked decoding against the exact target x constraint (mock LM)",
+        "SMC-SD vs locally masked decoding against the exact target x constraint (mock LMs, or a real "
+        "target on a finite language)",
     )
     ex.add_argument("--particles", default="1,2,4,8,16,32,64", help="comma-separated N values")
     ex.add_argument("--modes", default="proposal,critic", help="comma-separated constraint modes")
@@ -46,7 +48,10 @@ def add_parsers(sub) -> None:
         "estimated k tokens ahead): one row of each per mode and cut",
     )
     ex.add_argument(
-        "--grammar", default="dyck", help="the case: dyck (balanced brackets) or garden (an automaton)"
+        "--grammar",
+        default="dyck",
+        help="the case: dyck (balanced brackets) or garden (an automaton) on mock models; or "
+        "comma-separated finite languages on the loaded target: capital, color, planet",
     )
     ex.add_argument("--runs", type=int, default=2000, help="seeded runs per setting")
     ex.add_argument(
@@ -131,12 +136,19 @@ def _exactness(args: argparse.Namespace) -> int:
     seeds = csv(args.seeds, int, "--seeds")
     if args.runs < 1 or min(ns) < 1:
         raise ValueError("--runs and every N must be at least 1")
+    from ..bench.grammar_real import LANGUAGES
+
+    if all(name in LANGUAGES for name in csv(args.grammar, str, "--grammar")):
+        from .exactness_real import real_exactness
+
+        return real_exactness(args, ns, twists, seeds)
     if args.plot:
         check_output_file(args.plot, "--plot")
     from ..bench.grammar_exact import GRAMMARS, grammar_exactness, plot_exactness
 
     if args.grammar not in GRAMMARS:
-        raise ValueError(f"unknown --grammar {args.grammar!r}; choose from {', '.join(GRAMMARS)}")
+        known = ", ".join([*GRAMMARS, *LANGUAGES])
+        raise ValueError(f"unknown --grammar {args.grammar!r}; choose from {known}")
     tables = []
     for seed in seeds:
         rows, refs = grammar_exactness(

@@ -58,6 +58,22 @@ class Constraint:
         """
         return torch.where(self.next_mask(contexts), 0.0, float("-inf"))
 
+    def forced_tokens(self, context: Sequence[int]) -> list[int]:
+        """The canonical tokens of the text that must follow ``context`` (none by default).
+
+        Where the constraint fixes the next characters, any of their tokenizations is allowed;
+        a twist reads the canonical one to see how likely the forced text is.
+        """
+        return []
+
+    def word_start(self, context: Sequence[int], token: int) -> int:
+        """The canonical first token of the text ``token`` begins after ``context`` (``token`` by default).
+
+        Where ``token`` is a word's uncommon split ("M" of "Marseille"), the word's own first
+        token carries its mass; a twist reads that one.
+        """
+        return token
+
     def allows(self, sequences: Sequence[Sequence[int]]) -> list[bool]:
         """Whether each sequence is a viable prefix, or a complete output followed by EOS.
 

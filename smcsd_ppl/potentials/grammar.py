@@ -175,6 +175,24 @@ class GrammarConstraint(Constraint):
                 out[i, list(self.eos_token_ids)] = m.is_accepting() and not m.is_error()
         return out
 
+    def forced_tokens(self, context: Sequence[int]) -> list[int]:
+        """The canonical tokenization of the text the grammar forces after ``context`` (may be empty)."""
+        m = self._matcher(tuple(int(t) for t in context))
+        if m is None or m.is_error() or m.is_stopped():
+            return []
+        tokens = self._tokenizer.tokenize_bytes(m.compute_ff_bytes())
+        return tokens[: m.validate_tokens(tokens)]  # a last token the state refuses is not forced
+
+    def word_start(self, context: Sequence[int], token: int) -> int:
+        """The canonical first token of ``token``'s text and the text forced after it."""
+        key = tuple(int(t) for t in context)
+        before, after = self._matcher(key), self._matcher((*key, int(token)))
+        if before is None or after is None or after.is_error() or after.is_stopped():
+            return token
+        text = self._tokenizer.decode_bytes([int(token)]) + after.compute_ff_bytes()
+        first = self._tokenizer.tokenize_bytes(text)[:1]
+        return first[0] if first and before.validate_tokens(first) == 1 else token
+
     def is_complete(self, context: Sequence[int]) -> bool:
         """The context is a complete output of the grammar."""
         m = self._matcher(tuple(int(t) for t in context))
