@@ -153,7 +153,7 @@ class Reference:
 
 
 def reference(pair, language: Language, *, temperature: float = 1.0, floor: float = FLOOR) -> Reference:
-    """Both exact laws of ``language`` under ``pair``'s target (runs on the torch thread)."""
+    """Both exact laws of ``language`` under ``pair``'s target (its forwards on the pair's torch thread)."""
     lm, constraint = pair.core.target_lm, constraint_of(pair, language)
     prompt, eos = pair.encode(language.prompt), pair.eos_token_ids[0]
     seqs = [pair.tokenizer.encode(c, add_special_tokens=False) + [eos] for c in language.choices]
