@@ -31,21 +31,3 @@ def test_a_generator_is_its_key():
     first = torch.rand(4, generator=a)
     assert torch.equal(first, torch.rand(4, generator=b))
     assert not torch.equal(first, torch.rand(4, generator=c))
-
-
-def test_hugging_faces_samplers_leave_the_callers_global_generator_as_it_was():
-    # generate() samples from torch's global generator: our HF runners seed it inside
-    # fork_rng, so a caller's own stream goes on as if they had not run.
-    from tiny import llama
-
-    from smcsd_ppl.config import SMCConfig
-    from smcsd_ppl.methods.hf import hf_generate
-    from smcsd_ppl.methods.hf_assisted import hf_speculative
-
-    model, config = llama(), SMCConfig(max_new_tokens=4, block_size=2)
-    torch.manual_seed(123)
-    state = torch.random.get_rng_state()
-    hf_generate(model, [1, 2, 3], max_new_tokens=4, temperature=1.0, seed=5)
-    assert torch.equal(torch.random.get_rng_state(), state)
-    hf_speculative(model, [[1, 2, 3]], config, [])
-    assert torch.equal(torch.random.get_rng_state(), state)
