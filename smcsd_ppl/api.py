@@ -11,14 +11,13 @@ from collections.abc import Callable, Sequence
 from . import methods
 from .backends.base import BatchedLM, call_clock, call_stats
 from .backends.hf import DEFAULT_CACHE_BUDGET
-from .config import DraftRecord, SMCConfig, checked_record, paper_settings
+from .config import DraftRecord, SMCConfig, checked_record
 from .engine.client import Engine
 from .engine.pair import Execution, PairCore
 from .engine.worker import torch_thread
 from .inference.program import SMCSDModel
 from .inference.rows import RowStore
 from .inference.state import StepInfo
-from .inference.step import request_seed
 from .models import LoadedModel, eos_ids, load_model
 from .models.batched import batched_pair
 from .models.checkpoint import draft_files, load_files
@@ -30,8 +29,6 @@ from .results import Generation, RunStats
 from .text import encode_prompt
 
 BACKENDS = ("hf", "vllm")
-# The methods whose requests join the running batch, and the settings each runs with.
-BATCHED = {"smcsd": lambda c: c, "smcsd_paper": paper_settings}
 
 
 class SMCSD:
@@ -164,17 +161,14 @@ class SMCSD:
         """Learn how far this draft pays here from one request: later requests start from that record."""
         config = config or SMCConfig()
 
-        def learn() -> DraftRecord:
-            record = DraftRecord()
-            if config.cut is not None:
-                ids = [self.encode(prompt)]
-                self.check_fits(ids, config, methods.get("smcsd"))
-                out = methods.get("smcsd").run(self.context(config, ids, record=record))
-                record = out.info[0].draft_record
-            self.draft_record = record
-            return record
-
-        return self.call(learn)
+        record = DraftRecord()
+        if config.cut is not None:
+            ids = [self.encode(prompt)]
+            self.check_fits(ids, config, methods.get("smcsd"))
+            [ticket] = self.engine.run([SMCSDModel(ids[0])], config, record=record)
+            record = ticket.wait().smc.draft_record
+        self.draft_record = record
+        return record
 
     def encode(self, prompt: str) -> list[int]:
         """Token ids of a text prompt (chat template applied for instruct models)."""
@@ -190,7 +184,7 @@ class SMCSD:
 
     @property
     def engine(self) -> Engine:
-        """The engine that owns this pair's rows (made on first use; see ``use_engine``)."""
+        """The engine that owns this pair's rows: every SMC-SD call is a request of its batch."""
         if self._engine is None:
             self._engine = Engine(self.core)
         return self._engine
@@ -208,9 +202,9 @@ class SMCSD:
             engine.close()
 
     def use_draft_backend(self, draft_lm: BatchedLM) -> None:
-        """Draft with another backend from the next call on (a mixture, an adapter): before any SMC-SD."""
+        """Draft with another backend from the next call on (a mixture, an adapter): before any call."""
         if self._engine is not None:
-            raise RuntimeError("use_draft_backend must come before the pair's first SMC-SD call")
+            raise RuntimeError("use_draft_backend must come before the pair's first call")
         self.core = self.core.with_draft(draft_lm)
 
     def call(self, fn: Callable[[], object]) -> object:
@@ -291,18 +285,8 @@ class SMCSD:
                     "SMCSDModel(prompt) (or SMCSDModel(prompt, constraint)), or call generate"
                 )
         self.core.check_token_prompts([p.prompt for p in programs if not isinstance(p.prompt, str)])
-        config = config or SMCConfig()
         self.core.static_engine("smcsd")  # a compiled pair refuses: programs run eagerly
-        if self._joins_batch():
-            return self._batched(programs, config, "smcsd", on_cycle=on_cycle)
-        context = self.context(config)  # the programs hold the prompts
-
-        def run() -> list[Generation]:
-            start = self.start_clock()
-            out = methods.run_programs(context, programs, on_cycle)
-            return self._generations("smcsd", out, start, context)
-
-        return self.call(run)
+        return self._batched(programs, config or SMCConfig(), "smcsd", on_cycle=on_cycle)
 
     def check_request(self, ids: list[int], config: SMCConfig) -> None:
         """Refuse, in one line, a token-id prompt that is empty, off the vocabulary or past the context."""
@@ -324,9 +308,9 @@ class SMCSD:
         """Run ``method`` on token-id prompts and build each request's ``Generation``."""
         method.check(config)
         self.check_fits(ids, config, method)
-        if method.name in BATCHED and self._joins_batch() and not self.core.static_engine(method.name):
+        if method.settings is not None and not self.core.static_engine(method.name):
             programs = [SMCSDModel(i) for i in ids]
-            return self._batched(programs, BATCHED[method.name](config), method.name, on_progress)
+            return self._batched(programs, method.settings(config), method.name, on_progress)
         context = self.context(config, ids, on_progress)
 
         def run() -> list[Generation]:
@@ -334,10 +318,6 @@ class SMCSD:
             return self._generations(method.name, method.run(context), start, context)
 
         return self.call(run)
-
-    def _joins_batch(self) -> bool:
-        """Whether an SMC-SD call joins the batch (not from the torch thread, nor with RACER's memory)."""
-        return self.retrieval_memory is None and not torch_thread().here
 
     def _batched(
         self,
@@ -347,7 +327,7 @@ class SMCSD:
         on_progress: Callable[[int], None] | None = None,
         on_cycle: Callable[[StepInfo], None] | None = None,
     ) -> list[Generation]:
-        """Each program as a request of the running batch (request i seeded as in a run of its own)."""
+        """Each program as a request of the engine's batch (request i seeded as in a run of its own)."""
         start = self.start_clock()
 
         def observe(info: StepInfo) -> None:
@@ -357,13 +337,7 @@ class SMCSD:
                 on_cycle(info)
 
         observer = observe if on_progress or on_cycle else None
-        tickets = [
-            self.engine.submit_program(
-                p, config, seed=request_seed(config.seed, i), bounded=False, observer=observer
-            )
-            for i, p in enumerate(programs)
-        ]
-        outs = [t.wait() for t in tickets]
+        outs = [t.wait() for t in self.engine.run(programs, config, observer=observer)]
         stats = self.stats(name, start, sum(len(g.token_ids) for g in outs))
         return [dataclasses.replace(g, method=name, stats=stats) for g in outs]
 
@@ -381,7 +355,8 @@ class SMCSD:
         """
         config = config or SMCConfig()
         prompts = [list(p) for p in prompts]
-        return methods.RunContext(prompts, config, self.core, on_progress, record, self.retrieval_memory)
+        memory = self.retrieval_memory
+        return methods.RunContext(prompts, config, self.core, on_progress, record, memory, self.engine)
 
     def _generations(self, name: str, out: methods.MethodOutput, start: tuple, ctx) -> list[Generation]:
         """One ``Generation`` per request of a method's run, sharing the call's stats."""

@@ -62,7 +62,6 @@ from llamppl import (
 
 from .api import SMCSD
 from .config import SMCConfig
-from .engine.run import core_over, final_populations
 from .inference.context import LMContext
 from .inference.program import SMCSDModel as Model
 from .inference.record import Recorder, write_record
@@ -249,20 +248,22 @@ async def smc_standard(
 
 
 async def _run(lm: CachedCausalLM, model: Model, config: SMCConfig, **kwargs) -> list[Model]:
-    """One program to the end on the pair's torch thread: its final particles, with their weights."""
-    pair = lm.pair
-    eos = [] if config.ignore_eos else list(pair.eos_token_ids)
+    """One program to the end as a request of the pair's engine: its final particles, with their weights.
+
+    ``kwargs``: ``on_cycle`` (called after each of its cycles) and ``reshape``, as ``Engine.run``'s.
+    """
 
     def run() -> list[Model]:
         lm.running = True
         try:
-            core = core_over(pair.rows(), config, eos, pair.decode, lm.encode, pair.draft_record)
-            [pop] = asyncio.run(final_populations(core, [model], config, **kwargs))
+            [ticket] = lm.pair.engine.run(
+                [model], config, observer=kwargs.get("on_cycle"), reshape=kwargs.get("reshape")
+            )
         finally:
             lm.running = False
-        return final_particles(pop)
+        return final_particles(ticket.population)
 
-    return await asyncio.to_thread(pair.call, run)
+    return await asyncio.to_thread(run)
 
 
 async def smc_steer(model: Model, n_particles: int, n_beam: int, **settings) -> list[Model]:

@@ -72,6 +72,8 @@ class SMCInfo:
         draft_lengths: with a quality cut, the draft length of each cycle (0: the target alone).
         draft_record: the record the request started from, with its own evidence added:
             pass it on (``SMCSD.draft_record``) to let later requests learn from this one.
+        chosen: the index in ``particles`` of the one returned, drawn by weight (-1: none had
+            a positive weight, and the output is empty).
     """
 
     log_z: float
@@ -83,6 +85,7 @@ class SMCInfo:
     collapsed: bool = False
     draft_lengths: list[int] = field(default_factory=list)
     draft_record: DraftRecord = field(default_factory=DraftRecord)
+    chosen: int = -1
 
     @property
     def alone(self) -> bool:

@@ -20,13 +20,13 @@ from tiny import tokenizer
 
 from smcsd_ppl.backends.mock import MockLM
 from smcsd_ppl.config import DraftRecord, SMCConfig
-from smcsd_ppl.engine.run import run_smc_sd
-from smcsd_ppl.inference.outcome import SMCResult
+from smcsd_ppl.engine.client import Engine
 from smcsd_ppl.inference.program import SMCSDModel
 from smcsd_ppl.inference.rows import RowStore
 from smcsd_ppl.methods.sd import AcceptRule, SpeculativeRun, exact_accept, speculative_sampling
 from smcsd_ppl.potentials import Constraint, token_bytes
 from smcsd_ppl.potentials.contract import ConstraintContract
+from smcsd_ppl.results import Generation
 
 EOS = 3
 V = 4
@@ -129,9 +129,14 @@ def mock_pair(noise: float = 0.8, rare_eos: bool = False) -> tuple[MockLM, MockL
     return target, draft
 
 
-def smc(target, draft, programs, *, record: DraftRecord | None = None, eos=(EOS,), **cfg) -> list[SMCResult]:
+def run_rows(programs, store: RowStore, config: SMCConfig, eos=(EOS,), **kw) -> list[Generation]:
+    """SMC-SD of ``programs`` as requests of an engine over ``store`` (``kw``: ``Engine.run``'s)."""
+    return [t.wait() for t in Engine.over(store, list(eos)).run(list(programs), config, **kw)]
+
+
+def smc(target, draft, programs, *, record: DraftRecord | None = None, eos=(EOS,), **cfg) -> list[Generation]:
     """SMC-SD of ``programs`` on a fresh row store over the mock pair, under ``config(**cfg)``."""
-    return run_smc_sd(list(programs), RowStore(target, draft), config(**cfg), list(eos), record=record)
+    return run_rows(programs, RowStore(target, draft), config(**cfg), eos, record=record)
 
 
 def sd(target, draft, prompts, *, accept: AcceptRule = exact_accept, **cfg) -> SpeculativeRun:

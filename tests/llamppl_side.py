@@ -10,6 +10,7 @@ import torch
 from helpers import EOS, mock_pair
 
 from smcsd_ppl.config import DraftRecord
+from smcsd_ppl.engine.client import Engine
 from smcsd_ppl.inference.rows import RowStore
 from smcsd_ppl.llamppl import CachedCausalLM
 
@@ -47,6 +48,7 @@ class MockPair:
         self.target_lm, self.draft_lm = target, draft
         self.tokenizer, self.eos_token_ids = MockTokenizer(strings), [EOS]
         self.draft_record, self.store = DraftRecord(), RowStore(target, draft)
+        self.engine = Engine.over(self.store, [EOS], decode=self.decode)
 
     def rows(self):
         return self.store

@@ -54,7 +54,7 @@ def run_without_zero(runs: int, seed: int):
 def weighting_errors(target, results) -> tuple[float, float]:
     """(|mean Z-hat - Z| in standard errors, TV of the Z-weighted outputs from the exact law)."""
     exact, z = conditioned_target(target)
-    zs = torch.tensor([math.exp(r.info.log_z) for r in results], dtype=torch.float64)
+    zs = torch.tensor([math.exp(r.smc.log_z) for r in results], dtype=torch.float64)
     stderr = float(zs.std() / math.sqrt(len(zs)))
     tv = total_variation(z_weighted(results), {k: v / z for k, v in exact.items()})
     return abs(float(zs.mean()) - z) / stderr, tv
@@ -67,7 +67,7 @@ def test_a_condition_in_extend_is_properly_weighted():
     assert 0.05 < z < 0.95  # the condition matters
     assert sorted(TESTED) == sorted(str(i) for i in range(V))  # applied once per vocabulary, not per step
     assert all(r.token_ids and 0 not in r.token_ids for r in results)  # no particle died of it
-    assert all(0 not in p.token_ids for r in results for p in r.info.particles)
+    assert all(0 not in p.token_ids for r in results for p in r.smc.particles)
     z_error, tv = weighting_errors(target, results)
     assert z_error < 4 and tv < TV_LIMIT, (z_error, tv)
 

@@ -52,11 +52,11 @@ def run(program, mode, runs, seed, **cfg):
 def z_weighted(results):
     est, total = {}, 0.0
     for r in results:
-        zr = math.exp(r.info.log_z)
+        zr = math.exp(r.smc.log_z)
         if zr == 0:  # every particle died: contributes nothing
             continue
-        w = torch.softmax(torch.tensor([p.log_weight for p in r.info.particles], dtype=torch.float64), 0)
-        for p, wi in zip(r.info.particles, w.tolist()):
+        w = torch.softmax(torch.tensor([p.log_weight for p in r.smc.particles], dtype=torch.float64), 0)
+        for p, wi in zip(r.smc.particles, w.tolist()):
             est[tuple(p.token_ids)] = est.get(tuple(p.token_ids), 0.0) + zr * wi
         total += zr
     return {k: v / total for k, v in est.items()}
@@ -73,10 +73,10 @@ def test_constrained_smcsd_is_properly_weighted(mode, program):
     exact, z = constrained_target(target)
     assert 0.05 < z < 0.95  # the constraint matters
     for r in results:  # every weighted particle satisfies the constraint
-        for p in r.info.particles:
+        for p in r.smc.particles:
             assert p.log_weight == -math.inf or satisfies(p.token_ids), p.token_ids
         assert satisfies(r.token_ids)
-    zs = torch.tensor([math.exp(r.info.log_z) for r in results], dtype=torch.float64)
+    zs = torch.tensor([math.exp(r.smc.log_z) for r in results], dtype=torch.float64)
     stderr = float(zs.std() / math.sqrt(len(zs)))
     assert abs(float(zs.mean()) - z) < 4 * stderr, (float(zs.mean()), z, stderr)
     assert total_variation(z_weighted(results), {k: v / z for k, v in exact.items()}) < TV_LIMIT
@@ -99,7 +99,7 @@ def test_the_check_fails_if_critic_cuts_resume(monkeypatch):
         Constrained, "critic", 4000, seed=11, n_particles=3, block_size=2, ess_threshold=0.7
     )
     exact, z = constrained_target(target)
-    zs = torch.tensor([math.exp(r.info.log_z) for r in results], dtype=torch.float64)
+    zs = torch.tensor([math.exp(r.smc.log_z) for r in results], dtype=torch.float64)
     stderr = float(zs.std() / math.sqrt(len(zs)))
     biased = abs(float(zs.mean()) - z) > 4 * stderr
     far = total_variation(z_weighted(results), {k: v / z for k, v in exact.items()}) > TV_LIMIT
@@ -118,7 +118,7 @@ def test_constraint_no_particle_can_finish_ends_with_a_message(mode):
     [result] = smc(
         target, draft, [Constrained(PROMPT, DeadEnd(), mode)], max_new_tokens=H, n_particles=4, block_size=2
     )
-    assert result.token_ids == [] and result.chosen == -1
+    assert result.token_ids == [] and result.smc.chosen == -1
     assert ("dead end" if mode == "proposal" else "critic mode") in result.message
 
 
@@ -135,7 +135,7 @@ def test_forced_tokens_skip_draft_forwards_and_stay_properly_weighted():
     weights, _ = exact_target(target, PROMPT, 5)
     exact = {y: w for y, w in weights.items() if y[1:3] == (2, 1)[: len(y) - 1]}
     z = sum(exact.values())
-    zs = torch.tensor([math.exp(r.info.log_z) for r in results], dtype=torch.float64)
+    zs = torch.tensor([math.exp(r.smc.log_z) for r in results], dtype=torch.float64)
     stderr = float(zs.std() / math.sqrt(len(zs)))
     assert abs(float(zs.mean()) - z) < 4 * stderr, (float(zs.mean()), z, stderr)
     assert total_variation(z_weighted(results), {k: v / z for k, v in exact.items()}) < TV_LIMIT

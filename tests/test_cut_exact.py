@@ -25,12 +25,12 @@ def pooled(results):
     """Z-weighted output distribution and the Z estimates of each run."""
     est, total, zs = {}, 0.0, []
     for r in results:
-        zr = math.exp(r.info.log_z)
+        zr = math.exp(r.smc.log_z)
         zs.append(zr)
         if zr == 0:
             continue
-        w = torch.softmax(torch.tensor([p.log_weight for p in r.info.particles], dtype=torch.float64), 0)
-        for p, wi in zip(r.info.particles, w.tolist()):
+        w = torch.softmax(torch.tensor([p.log_weight for p in r.smc.particles], dtype=torch.float64), 0)
+        for p, wi in zip(r.smc.particles, w.tolist()):
             est[tuple(p.token_ids)] = est.get(tuple(p.token_ids), 0.0) + zr * wi
         total += zr
     return {k: v / total for k, v in est.items()}, torch.tensor(zs, dtype=torch.float64)
@@ -105,7 +105,7 @@ def test_cut_smcsd_is_properly_weighted(case, monkeypatch):
     if case == "twist":
         assert Twisted.twists > 0
     for results, exact, z in groups:
-        assert max(len(r.info.ess_trace) for r in results) >= 2  # several cycles
+        assert max(len(r.smc.ess_trace) for r in results) >= 2  # several cycles
         unbiased, tv, detail = check(results, exact, z)
         assert unbiased, detail
         assert tv < TV_LIMIT, tv
@@ -143,8 +143,8 @@ def test_the_output_particle_is_chosen_in_proportion_to_its_weight():
     )
     chosen, expected = [], []
     for r in results:
-        w = torch.softmax(torch.tensor([p.log_weight for p in r.info.particles], dtype=torch.float64), 0)
-        chosen.append(float(w[r.chosen]))
+        w = torch.softmax(torch.tensor([p.log_weight for p in r.smc.particles], dtype=torch.float64), 0)
+        chosen.append(float(w[r.smc.chosen]))
         expected.append(float((w * w).sum()))
     chosen, expected = torch.tensor(chosen), torch.tensor(expected)
     stderr = float((chosen - expected).std() / math.sqrt(len(chosen)))

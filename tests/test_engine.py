@@ -13,14 +13,13 @@ import math
 import pytest
 import tiny
 import torch
-from helpers import EOS, smc
+from helpers import EOS, run_rows, smc
 
 import smcsd_ppl.inference.cycle as cycle_module
 import smcsd_ppl.methods.sd as sd_module
 from smcsd_ppl.api import SMCSD
 from smcsd_ppl.backends.mock import MockLM
 from smcsd_ppl.config import SMCConfig
-from smcsd_ppl.engine.run import run_smc_sd
 from smcsd_ppl.inference.blocks import BlockRequest, RowConstraint
 from smcsd_ppl.inference.drafting import draft_blocks, generator_draws
 from smcsd_ppl.inference.program import SMCSDModel
@@ -95,11 +94,11 @@ def test_forward_counts_with_the_mock_backend():
     cycles = []
     config = SMCConfig(n_particles=4, block_size=3, max_new_tokens=10, seed=0, cut=None)
     programs = [SMCSDModel([1, 2]), SMCSDModel([3]), SMCSDModel([0, 4, 1])]
-    res = run_smc_sd(programs, RowStore(target, draft), config, [], on_cycle=cycles.append)  # no EOS
+    res = run_rows(programs, RowStore(target, draft), config, [], observer=cycles.append)  # no EOS
     assert len(cycles) == 3
     assert target.stats.calls == 1 + len(cycles)
     assert draft.stats.calls == 1 + 3 + 3 + 1  # the last block has a budget of one token
-    assert all(len(p.token_ids) == 10 for r in res for p in r.info.particles)
+    assert all(len(p.token_ids) == 10 for r in res for p in r.smc.particles)
 
 
 # --- seeded determinism ---
@@ -129,7 +128,7 @@ def test_mock_smcsd_is_deterministic():
             max_new_tokens=6,
             seed=seed,
         )
-        return [(r.token_ids, r.info.log_z) for r in out]
+        return [(r.token_ids, r.smc.log_z) for r in out]
 
     assert run(0) == run(0)
     assert run(0) != run(1)
@@ -391,7 +390,7 @@ def test_mock_smcsd_particles_end_at_their_first_eos():
     res = smc(
         MockLM(4, seed=0), MockLM(4, seed=3), programs, block_size=2, max_new_tokens=8, n_particles=4, seed=1
     )
-    particles = [p.token_ids for r in res for p in r.info.particles]
+    particles = [p.token_ids for r in res for p in r.smc.particles]
     assert [p for p in particles if EOS in p[:-1]] == []
     assert sum(p[-1] == EOS for p in particles) > len(particles) // 4  # EOS did come, often
 
@@ -587,14 +586,14 @@ def test_nan_logits_during_autoregressive_sampling_raise():
     handle.remove()
 
 
-def test_the_paper_s_method_runs_the_draft_on_every_path():
-    """Batched (``pair.generate``) or through the method table, ``smcsd_paper`` is no cut and the draft."""
-    from smcsd_ppl.api import BATCHED
+def test_the_paper_s_method_runs_the_draft_with_no_cut():
+    """The settings the engine runs ``smcsd_paper`` with: the paper's (no cut, the draft)."""
+    from smcsd_ppl import methods
     from smcsd_ppl.config import paper_settings
 
     asked = SMCConfig(proposal="retrieval", cut=0.5)
     assert (
-        BATCHED["smcsd_paper"](asked)
+        methods.get("smcsd_paper").settings(asked)
         == paper_settings(asked)
         == dataclasses.replace(asked, cut=None, proposal="draft")
     )

@@ -61,7 +61,7 @@ def smc_runs(runs, alpha=1.0, draft=None, **cfg):
         **cfg,
     )
     support, _ = exact_target(target, PROMPT, H)
-    outside = [p.token_ids for r in results for p in r.info.particles if tuple(p.token_ids) not in support]
+    outside = [p.token_ids for r in results for p in r.smc.particles if tuple(p.token_ids) not in support]
     assert outside == [], f"outputs the target cannot produce (EOS inside, or over budget): {outside[:5]}"
     return target, results
 
@@ -70,8 +70,8 @@ def smc_runs(runs, alpha=1.0, draft=None, **cfg):
 def test_smcsd_log_z_is_unbiased(alpha):
     target, results = smc_runs(1500, alpha=alpha, n_particles=4, block_size=1, ess_threshold=1.0, seed=2)
     _, z = exact_target(target, PROMPT, H, alpha=alpha)
-    zs = torch.tensor([math.exp(r.info.log_z) for r in results], dtype=torch.float64)
-    assert sum(r.info.n_resamples for r in results) > 0
+    zs = torch.tensor([math.exp(r.smc.log_z) for r in results], dtype=torch.float64)
+    assert sum(r.smc.n_resamples for r in results) > 0
     stderr = float(zs.std() / math.sqrt(len(zs)))
     assert abs(float(zs.mean()) - z) < 4 * stderr + 1e-9, (float(zs.mean()), z, stderr)
 
@@ -83,9 +83,9 @@ def test_smcsd_is_properly_weighted():
     est: dict = {}
     total = 0.0
     for r in results:
-        zr = math.exp(r.info.log_z)
-        w = torch.softmax(torch.tensor([p.log_weight for p in r.info.particles]), 0)
-        for p, wi in zip(r.info.particles, w.tolist()):
+        zr = math.exp(r.smc.log_z)
+        w = torch.softmax(torch.tensor([p.log_weight for p in r.smc.particles]), 0)
+        for p, wi in zip(r.smc.particles, w.tolist()):
             est[tuple(p.token_ids)] = est.get(tuple(p.token_ids), 0.0) + zr * wi
         total += zr
     est = {k: v / total for k, v in est.items()}
@@ -95,8 +95,8 @@ def test_smcsd_is_properly_weighted():
 def weighted_tv(results, exact, z):
     est: dict = {}
     for r in results:
-        w = torch.softmax(torch.tensor([p.log_weight for p in r.info.particles]), 0)
-        for p, wi in zip(r.info.particles, w.tolist()):
+        w = torch.softmax(torch.tensor([p.log_weight for p in r.smc.particles]), 0)
+        for p, wi in zip(r.smc.particles, w.tolist()):
             est[tuple(p.token_ids)] = est.get(tuple(p.token_ids), 0.0) + wi / len(results)
     return total_variation(est, {k: v / z for k, v in exact.items()})
 
@@ -117,6 +117,6 @@ def test_smcsd_with_a_perfect_draft_is_the_target():
     _, results = smc_runs(2000, draft=target, n_particles=2, block_size=2, seed=5)
     exact, _ = exact_target(target, PROMPT, H)
     for r in results:  # q = p: every increment is exactly zero
-        assert all(abs(p.log_weight) < 1e-5 for p in r.info.particles)
-        assert abs(r.info.log_z) < 1e-5
+        assert all(abs(p.log_weight) < 1e-5 for p in r.smc.particles)
+        assert abs(r.smc.log_z) < 1e-5
     assert chi_square_pvalue(Counter(tuple(r.token_ids) for r in results), exact) > 1e-3

@@ -8,14 +8,13 @@ from collections import Counter
 
 import pytest
 import torch
-from helpers import EOS, chi_square_pvalue, exact_target
+from helpers import EOS, chi_square_pvalue, exact_target, run_rows
 from tiny import llama, tokenizer
 
 from smcsd_ppl import SMCSD, SMCConfig
 from smcsd_ppl.backends.hf import HFBatchedLM
 from smcsd_ppl.config import DraftRecord
 from smcsd_ppl.config import SMCConfig as Config
-from smcsd_ppl.engine.run import run_smc_sd
 from smcsd_ppl.inference.blocks import BlockRequest
 from smcsd_ppl.inference.drafting import draft_blocks, generator_draws
 from smcsd_ppl.inference.program import SMCSDModel
@@ -159,8 +158,8 @@ def test_smcsd_with_a_feature_draft_is_properly_weighted():
         cut=None,
     )
     store = RowStore(HFBatchedLM(target), HFBatchedLM(draft))
-    results = run_smc_sd([SMCSDModel([1, 2]) for _ in range(runs)], store, config, [EOS])
-    assert sum(r.info.n_resamples for r in results) > 0
+    results = run_rows([SMCSDModel([1, 2]) for _ in range(runs)], store, config, [EOS])
+    assert sum(r.smc.n_resamples for r in results) > 0
     exact, z = exact_target(_Enumerable(target), [1, 2], horizon)
     tests = {"one": lambda y: 1.0, "length": len} | {
         f"first={v}": (lambda y, v=v: float(y[0] == v)) for v in range(4)
@@ -168,12 +167,12 @@ def test_smcsd_with_a_feature_draft_is_properly_weighted():
     for name, f in tests.items():
         per_run = torch.tensor(
             [
-                math.exp(r.info.log_z)
+                math.exp(r.smc.log_z)
                 * sum(
                     w * f(p.token_ids)
                     for p, w in zip(
-                        r.info.particles,
-                        torch.softmax(torch.tensor([p.log_weight for p in r.info.particles]), 0).tolist(),
+                        r.smc.particles,
+                        torch.softmax(torch.tensor([p.log_weight for p in r.smc.particles]), 0).tolist(),
                     )
                 )
                 for r in results

@@ -13,10 +13,10 @@ import json
 import jsonschema
 import pytest
 import torch
+from helpers import run_rows
 
 from smcsd_ppl.bench import grammar_exact as ge
 from smcsd_ppl.config import SMCConfig
-from smcsd_ppl.engine.run import run_smc_sd
 from smcsd_ppl.inference import structure
 from smcsd_ppl.inference.program import SMCSDModel
 from smcsd_ppl.inference.rows import RowStore
@@ -44,7 +44,7 @@ def run_mock(grammar: str, program, twist: str, runs: int):
         max_new_tokens=ge.HORIZON, seed=3, twist=twist,
     )  # fmt: skip
     programs = [program(list(ge.PROMPT), constraint) for _ in range(runs)]
-    run_smc_sd(programs, RowStore(target, draft), config, [ge.EOS])
+    run_rows(programs, RowStore(target, draft), config, [ge.EOS])
     return target, constraint
 
 

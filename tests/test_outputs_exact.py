@@ -162,12 +162,12 @@ def test_a_soft_potential_is_properly_weighted_in_the_papers_algorithm():
     results = smc(
         target, draft, programs, block_size=2, max_new_tokens=H, draft_temperature=1.0, seed=3, n_particles=8
     )
-    zs = torch.tensor([math.exp(r.info.log_z) for r in results], dtype=torch.float64)
+    zs = torch.tensor([math.exp(r.smc.log_z) for r in results], dtype=torch.float64)
     assert abs(float(zs.mean()) - z) < 4 * float(zs.std() / math.sqrt(len(zs)))  # unbiased
     pooled: dict = {}
     for r, zr in zip(results, zs.tolist()):
-        w = torch.softmax(torch.tensor([p.log_weight for p in r.info.particles], dtype=torch.float64), 0)
-        for p, wi in zip(r.info.particles, w.tolist()):
+        w = torch.softmax(torch.tensor([p.log_weight for p in r.smc.particles], dtype=torch.float64), 0)
+        for p, wi in zip(r.smc.particles, w.tolist()):
             pooled[tuple(p.token_ids)] = pooled.get(tuple(p.token_ids), 0.0) + zr * wi / float(zs.sum())
     assert distribution_marginal_tv(pooled, tilted, H) < TV_LIMIT
 

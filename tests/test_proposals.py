@@ -90,7 +90,7 @@ def test_a_request_that_copies_runs_long_retrieved_blocks():
     (out,) = smc(target, draft, [SMCSDModel(prompt)], n_particles=4, block_size=8, max_new_tokens=40, cut=0.3)
     assert len(out.token_ids) == 40
     assert target.stats.calls <= 1 + 40 / 4  # >= 4 tokens per target call (prefill included)
-    assert max(out.info.draft_lengths) == 8
+    assert max(out.smc.draft_lengths) == 8
     assert draft.stats.calls <= 8  # the prefill and the probe's draft forwards, no more
 
 

@@ -63,15 +63,15 @@ def returned_tv(case: str, results, weights=None) -> float:
 def pooled_tv(case: str, results) -> float:
     """Z-pooled particles (right for any N): log Z unbiased, and their marginal TV."""
     weights, z = exact()
-    zs = torch.tensor([math.exp(r.info.log_z) for r in results], dtype=torch.float64)
+    zs = torch.tensor([math.exp(r.smc.log_z) for r in results], dtype=torch.float64)
     # Where every weight is exact (retrieval checked by the target), Z-hat is Z itself: only the
     # float32 rounding of the mock's probabilities (~1e-7) is left, which 1e-6 allows.
     se = float(zs.std() / math.sqrt(len(zs)))
     assert abs(float(zs.mean()) - z) < 4 * se + 1e-6 * z, float(zs.mean())
     pooled: dict = {}
     for r, zr in zip(results, zs.tolist()):
-        w = torch.softmax(torch.tensor([p.log_weight for p in r.info.particles], dtype=torch.float64), 0)
-        for p, wi in zip(r.info.particles, w.tolist()):
+        w = torch.softmax(torch.tensor([p.log_weight for p in r.smc.particles], dtype=torch.float64), 0)
+        for p, wi in zip(r.smc.particles, w.tolist()):
             pooled[tuple(p.token_ids)] = pooled.get(tuple(p.token_ids), 0.0) + zr * wi / float(zs.sum())
     return report(case, distribution_marginal_tv(pooled, weights, H))
 

@@ -68,8 +68,8 @@ def test_requests_known_to_decode_alone_skip_the_draft_entirely():
         proposal="draft",  # retrieval needs no draft either, but runs N particles
     )
     assert draft.stats.calls == before  # not even prefilled
-    assert any(r.info.draft_lengths for r in results) and not any(any(r.info.draft_lengths) for r in results)
-    assert all(len(r.info.particles) == 1 for r in results if r.info.draft_lengths)  # one particle decodes
+    assert any(r.smc.draft_lengths for r in results) and not any(any(r.smc.draft_lengths) for r in results)
+    assert all(len(r.smc.particles) == 1 for r in results if r.smc.draft_lengths)  # one particle decodes
 
 
 def test_a_record_with_its_row_cost_gives_a_seed_the_same_answer_whatever_the_machine():
@@ -91,7 +91,7 @@ def test_a_record_with_its_row_cost_gives_a_seed_the_same_answer_whatever_the_ma
                 proposal="draft",
             )
             answers[record_cost, machine_cost] = [r.token_ids for r in results]
-            lengths[record_cost, machine_cost] = [r.info.draft_lengths for r in results]
+            lengths[record_cost, machine_cost] = [r.smc.draft_lengths for r in results]
     assert answers[0.05, 0.0] == answers[0.05, 0.5] and lengths[0.05, 0.0] == lengths[0.05, 0.5]
     assert any(any(n) for n in lengths[0.05, 0.0])  # it drafts, as r = 0.05 calls for
     # Without the record's r the machines choose differently, and so answer differently.
@@ -139,8 +139,8 @@ def test_with_the_target_as_draft_the_cut_never_fires_and_target_calls_match_the
         )
         calls[cut] = target.stats.calls
         if cut is not None:
-            assert all(set(r.info.draft_lengths) <= {3} for r in results) and any(
-                r.info.draft_lengths for r in results
+            assert all(set(r.smc.draft_lengths) <= {3} for r in results) and any(
+                r.smc.draft_lengths for r in results
             )
     assert calls[0.05] == calls[None]
 
@@ -184,6 +184,6 @@ def test_a_collapsed_request_says_so():
         programs = [SMCSDModel([1, 2]) for _ in range(20)]
         cfg = dict(max_new_tokens=16, n_particles=8, draft_temperature=1.0, cut=cut)
         results = smc(target, far, programs, eos=[], record=DraftRecord(passed=8.0), **cfg)  # drafts at once
-        flags[cut] = sum(r.info.collapsed for r in results)
+        flags[cut] = sum(r.smc.collapsed for r in results)
     assert flags[None] >= 15  # the paper's algorithm collapses, and says so
     assert flags[0.25] == 0  # the cut soon leaves such a draft out

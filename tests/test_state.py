@@ -130,8 +130,8 @@ def test_a_step_never_writes_the_state_it_was_given(cut):
 def test_final_weights_keep_the_log_z_the_run_reports():
     target, draft = mock_pair()
     for r in smc(target, draft, [SMCSDModel([1, 2]) for _ in range(40)], max_new_tokens=4, ess_threshold=1.0):
-        log_w = torch.tensor([p.log_weight for p in r.info.particles], dtype=torch.float64)
-        assert smc_math.log_mean_exp(log_w) == pytest.approx(r.info.log_z, abs=1e-9)
+        log_w = torch.tensor([p.log_weight for p in r.smc.particles], dtype=torch.float64)
+        assert smc_math.log_mean_exp(log_w) == pytest.approx(r.smc.log_z, abs=1e-9)
 
 
 # never, the default, (nearly) always; the fast tier runs one
@@ -145,11 +145,11 @@ def test_the_final_weights_estimate_z_without_bias(threshold):
     runs = [SMCSDModel([1, 2]) for _ in range(1500)]
     results = smc(target, draft, runs, max_new_tokens=4, block_size=1, ess_threshold=threshold, seed=3)
     if threshold:
-        assert sum(r.info.n_resamples for r in results) > 0
+        assert sum(r.smc.n_resamples for r in results) > 0
     _, z = exact_target(target, [1, 2], 4)
     zs = torch.tensor(
         [
-            math.exp(smc_math.log_mean_exp(torch.tensor([p.log_weight for p in r.info.particles])))
+            math.exp(smc_math.log_mean_exp(torch.tensor([p.log_weight for p in r.smc.particles])))
             for r in results
         ],
         dtype=torch.float64,

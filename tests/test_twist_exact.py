@@ -19,10 +19,10 @@ import math
 
 import pytest
 import torch
+from helpers import run_rows
 
 from smcsd_ppl.bench import grammar_exact as ge
 from smcsd_ppl.config import SMCConfig
-from smcsd_ppl.engine.run import run_smc_sd
 from smcsd_ppl.inference.program import SMCSDModel
 from smcsd_ppl.inference.rows import RowStore
 from smcsd_ppl.potentials.twist import FutureValidity, lm_step
@@ -204,14 +204,14 @@ def pooled(program, twist: str, runs: int = 2000) -> tuple[float, float, float]:
         n_particles=32, block_size=2, draft_temperature=1.0, target_temperature=1.0, cut=None,
         max_new_tokens=ge.HORIZON, seed=5, twist=twist,
     )  # fmt: skip
-    results = run_smc_sd(
+    results = run_rows(
         [program(list(ge.PROMPT), language) for _ in range(runs)], RowStore(target, draft), config, [ge.EOS]
     )
-    zs = torch.tensor([math.exp(r.info.log_z) for r in results], dtype=torch.float64) / z
+    zs = torch.tensor([math.exp(r.smc.log_z) for r in results], dtype=torch.float64) / z
     est: dict = {}
     for r, zr in zip(results, zs.tolist()):
-        w = torch.softmax(torch.tensor([p.log_weight for p in r.info.particles], dtype=torch.float64), 0)
-        for p, wi in zip(r.info.particles, w.tolist()):
+        w = torch.softmax(torch.tensor([p.log_weight for p in r.smc.particles], dtype=torch.float64), 0)
+        for p, wi in zip(r.smc.particles, w.tolist()):
             est[tuple(p.token_ids)] = est.get(tuple(p.token_ids), 0.0) + zr * wi / float(zs.sum())
     return ge.total_variation(exact, est), float(zs.mean()), float(zs.std() / math.sqrt(runs))
 
@@ -234,8 +234,8 @@ def test_the_twist_changes_nothing_without_a_constraint():
     for twist in (None, "future-validity", "structure", "lookahead"):
         store = RowStore(target, draft)
         config = SMCConfig(block_size=2, max_new_tokens=6, seed=3, twist=twist)
-        results = run_smc_sd([SMCSDModel(list(ge.PROMPT)) for _ in range(20)], store, config, [ge.EOS])
-        out[twist] = [(r.token_ids, r.info.log_z) for r in results], target.stats.calls
+        results = run_rows([SMCSDModel(list(ge.PROMPT)) for _ in range(20)], store, config, [ge.EOS])
+        out[twist] = [(r.token_ids, r.smc.log_z) for r in results], target.stats.calls
         target.stats.calls = 0
     assert out[None] == out["future-validity"] == out["structure"] == out["lookahead"]
 

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .. import methods as registry
-from ..api import BATCHED
 from ..config import SMCConfig
 from ..inference.program import SMCSDModel
 from ..inference.state import StepInfo
@@ -252,7 +251,7 @@ class PromptRunner:
 
     def records(self, prompts: Sequence[Prompt]) -> Iterator[dict]:
         """Each prompt's record, as it finishes: SMC-SD's as one running batch, others one by one."""
-        if self.alone or self.method not in BATCHED:
+        if self.alone or registry.get(self.method).settings is None:
             for p in prompts:
                 yield self.record(p)
             return
@@ -303,7 +302,7 @@ class PromptRunner:
     def _submit(self, prompt: Prompt, config: SMCConfig, on_done):
         """One prompt as a request of the running batch (seeded as when it runs alone)."""
         method = registry.get(self.method)
-        config = BATCHED[self.method](config)
+        config = method.settings(config)
         self.pair.check_fits([self.pair.encode(prompt.text)], config, method)
         program = SMCSDModel(prompt.text, self.constraint)
         seed = request_seed(config.seed, 0)

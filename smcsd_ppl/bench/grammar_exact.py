@@ -35,7 +35,8 @@ import torch
 
 from ..backends.mock import MockLM
 from ..config import DraftRecord, SMCConfig
-from ..engine.run import run_smc_sd
+from ..ends import FinishReason
+from ..engine.client import Engine
 from ..inference.program import SMCSDModel
 from ..inference.rows import RowStore
 from ..potentials import Constraint
@@ -223,10 +224,11 @@ def returned_outputs(
     per_call = max(1, 4096 // n)  # requests per call: the rows of one call stay few thousand
     for start in range(0, runs, per_call):
         programs = [SMCSDModel(list(PROMPT), constraint, mode) for _ in range(min(per_call, runs - start))]
-        store = RowStore(target, draft)
+        engine = Engine.over(RowStore(target, draft), [EOS])
         call = SMCConfig(**{**config.__dict__, "seed": seed + start})
-        for r in run_smc_sd(programs, store, call, [EOS], record=record):
-            counts[tuple(r.token_ids) if r.chosen >= 0 else ()] += 1
+        for ticket in engine.run(programs, call, record=record):
+            out = ticket.wait()
+            counts[tuple(out.token_ids) if out.finish_reason != FinishReason.ERROR else ()] += 1
     return {y: c / runs for y, c in counts.items()}
 
 

@@ -23,7 +23,6 @@ import torch
 from ..config import SMCConfig
 from ..ends import FinishReason
 from ..inference.program import SMCSDModel
-from ..methods.smcsd import run_programs
 from ..potentials.grammar import RegexConstraint
 from .grammar_exact import total_variation
 
@@ -182,16 +181,14 @@ def returned_texts(pair, language: Language, config: SMCConfig, runs: int, *, pe
     ``per_call``: particles run at once (their logits over the vocabulary are what fills memory).
     """
     constraint, prompt = constraint_of(pair, language), pair.encode(language.prompt)
-    ctx = pair.context()
     counts: Counter = Counter()
     step = max(1, per_call // config.n_particles)
     for start in range(0, runs, step):
         call = dataclasses.replace(config, seed=config.seed + start)
         programs = [SMCSDModel(list(prompt), constraint, "proposal") for _ in range(min(step, runs - start))]
-        run_ctx = dataclasses.replace(ctx, prompts=[], config=call, on_progress=None)
-        out = pair.call(lambda run_ctx=run_ctx, programs=programs: run_programs(run_ctx, programs))
-        for ids, reason in zip(out.token_ids, out.reasons):
-            counts[None if reason == FinishReason.ERROR else _answer(pair, ids)] += 1
+        for ticket in pair.engine.run(programs, call):
+            out = ticket.wait()
+            counts[None if out.finish_reason == FinishReason.ERROR else _answer(pair, out.token_ids)] += 1
     return {t: c / runs for t, c in counts.items()}
 
 

@@ -31,7 +31,6 @@ import jsonschema
 
 from ..config import DraftRecord, SMCConfig
 from ..inference.program import SMCSDModel
-from ..methods.smcsd import run_programs
 from ..names import JSON_METHODS
 from ..potentials import JsonSchemaConstraint
 from . import steering
@@ -136,10 +135,10 @@ class Run:
 
 def _smcsd(pair, schema: JsonSchemaConstraint, text: str, config: SMCConfig, record) -> tuple[str, float]:
     """One SMC-SD program run; (returned text, mean tokens per particle)."""
-    ctx = pair.context(config, record=record)
-    out = run_programs(ctx, [SMCSDModel(text, schema)])
-    particles = out.info[0].particles
-    return out.texts[0], statistics.fmean(len(p.token_ids) for p in particles) if particles else 0.0
+    [ticket] = pair.engine.run([SMCSDModel(text, schema)], config, record=record)
+    out = ticket.wait()
+    particles = out.smc.particles
+    return out.text, statistics.fmean(len(p.token_ids) for p in particles) if particles else 0.0
 
 
 def run_method(

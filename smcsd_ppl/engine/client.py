@@ -1,9 +1,9 @@
 """The engine in this process: callers on any thread submit requests and calls; the torch thread runs them.
 
 Callers get a ``Ticket`` per request (or the call's result); their messages (add, abort)
-wait in an inbox that the torch thread drains at each of the engine's turns, so the core is
-touched by that thread alone. A request is refused (``QueueFull``) only when the rows cannot
-take it and ``max_queue`` requests already wait beyond them.
+wait in an inbox drained at each of the engine's turns, so one thread at a time touches the
+core: the torch thread, or the thread inside a call that takes the engine's turns itself
+(``Engine.run``). Who may come in is the ``gate``'s to say.
 """
 
 from __future__ import annotations
@@ -18,27 +18,20 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..config import SMCConfig
+from ..config import DraftRecord, SMCConfig
 from ..inference.program import SMCSDModel
+from ..inference.rows import RowStore
 from ..inference.step import request_seed
 from ..potentials.spec import ConstraintSpec
-from .core import CoreStats, EngineCore, Output, RequestCancelled
-from .pair import PairCore, PairFacts
-from .request import Call, Request, Work
-from .scheduling import waiting_beyond
+from .core import EngineCore, Output, RequestCancelled
+from .gate import EngineClosed, EngineStats, Gate, QueueFull
+from .pair import PairCore
+from .request import Call, Request, Reshape, Work
 from .scoring import MAX_TOP_LOGPROBS
 from .ticket import Ticket
 from .worker import torch_thread
 
 SERVE_METHODS = ("smcsd", "ar")  # ar: one particle, the target alone (the same kernel, drafting nothing)
-
-
-class QueueFull(RuntimeError):
-    """The rows are taken and the queue is full: try again later."""
-
-
-class EngineClosed(RuntimeError):
-    """The engine is closed (or closing) and takes no more requests."""
 
 
 @dataclass(frozen=True)
@@ -80,89 +73,6 @@ class ServeRequest:
         if self.method == "ar":
             return replace(self.config, n_particles=1, token_level=True)
         return self.config
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot of an engine: its queue, its rows, what it has done."""
-
-    queued: int
-    running: int
-    rows_in_use: int
-    max_rows: int
-    max_queue: int
-    requests_total: dict[str, int]
-    tokens_total: int
-    cycles_total: int
-    cycle_seconds_total: float
-    last_cycle_seconds: float
-    last_mean_ess: float
-    kv_cache_bytes: int = 0
-    kv_budget_bytes: int = 0
-    kv_bytes_per_row_position: int = 0
-
-
-class Gate:
-    """Who may come in: all while the rows can take them, then ``max_queue`` more; none once closed.
-
-    It holds every request in (by id, in arrival order, with its rows) until it is done.
-    """
-
-    def __init__(self, max_queue: int, max_rows: int) -> None:
-        if max_queue < 1 or max_rows < 1:
-            raise ValueError("max_queue and max_rows must be at least 1")
-        self.max_queue, self.max_rows = max_queue, max_rows
-        self.lock = threading.Lock()
-        self.live: dict[str, tuple[object, int]] = {}  # id -> (handle, rows)
-        self.rejected, self.closing = 0, False
-
-    def enter(self, work_id: str, handle: object, rows: int, bounded: bool = True) -> None:
-        """Let a request in with its caller's handle (``QueueFull``, ``EngineClosed``, ``ValueError``)."""
-        if rows > self.max_rows:
-            raise ValueError(f"the request needs {rows} rows (particles x contexts); at most {self.max_rows}")
-        with self.lock:
-            if self.closing:
-                raise EngineClosed("the engine is closed")
-            held = [n for _, n in self.live.values()]
-            if bounded and waiting_beyond(held, rows, self.max_rows) > self.max_queue:
-                self.rejected += 1
-                raise QueueFull(
-                    f"the rows are taken and {self.max_queue} requests wait for them; try again later"
-                )
-            self.live[work_id] = (handle, rows)
-
-    def handle(self, work_id: str, done: bool) -> object:
-        """A request's handle (None if gone); forgotten once ``done``."""
-        with self.lock:
-            handle, _ = self.live.get(work_id, (None, 0))
-            if done:
-                self.live.pop(work_id, None)
-        return handle
-
-    def stats(self, s: CoreStats, queued: int, facts: PairFacts) -> EngineStats:
-        """An engine's snapshot: the core's counters ``s``, ``queued`` waiting, the gate's, the KV figures."""
-        return EngineStats(
-            queued,
-            s.running,
-            s.rows_in_use,
-            self.max_rows,
-            self.max_queue,
-            dict(s.counts) | {"rejected": self.rejected},
-            s.tokens,
-            s.cycles,
-            s.cycle_seconds,
-            s.last_seconds,
-            s.last_ess,
-            s.kv_bytes,
-            facts.kv_budget_bytes,
-            facts.kv_bytes_per_position,
-        )
-
-    def close(self) -> list[tuple[str, object]]:
-        """Let nothing more in; the requests still in, with their handles."""
-        with self.lock:
-            self.closing = True
-            return [(work_id, handle) for work_id, (handle, _) in self.live.items()]
 
 
 def check_served(pair, request: ServeRequest) -> list[int]:
@@ -209,6 +119,18 @@ class Engine:
         self._owner: int | None = None  # the thread holding ``exclusive``
         self._thread = torch_thread()
         self._thread.attach(self)
+
+    @classmethod
+    def over(
+        cls, store: RowStore, eos: Sequence[int], *, decode: Callable | None = None, max_rows: int = 1 << 20
+    ) -> Engine:
+        """An engine over a row store of one's own (a test's, a mock run's).
+
+        ``decode``: ids as text by default. Its row limit is high by default: a pool of requests
+        over mock models runs as one batch.
+        """
+        pair = PairCore.over(store, eos, decode=decode or (lambda ids: " ".join(map(str, ids))))
+        return cls(pair, max_rows=max_rows)
 
     @property
     def busy(self) -> bool:
@@ -261,11 +183,54 @@ class Engine:
         """
         arrival = time.perf_counter()
         request = Request(program, config, seed, tuple(stop), bounded, observer, arrival, logprobs=logprobs)
-        prompt = program.prompt
+        return self._ticket(request, on_done)
+
+    def run(
+        self,
+        programs: Sequence[SMCSDModel],
+        config: SMCConfig,
+        *,
+        observer: Callable | None = None,
+        reshape: Reshape | None = None,
+        record: DraftRecord | None = None,
+    ) -> list[Ticket]:
+        """Run ``programs`` as requests of the batch, request i seeded ``request_seed(config.seed, i)``.
+
+        Returns their tickets, done (the first failure is raised). ``observer`` and ``reshape``
+        as ``Request``'s; ``record``: the draft record they start from (None: the pair's). From
+        the torch thread (inside a call) or the thread holding ``exclusive``, where the engine's
+        own turns cannot come, this thread takes them until these requests are done.
+        """
+        arrival = time.perf_counter()
+        requests = [
+            Request(
+                p, config, request_seed(config.seed, i), (), False, observer, arrival, reshape, record=record
+            )
+            for i, p in enumerate(programs)
+        ]
+        tickets = [self._ticket(r) for r in requests]
+        if self._thread.here or self._owner == threading.get_ident():
+            if self.core.in_cycle:
+                raise RuntimeError("SMC-SD cannot run from inside a cycle (an observer or a reshape)")
+            while not all(t.done for t in tickets):
+                self._take_turn()
+        for t in tickets:
+            t.wait()
+        return tickets
+
+    def _ticket(self, request: Request, on_done: Callable[[Ticket], None] | None = None) -> Ticket:
+        prompt = request.program.prompt
         tokens = 0 if isinstance(prompt, str) or prompt is None else len(prompt)
-        ticket = Ticket(request.id, tokens, stop, self.abort, on_done)
+        ticket = Ticket(request.id, tokens, request.stop, self.abort, on_done)
         self._enqueue(request, ticket)
         return ticket
+
+    def _take_turn(self) -> None:
+        """One turn on the calling thread; if it raises, what the engine holds fails (as on its thread)."""
+        try:
+            self.turn()
+        except Exception as err:  # noqa: BLE001 - every request in gets it
+            self.crashed(err)
 
     def call(self, fn: Callable[[], object]) -> object:
         """``fn()`` on the torch thread once the batch has drained, with the pair's rows to itself.

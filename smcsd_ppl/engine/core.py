@@ -5,8 +5,9 @@ waiting ones are prefilled into the batch, or a call runs alone), one SMC-SD ste
 running request (one fused target forward), then ``update_from_output``: stop strings end
 particles, each request's settled text goes out, finished requests leave with their result.
 Every population carries its request's id, so requests are found by id, never by position.
-The core is driven by the engine's thread (``engine.client``), by an engine process
-(``engine.process``), or by a caller's own loop (``run_requests``); it never starts a thread.
+The core is driven by its ``Engine`` (``engine.client``): on the torch thread, on a thread
+taking the engine's turns itself (``Engine.run`` from inside a call), or in an engine process
+(``engine.process``); it never starts a thread.
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ class EngineCore:
         self.stats = CoreStats()
         self._sent: dict[str, IncrementalText] = {}  # each running request's settled text, as last told
         self._records: dict[str, object] = {}  # each request's draft record, fixed at admission
+        self.in_cycle = False  # a cycle runs (its observers and reshapes run inside it)
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # Taking work.
@@ -103,7 +105,7 @@ class EngineCore:
         """Queue a request or a call (it runs at a later boundary)."""
         if isinstance(work, Request):
             kernel = self._kernel(work.config)
-            work.drafts = kernel.needs_draft(work.program, work.config, self.pair.draft_record)
+            work.drafts = kernel.needs_draft(work.program, work.config, work.record or self.pair.draft_record)
         self.waiting.append(work)
         self._publish()
 
@@ -203,14 +205,14 @@ class EngineCore:
     def _admit(self, requests: Sequence[Request]) -> list[Output]:
         if not self.running:  # a new batch: its kernel runs its settings
             self.kernel = self._kernel(requests[0].config)
-        joining = [Admission(r.program, r.config, r.seed, r.id) for r in requests]
+        joining = [Admission(r.program, r.config, r.seed, r.id, r.record) for r in requests]
         try:
             self.state = self.kernel.admit(self.state, joining, self.pair.draft_record, self.pair.encode)
         except Exception as err:  # noqa: BLE001 - those requests fail, the batch goes on
             return [self._ended(r, FinishReason.ERROR, err) for r in requests]
         for r in requests:
             r.status = RequestStatus.RUNNING
-            self._records[r.id] = self.pair.draft_record
+            self._records[r.id] = r.record or self.pair.draft_record
         self.running += requests
         return []
 
@@ -221,6 +223,13 @@ class EngineCore:
 
     # A cycle, and what it tells.
     async def _cycle(self) -> list[Output]:
+        self.in_cycle = True
+        try:
+            return await self._stepped()
+        finally:
+            self.in_cycle = False
+
+    async def _stepped(self) -> list[Output]:
         start = time.perf_counter()
         by_id = {r.id: r for r in self.running}
         try:
@@ -280,23 +289,23 @@ class EngineCore:
 
     def _finished(self, request: Request, pop: Population) -> Output:
         """A finished request's ``Generation``: its text cut before a stop string, its reason, its cost."""
-        out = result_of(pop, self.kernel, self._records.pop(request.id, self.pair.draft_record))
-        text, stopped = before_stop(out.text, request.stop)
-        reason = FinishReason.STOP if stopped and out.chosen >= 0 else out.reason  # a stop string first
-        stats = _cost(request, pop, len(out.token_ids))
-        gen = generation("smcsd", text, out.token_ids, stats, reason, out.message, out.info)
+        gen = result_of(pop, self.kernel, self._records.pop(request.id, self.pair.draft_record))
+        text, stopped = before_stop(gen.text, request.stop)
+        reason = FinishReason.STOP if stopped and gen.smc.chosen >= 0 else FinishReason(gen.finish_reason)
+        stats = _cost(request, pop, len(gen.token_ids))
+        gen = replace(gen, text=text, stats=stats, finish_reason=str(reason))  # a stop string first
         if request.logprobs is not None:
             scores = token_logprobs(
                 self.pair.target.model,
                 request.program.prompt,
-                out.token_ids,
+                gen.token_ids,
                 request.config.target_temperature,
                 request.logprobs,
             )
             gen = replace(gen, logprobs=scores)
         finish(request, reason)
         self._sent.pop(request.id, None)
-        self._count("completed", len(out.token_ids))
+        self._count("completed", len(gen.token_ids))
         return Output(request.id, result=gen, reason=reason, population=pop, finished=True)
 
     def _ended(self, work: Work, reason: FinishReason, err: BaseException | None = None) -> Output:

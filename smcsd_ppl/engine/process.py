@@ -23,8 +23,9 @@ from dataclasses import dataclass, replace
 
 from ..config import SMCConfig
 from ..inference.step import request_seed
-from .client import EngineStats, Gate, ServeRequest, check_served, program_of
+from .client import ServeRequest, check_served, program_of
 from .core import CoreStats, EngineCore, Output, RequestCancelled
+from .gate import EngineStats, Gate
 from .pair import PairFacts
 from .request import Request, new_id
 from .ticket import Ticket

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ..config import SMCConfig
+from ..config import DraftRecord, SMCConfig
 from ..ends import FinishReason
 from ..inference.program import SMCSDModel
 from ..inference.state import Population
@@ -72,6 +72,7 @@ class Request:
             ``smc_steer``), or None.
         logprobs: give the target's log-probabilities of the output's tokens, with this many
             alternatives at each (``engine.scoring``); None: none.
+        record: what is known of the draft before it runs (None: the pair's record).
         drafts: it drafts from its first cycle (the engine decides it on arrival).
         status: waiting, running or finished.
         cancelled: an abort reached the engine; it leaves at the next boundary.
@@ -87,6 +88,7 @@ class Request:
     arrival: float = 0.0
     reshape: Reshape | None = None
     logprobs: int | None = None
+    record: DraftRecord | None = None
     drafts: bool = True
     id: str = field(default_factory=new_id)
     status: RequestStatus = RequestStatus.WAITING

@@ -28,6 +28,7 @@ class Ticket:
         prompt_tokens: tokens in its prompt.
         completion_tokens: tokens in its output (final once done).
         finish_reason: why it ended (``ends.FinishReason``), None before it is done.
+        population: its final population once it finished (in-process engines only).
     """
 
     def __init__(
@@ -42,6 +43,7 @@ class Ticket:
         self._on_done = on_done
         self.completion_tokens = 0
         self.finish_reason: FinishReason | None = None
+        self.population = None
         self._abort = abort
         self._lock = threading.Lock()
         self._pieces: list[str] = []
@@ -55,6 +57,8 @@ class Ticket:
         """Take one engine output: settled text, the result, or the failure."""
         if output.settled is not None:
             self.offer(output.settled)
+        if output.population is not None:
+            self.population = output.population
         if output.error is not None:
             self.fail(output.error)
         elif output.result is not None:

@@ -1,12 +1,11 @@
 """A finished request's result: its output particle, drawn by weight, and SMC-SD's report of it.
 
-The loop that steps requests to their end is the engine's (``engine.core``, ``engine.run``).
+The loop that steps requests to their end is the engine's (``engine.core``).
 """
 
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
 
 import torch
 
@@ -14,7 +13,7 @@ from .. import smc
 from ..config import DraftRecord
 from ..ends import FinishReason, finish_reason
 from ..keys import derive, generator
-from ..results import ParticleOut, SMCInfo
+from ..results import Generation, ParticleOut, SMCInfo, generation
 from .program import SMCSDModel
 from .schedule import learned
 from .state import Population, final_log_z
@@ -23,28 +22,6 @@ from .step import SMCSDKernel
 # A request whose ESS averages under this share of its particles is flagged as collapsed:
 # its output is then close to the best of a few draft samples, not a target sample.
 COLLAPSE_ESS_FRACTION = 0.3
-
-
-@dataclass
-class SMCResult:
-    """The outcome of one request: the selected particle's output and SMC-SD's report.
-
-    Attributes:
-        token_ids: the selected particle's output tokens (empty if every particle died).
-        text: the selected particle's output text.
-        chosen: index of the selected particle, or -1 when none had positive weight.
-        info: log Z, the final particles, the ESS and draft-length traces.
-        message: why the result is empty or incomplete, if it is.
-        reason: why it ended (``ends.finish_reason``; ``error`` when every particle died), stop
-            strings aside: the caller who has them decides ``stop``.
-    """
-
-    token_ids: list[int]
-    text: str
-    chosen: int
-    info: SMCInfo
-    message: str = ""
-    reason: FinishReason = FinishReason.ERROR
 
 
 def smc_info(pop: Population, record: DraftRecord) -> SMCInfo:
@@ -65,21 +42,27 @@ def smc_info(pop: Population, record: DraftRecord) -> SMCInfo:
     )
 
 
-def result_of(pop: Population, kernel: SMCSDKernel, record: DraftRecord) -> SMCResult:
-    """A finished request's result: its output particle, drawn by weight (or the heaviest)."""
+def result_of(pop: Population, kernel: SMCSDKernel, record: DraftRecord) -> Generation:
+    """A finished request's output particle, drawn by weight (or the heaviest), with SMC-SD's report.
+
+    Its stats are the caller's to add, and stop strings its to apply (the reason here is the
+    tokens': ``ends.finish_reason``, or ``error`` when every particle died).
+    """
     info, log_w = smc_info(pop, record), pop.log_weights()
     if not torch.isfinite(log_w).any():
-        return SMCResult([], "", -1, info, _why_dead(pop), FinishReason.ERROR)
+        return generation("smcsd", "", [], None, FinishReason.ERROR, _why_dead(pop), info)
     if kernel.settings(pop).selection == "argmax":
-        chosen = int(torch.argmax(log_w))
+        info.chosen = int(torch.argmax(log_w))
     else:  # each request draws its output from its own stream
         g = generator(derive(pop.seed, "choose"))
-        chosen = int(smc.resample(log_w, "multinomial", g, 1)[0])
-    best, particle = info.particles[chosen], pop.particles[chosen]
+        info.chosen = int(smc.resample(log_w, "multinomial", g, 1)[0])
+    best, particle = info.particles[info.chosen], pop.particles[info.chosen]
     constrained = getattr(particle, "constraint", None) is not None
     budget = kernel.settings(pop).max_new_tokens
     reason = finish_reason(best.token_ids, budget, kernel.eos, constrained=constrained)
-    return SMCResult(best.token_ids, best.text, chosen, info, _cut_short(pop, particle, kernel), reason)
+    return generation(
+        "smcsd", best.text, best.token_ids, None, reason, _cut_short(pop, particle, kernel), info
+    )
 
 
 def _why_dead(pop: Population) -> str:

@@ -46,15 +46,17 @@ def request_seed(seed: int, index: int) -> int:
 
 @dataclass(frozen=True)
 class Admission:
-    """A program joining a run, with its settings (None: the run's), seed and request id.
+    """A program joining a run, with its settings (None: the run's), seed, request id and draft record.
 
-    ``seed`` None: the first request's seed of its settings (``request_seed(config.seed, 0)``).
+    ``seed`` None: the first request's seed of its settings (``request_seed(config.seed, 0)``);
+    ``record`` None: the record ``admit`` is given.
     """
 
     program: SMCSDModel
     config: SMCConfig | None = None
     seed: int | None = None
     request_id: str = ""
+    record: DraftRecord | None = None
 
 
 class SMCSDKernel:
@@ -122,7 +124,7 @@ class SMCSDKernel:
         for a, program in zip(joining, copies):
             c = a.config or self.config
             index = proposing.new_index(program, self._candidates(c))
-            schedule = self._schedule(program, c, record, index)
+            schedule = self._schedule(program, c, a.record or record, index)
             count = c.n_particles if schedule is None else schedule.n_particles()
             width = len(program.contexts())
             at = base + len(sources)

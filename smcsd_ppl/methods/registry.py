@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from ..config import DraftRecord, SMCConfig
 from ..ends import FinishReason, finish_reason
+from ..engine.client import Engine
 from ..engine.pair import PairCore
 from ..inference.rows import RowStore
 from ..models import LoadedModel
@@ -34,6 +35,7 @@ class RunContext:
         draft_record: what SMC-SD's adaptive drafting knows of the draft beforehand (None:
             the pair's).
         retrieval: RACER's index and cues kept across calls (None: each call starts empty).
+        engine: the pair's engine, where SMC-SD runs (a benchmark's runners run it there too).
     """
 
     prompts: list[list[int]]
@@ -42,6 +44,7 @@ class RunContext:
     on_progress: Callable[[int], None] | None = None
     draft_record: DraftRecord | None = None
     retrieval: RetrievalDrafter | None = None
+    engine: Engine | None = None
 
     def __post_init__(self) -> None:
         if self.draft_record is None:
@@ -120,20 +123,23 @@ class Method:
     """A named generation method.
 
     Attributes:
-        run: the runner.
+        run: the runner (SMC-SD's: None, or the static path's where it has one).
         uses_draft: it feeds the draft model (and may draft past the budget by a block).
         particles: it holds ``n_particles`` rows per prompt.
         summary: one line for help texts.
         samples_target: it samples the target itself (speculative sampling and its
             kin), so it needs ``alpha == 1``.
+        settings: SMC-SD's methods, which the pair's engine runs (``Engine.run``): the settings
+            a call's config becomes; None for the baselines, which their runners run.
     """
 
     name: str
-    run: Runner
+    run: Runner | None
     uses_draft: bool
     particles: bool
     summary: str
     samples_target: bool = False
+    settings: Callable[[SMCConfig], SMCConfig] | None = None
 
     def check(self, config: SMCConfig) -> None:
         """Refuse settings this method cannot honour."""
@@ -167,6 +173,13 @@ def register(
         return run
 
     return add
+
+
+def register_smcsd(
+    name: str, settings: Callable[[SMCConfig], SMCConfig], static: Runner | None = None
+) -> None:
+    """Add an SMC-SD method: the engine runs it with ``settings``; ``static`` runs it on the static path."""
+    METHODS[name] = Method(name, static, True, True, METHOD_SUMMARIES[name], settings=settings)
 
 
 def get(name: str) -> Method:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 
@@ -11,7 +10,6 @@ import torch
 from ...config import SMCConfig
 from ...inference.program import SMCSDModel
 from ...methods.registry import RunContext
-from ...methods.smcsd import run_programs
 from .base import SteeringRecord, as_constraint, finish, select
 
 
@@ -23,10 +21,10 @@ def _smcsd(ctx, program, task, name, *, temperature, **settings):
     """
     config = SMCConfig(draft_temperature=temperature, target_temperature=temperature, **settings)
     # The program holds its prompt; the engine follows this call's config (ignore_eos included).
-    run_ctx = dataclasses.replace(ctx, prompts=[], config=config, on_progress=None)
     ctx.target_lm.stats.reset()
     start = time.perf_counter()
-    (info,) = run_programs(run_ctx, [program]).info
+    [ticket] = ctx.engine.run([program], config, record=ctx.draft_record)
+    info = ticket.wait().smc
     seconds, particles = time.perf_counter() - start, info.particles
     ids, log_w = [p.token_ids for p in particles], [p.log_weight for p in particles]
     rec = finish(name, ctx, task, ids, log_w, seconds, config.seed)

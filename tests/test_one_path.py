@@ -1,0 +1,51 @@
+"""One request, every way in: the library, ``smcsd batch`` and the server give one answer.
+
+Each is a request of the pair's engine (``Engine.run`` or ``Engine.submit``), so the same
+prompt, settings and request seed end for the same reason with the same tokens (float32).
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_serve_http import served
+
+from smcsd_ppl.batch import Prompt, run_batch
+from smcsd_ppl.config import SMCConfig
+from smcsd_ppl.inference.program import SMCSDModel
+from smcsd_ppl.potentials.spec import ConstraintSpec
+
+PROMPT = "The quick brown fox"
+CONFIG = SMCConfig(
+    n_particles=4, block_size=3, max_new_tokens=16, draft_temperature=1.0, target_temperature=1.0
+)
+
+
+def library(pair, seed: int, spec: ConstraintSpec | None):
+    """``pair.run`` of the plain program (constrained or not), request 0 of a call seeded ``seed``."""
+    constraint = None if spec is None else spec.build(pair.tokenizer, pair.eos_token_ids)
+    config = SMCConfig(**{**CONFIG.__dict__, "seed": seed})
+    [out] = pair.run([SMCSDModel(pair.encode(PROMPT), constraint)], config)
+    return out.text, out.token_ids, out.finish_reason
+
+
+def server(pair, seed: int, spec: ConstraintSpec | None):
+    """One completion from a live server of ``pair`` with the same settings and seed."""
+    ask = {"prompt": PROMPT, "seed": seed, "max_tokens": CONFIG.max_new_tokens, "logprobs": 1}
+    ask |= {"return_tokens_as_token_ids": True} | ({} if spec is None else {"regex": spec.text})
+    with served(pair, defaults=CONFIG) as client:
+        response = client.post("/v1/completions", json=ask)
+    assert response.status_code == 200, response.text
+    [choice] = response.json()["choices"]
+    ids = [int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]]
+    return choice["text"], ids, choice["smcsd"]["finish_reason"]
+
+
+@pytest.mark.parametrize("regex", [None, "(yes|no|maybe)( (yes|no))?"])
+def test_the_same_request_ends_the_same_on_every_path(tiny_smcsd, tmp_path, regex):
+    spec = None if regex is None else ConstraintSpec("regex", regex)
+    prompts = [Prompt("0", PROMPT, "story")]
+    [record] = run_batch(tiny_smcsd, prompts, tmp_path / "b.jsonl", CONFIG, constraint=spec).records
+    text, ids, reason = library(tiny_smcsd, record["seed"], spec)
+    assert (record["text"], record["new_tokens"], record["finish_reason"]) == (text, len(ids), reason)
+    assert server(tiny_smcsd, record["seed"], spec) == (text, ids, reason)
+    assert ids and reason in (("constraint",) if regex else ("eos", "length")), reason
