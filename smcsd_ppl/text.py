@@ -30,6 +30,11 @@ def check_prompt(prompt: object) -> str:
     return prompt
 
 
+def token_text(tokenizer, ids: Sequence[int]) -> str:
+    """A tokenizer's text of token ids, special tokens dropped, U+FFFD where bytes are not yet a character."""
+    return tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
 def whole_characters(text: str) -> str:
     """``text`` up to its last whole character (any U+FFFD at its end held back).
 

@@ -221,7 +221,7 @@ class Engine:
     def _ticket(self, request: Request, on_done: Callable[[Ticket], None] | None = None) -> Ticket:
         prompt = request.program.prompt
         tokens = 0 if isinstance(prompt, str) or prompt is None else len(prompt)
-        ticket = Ticket(request.id, tokens, request.stop, self.abort, on_done)
+        ticket = Ticket(request.id, tokens, request.stop, self.abort, on_done, self.pair.decode_bytes)
         self._enqueue(request, ticket)
         return ticket
 

@@ -3,7 +3,8 @@
 A step is: ``schedule`` what runs (a pure decision), apply it (cancelled requests leave,
 waiting ones are prefilled into the batch, or a call runs alone), one SMC-SD step of every
 running request (one fused target forward), then ``update_from_output``: stop strings end
-particles, each request's settled text goes out, finished requests leave with their result.
+particles, each request's newly settled token ids go out, finished requests leave with their
+result. Text is the client's: its ``Ticket`` decodes the ids it is sent and cuts at stop strings.
 Every population carries its request's id, so requests are found by id, never by position.
 The core is driven by its ``Engine`` (``engine.client``): on the torch thread, on a thread
 taking the engine's turns itself (``Engine.run`` from inside a call), or in an engine process
@@ -20,12 +21,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from ..config import SMCConfig
-from ..ends import FinishReason, before_stop
+from ..ends import FinishReason
 from ..inference.outcome import result_of
 from ..inference.state import Population, SMCState, settled_tokens
 from ..inference.step import Admission, SMCSDKernel
 from ..results import RunStats, generation
-from ..text import IncrementalText
 from .pair import PairCore
 from .request import Call, Request, RequestStatus, Work, finish, shared_key
 from .scheduling import Capacity, Plan, schedule
@@ -43,7 +43,8 @@ class Output:
 
     Attributes:
         id: the request's (or call's) id.
-        settled: the text every surviving particle shares, when it grew (a stream may show it).
+        settled_ids: the token ids every surviving particle came to share since the last output
+            (a stream shows their text; the shared prefix only grows).
         result: once finished: the request's ``Generation``, or the call's return value.
         reason: why it finished (None while it runs, and for calls).
         error: why it failed, or ``RequestCancelled``.
@@ -53,7 +54,7 @@ class Output:
     """
 
     id: str
-    settled: str | None = None
+    settled_ids: tuple[int, ...] = ()
     result: object = None
     reason: FinishReason | None = None
     error: BaseException | None = None
@@ -95,7 +96,7 @@ class EngineCore:
         self.state = SMCState(())
         self.kernel = self._kernel(self.base)
         self.stats = CoreStats()
-        self._sent: dict[str, IncrementalText] = {}  # each running request's settled text, as last told
+        self._told: dict[str, int] = {}  # each running request's settled tokens, as many as told
         self._records: dict[str, object] = {}  # each request's draft record, fixed at admission
         self.in_cycle = False  # a cycle runs (its observers and reshapes run inside it)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -185,9 +186,9 @@ class EngineCore:
         return outputs
 
     def _cut(self, request: Request, pop: Population) -> Output:
-        """A cancelled request's ``Generation``: its settled text (what it streamed), reason ``cancelled``."""
+        """A cancelled request's ``Generation``: its settled tokens (what it streamed), ``cancelled``."""
         ids = list(settled_tokens(pop))
-        text = before_stop(self.pair.decode(ids), request.stop)[0]
+        text = self.pair.decode(ids)
         stats = _cost(request, pop, len(ids))
         gen = generation("smcsd", text, ids, stats, FinishReason.CANCELLED, "cancelled before it finished")
         out = self._ended(request, FinishReason.CANCELLED)
@@ -276,10 +277,10 @@ class EngineCore:
             request = by_id[pop.request_id]
             if pop.stepping:
                 staying.append(pop)
-                settled = self._sent.setdefault(request.id, IncrementalText(self.pair.decode_bytes))
-                told = settled.text
-                if settled.update(settled_tokens(pop)) != told:
-                    outputs.append(Output(request.id, settled=settled.text))
+                settled, told = settled_tokens(pop), self._told.get(request.id, 0)
+                if len(settled) > told:
+                    outputs.append(Output(request.id, settled_ids=settled[told:]))
+                    self._told[request.id] = len(settled)
             else:
                 outputs.append(self._finished(request, pop))
         self.state = replace(self.state, populations=tuple(staying))
@@ -288,12 +289,10 @@ class EngineCore:
         return outputs
 
     def _finished(self, request: Request, pop: Population) -> Output:
-        """A finished request's ``Generation``: its text cut before a stop string, its reason, its cost."""
+        """A finished request's ``Generation`` and cost (its text whole: the ticket cuts at a stop string)."""
         gen = result_of(pop, self.kernel, self._records.pop(request.id, self.pair.draft_record))
-        text, stopped = before_stop(gen.text, request.stop)
-        reason = FinishReason.STOP if stopped and gen.smc.chosen >= 0 else FinishReason(gen.finish_reason)
-        stats = _cost(request, pop, len(gen.token_ids))
-        gen = replace(gen, text=text, stats=stats, finish_reason=str(reason))  # a stop string first
+        reason = FinishReason(gen.finish_reason)
+        gen = replace(gen, stats=_cost(request, pop, len(gen.token_ids)))
         if request.logprobs is not None:
             scores = token_logprobs(
                 self.pair.target.model,
@@ -304,14 +303,14 @@ class EngineCore:
             )
             gen = replace(gen, logprobs=scores)
         finish(request, reason)
-        self._sent.pop(request.id, None)
+        self._told.pop(request.id, None)
         self._count("completed", len(gen.token_ids))
         return Output(request.id, result=gen, reason=reason, population=pop, finished=True)
 
     def _ended(self, work: Work, reason: FinishReason, err: BaseException | None = None) -> Output:
         """A request or call that leaves unfinished: cancelled (never run), or failed with ``err``."""
         finish(work, reason)
-        self._sent.pop(work.id, None)
+        self._told.pop(work.id, None)
         self._records.pop(work.id, None)
         if isinstance(work, Request):
             self._count("failed" if err else "cancelled")

@@ -16,7 +16,7 @@ from ..inference.static_engine import DETERMINISTIC_ROWS, StaticEngine, graph_mo
 from ..models import LoadedModel
 from ..potentials.conditions import Conditions
 from ..potentials.constraints import special_ids
-from ..text import check_token_ids, encode_prompt, whole_characters
+from ..text import check_token_ids, encode_prompt, token_text, whole_characters
 
 STATIC_METHODS = ("ar", "smcsd_paper")
 """The methods the static path runs (``--engine compiled``)."""
@@ -172,7 +172,7 @@ class PairCore:
         """Text of token ids (special tokens dropped), U+FFFD where bytes are not yet a character."""
         if self._decode is not None:
             return self._decode(ids)
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        return token_text(self.tokenizer, ids)
 
     def eos_for(self, config: SMCConfig) -> list[int]:
         """EOS ids in force under ``config`` (none with ``ignore_eos``)."""

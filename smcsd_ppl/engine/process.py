@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 
 from ..config import SMCConfig
 from ..inference.step import request_seed
+from ..text import token_text
 from .client import ServeRequest, check_served, program_of
 from .core import CoreStats, EngineCore, Output, RequestCancelled
 from .gate import EngineStats, Gate
@@ -56,6 +57,10 @@ class RemotePair:
     def check_request(self, ids, config: SMCConfig) -> None:
         """Refuse a request's prompt that is empty, off the vocabulary or too long, in one line."""
         self.facts.check_request(ids, config)
+
+    def decode_bytes(self, ids) -> str:
+        """The text of token ids the engine sends (its tickets decode it here, as the pair does there)."""
+        return token_text(self.tokenizer, ids)
 
 
 class EngineProcess:
@@ -145,7 +150,7 @@ class EngineProcess:
         check_served(self.pair, request)  # here: a refusal comes before anything is sent
         config = request.settings
         rid = new_id()
-        ticket = Ticket(rid, len(request.prompt_ids), request.stop, self.abort)
+        ticket = Ticket(rid, len(request.prompt_ids), request.stop, self.abort, decode=self.pair.decode_bytes)
         if not self.busy:  # an idle child says nothing; the wait starts now
             self._heard = time.monotonic()
         self.gate.enter(rid, ticket, config.n_particles)

@@ -2,8 +2,10 @@
 
 The engine's outputs write a ticket (``apply``); callers read it from any thread (``wait``) or
 any asyncio loop (``stream``, ``result``), and cancel it (which asks the engine to abort it).
-What is streamed is text every surviving particle already shares, cut before the first stop
-string, and held back by one stop string's length less one character while a stop string
+The engine sends token ids; the ticket owns the text, as a client does: it decodes the ids
+every surviving particle shares as they come (only what is new, ``text.IncrementalText``), and
+it is the one place a text is cut at a stop string. What is streamed is cut before the first
+stop string, and held back by one stop string's length less one character while a stop string
 could still be forming: a stream never takes text back, and its pieces join into the final text.
 """
 
@@ -12,9 +14,11 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import replace
 
 from ..ends import FinishReason, before_stop
 from ..results import Generation
+from ..text import IncrementalText
 from .core import Output, RequestCancelled
 
 __all__ = ["RequestCancelled", "Ticket"]
@@ -38,8 +42,12 @@ class Ticket:
         stop: Sequence[str] = (),
         abort: Callable[[str], None] | None = None,
         on_done: Callable[[Ticket], None] | None = None,
+        decode: Callable[[Sequence[int]], str] | None = None,
     ) -> None:
+        """``decode``: token ids -> text, U+FFFD where bytes are not yet a character (None: no stream)."""
         self.id, self.prompt_tokens, self.stop = request_id, prompt_tokens, tuple(stop)
+        self._settled: list[int] = []  # the ids every surviving particle shares, as sent
+        self._text = IncrementalText(decode) if decode is not None else None
         self._on_done = on_done
         self.completion_tokens = 0
         self.finish_reason: FinishReason | None = None
@@ -54,9 +62,10 @@ class Ticket:
 
     # The engine's side.
     def apply(self, output: Output) -> None:
-        """Take one engine output: settled text, the result, or the failure."""
-        if output.settled is not None:
-            self.offer(output.settled)
+        """Take one engine output: newly settled ids, the result, or the failure."""
+        if output.settled_ids and self._text is not None:
+            self._settled += output.settled_ids
+            self.offer(self._text.update(self._settled))
         if output.population is not None:
             self.population = output.population
         if output.error is not None:
@@ -72,8 +81,15 @@ class Ticket:
         self._add(text)
 
     def finish(self, generation: Generation, reason: FinishReason) -> None:
-        """The request is done: its text streams out in full, then its result."""
-        self._add(generation.text)
+        """The request is done: its text, cut before a stop string, streams out in full, then its result.
+
+        A finished output holding a stop string ends ``stop``; a cancelled one stays ``cancelled``.
+        """
+        text, stopped = before_stop(generation.text, self.stop)
+        if stopped and reason is not FinishReason.CANCELLED:
+            reason = FinishReason.STOP
+        generation = replace(generation, text=text, finish_reason=str(reason))
+        self._add(text)
         with self._lock:
             self.finish_reason, self.completion_tokens = reason, len(generation.token_ids)
             self._outcome = generation
