@@ -315,7 +315,7 @@ class SMCSD:
 
         def run() -> list[Generation]:
             start = self.start_clock()
-            return self._generations(method.name, method.run(context), start, context)
+            return self._generations(method.name, method.run(context), start)
 
         return self.call(run)
 
@@ -338,8 +338,7 @@ class SMCSD:
 
         observer = observe if on_progress or on_cycle else None
         outs = [t.wait() for t in self.engine.run(programs, config, observer=observer)]
-        stats = self.stats(name, start, sum(len(g.token_ids) for g in outs))
-        return [dataclasses.replace(g, method=name, stats=stats) for g in outs]
+        return self._generations(name, outs, start)
 
     def context(
         self,
@@ -358,9 +357,10 @@ class SMCSD:
         memory = self.retrieval_memory
         return methods.RunContext(prompts, config, self.core, on_progress, record, memory, self.engine)
 
-    def _generations(self, name: str, out: methods.MethodOutput, start: tuple, ctx) -> list[Generation]:
-        """One ``Generation`` per request of a method's run, sharing the call's stats."""
-        return out.generations(name, self.stats(name, start, sum(len(t) for t in out.token_ids)), ctx)
+    def _generations(self, name: str, outs: list[Generation], start: tuple) -> list[Generation]:
+        """A runner's outputs, named by its method, sharing the call's stats."""
+        stats = self.stats(name, start, sum(len(g.token_ids) for g in outs))
+        return [dataclasses.replace(g, method=name, stats=stats) for g in outs]
 
     def start_clock(self) -> tuple[float, ...]:
         """The time and the forward counters now, for ``stats`` (counters are never reset)."""

@@ -5,6 +5,6 @@ Importing this package registers each runner in ``METHODS``; SMC-SD's methods ar
 """
 
 from . import ar, easd, hf_assisted, minedraft, racer, sd, smcsd  # noqa: F401 (they register)
-from .registry import METHODS, Method, MethodOutput, RunContext, get, register
+from .registry import METHODS, Method, RunContext, get, register
 
-__all__ = ["METHODS", "Method", "MethodOutput", "RunContext", "get", "register"]
+__all__ = ["METHODS", "Method", "RunContext", "get", "register"]

@@ -12,8 +12,9 @@ import torch
 from ..backends.base import BatchedLM, check_finite, to_device
 from ..ends import row_ends
 from ..inference.static_ar import static_autoregressive
+from ..results import Generation
 from ..verification import sample_tokens
-from .registry import MethodOutput, RunContext, register
+from .registry import RunContext, register
 
 NAN_CHECK_EVERY = 16  # forwards between checks for NaN logits (each check is a host read)
 
@@ -69,7 +70,7 @@ def autoregressive(
 
 
 @register("ar", uses_draft=False)
-def _ar(ctx: RunContext) -> MethodOutput:
+def _ar(ctx: RunContext) -> list[Generation]:
     cfg = ctx.config
     static = ctx.pair.static_engine("ar")  # None: the eager backend
     tokens = (autoregressive if static is None else static_autoregressive)(
@@ -81,4 +82,4 @@ def _ar(ctx: RunContext) -> MethodOutput:
         g=torch.Generator(device=ctx.target_lm.device).manual_seed(cfg.seed),
         on_step=ctx.on_progress,
     )
-    return MethodOutput(tokens)
+    return ctx.generations(tokens)

@@ -22,9 +22,9 @@ import torch
 
 from ..config import SMCConfig
 from ..inference.rows import RowStore
-from ..results import SpeculativeInfo
+from ..results import Generation, SpeculativeInfo
 from ..verification.easd import easd_accept, uncertain_agreement
-from .registry import MethodOutput, RunContext, register
+from .registry import RunContext, register
 from .sd import AcceptRule, SpeculativeRun, speculative_sampling
 
 
@@ -92,7 +92,7 @@ def easd_sampling(
     "easd",
     samples_target=True,
 )
-def _easd(ctx: RunContext) -> MethodOutput:
+def _easd(ctx: RunContext) -> list[Generation]:
     run = easd_sampling(ctx.rows(), ctx.config, ctx.eos, ctx.prompts, on_step=ctx.on_progress)
     info = [SpeculativeInfo(run.acceptance(i), run.vetoes[i]) for i in range(len(run.token_ids))]
-    return MethodOutput(run.token_ids, info)
+    return ctx.generations(run.token_ids, info)

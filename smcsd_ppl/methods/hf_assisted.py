@@ -30,8 +30,9 @@ from transformers import PreTrainedModel
 
 from ..backends.base import ForwardStats, Timer
 from ..config import SMCConfig
+from ..results import Generation
 from .hf import plain_sampling
-from .registry import MethodOutput, RunContext, register
+from .registry import RunContext, register
 
 
 @contextmanager
@@ -170,7 +171,7 @@ def _generate_one(target: PreTrainedModel, prompt: Sequence[int], settings: dict
     return out[0, ids.shape[1] :].tolist()
 
 
-def _run(ctx: RunContext, *, assisted: bool) -> MethodOutput:
+def _run(ctx: RunContext, *, assisted: bool) -> list[Generation]:
     target, draft = ctx.built_models("hf_assisted" if assisted else "hf_prompt_lookup")
     if assisted and getattr(draft.model, "reads_hidden", False):
         raise ValueError(
@@ -186,7 +187,7 @@ def _run(ctx: RunContext, *, assisted: bool) -> MethodOutput:
         stats=(ctx.target_lm.stats, ctx.draft_lm.stats if assisted else None),
         on_step=ctx.on_progress,
     )
-    return MethodOutput(tokens)
+    return ctx.generations(tokens)
 
 
 def _register(name: str, *, assisted: bool) -> None:

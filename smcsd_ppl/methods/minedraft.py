@@ -28,8 +28,8 @@ from ..backends.base import ForwardStats
 from ..backends.hf import HFBatchedLM
 from ..config import SMCConfig
 from ..inference.rows import RowStore
-from ..results import SpeculativeInfo
-from .registry import MethodOutput, RunContext, register
+from ..results import Generation, SpeculativeInfo
+from .registry import RunContext, register
 from .sd import SpeculativeLoop, SpeculativeRun
 
 SEED_STRIDE = 1_000_003  # side i samples with seed + i * SEED_STRIDE: independent streams
@@ -149,7 +149,7 @@ def side_loops(target: HFBatchedLM, draft: HFBatchedLM, eos: Sequence[int], conf
     "minedraft",
     samples_target=True,
 )
-def _minedraft(ctx: RunContext) -> MethodOutput:
+def _minedraft(ctx: RunContext) -> list[Generation]:
     sides = side_loops(ctx.target_lm, ctx.draft_lm, ctx.eos, ctx.config)
     try:
         run = minedraft_sampling(sides, ctx.prompts, threads=True, on_step=ctx.on_progress)
@@ -159,7 +159,7 @@ def _minedraft(ctx: RunContext) -> MethodOutput:
             _add_forwards(ctx.target_lm.stats, side.store.target.stats)
             _add_forwards(ctx.draft_lm.stats, side.store.draft.stats)
     info = SpeculativeInfo(run.acceptance())
-    return MethodOutput(run.token_ids, [info for _ in run.token_ids])
+    return ctx.generations(run.token_ids, [info for _ in run.token_ids])
 
 
 def _add_forwards(total: ForwardStats, side: ForwardStats) -> None:

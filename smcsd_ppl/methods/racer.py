@@ -31,8 +31,9 @@ import torch
 from ..backends.base import TreeLM
 from ..ends import row_ends
 from ..proposals.retrieval import DraftTree, RetrievalDrafter
+from ..results import Generation
 from ..verification import inverse_cdf
-from .registry import MethodOutput, RunContext, register
+from .registry import RunContext, register
 
 DEFAULT_BUDGET = 64  # draft-tree nodes per step, the reference's max_num_draft
 
@@ -197,7 +198,7 @@ def _emit(reqs: _Requests, drafter: RetrievalDrafter, req: int, new: list[int]) 
     return min(len(added), len(new) - 1)
 
 
-def _run(ctx: RunContext, temperature: float) -> MethodOutput:
+def _run(ctx: RunContext, temperature: float) -> list[Generation]:
     if not isinstance(ctx.target_lm, TreeLM):
         raise ValueError(
             f"RACER verifies token trees, which {type(ctx.target_lm).__name__} cannot; use the HF backend"
@@ -212,11 +213,11 @@ def _run(ctx: RunContext, temperature: float) -> MethodOutput:
         sampling=(temperature, g) if temperature > 0 else None,
         on_step=ctx.on_progress,
     )
-    return MethodOutput(run.token_ids)
+    return ctx.generations(run.token_ids)
 
 
 @register("racer", uses_draft=False)
-def _racer(ctx: RunContext) -> MethodOutput:
+def _racer(ctx: RunContext) -> list[Generation]:
     return _run(ctx, 0.0)
 
 
@@ -225,5 +226,5 @@ def _racer(ctx: RunContext) -> MethodOutput:
     uses_draft=False,
     samples_target=True,
 )
-def _racer_sampling(ctx: RunContext) -> MethodOutput:
+def _racer_sampling(ctx: RunContext) -> list[Generation]:
     return _run(ctx, ctx.config.target_temperature)

@@ -1,9 +1,9 @@
 """The generation methods a user can pick by name, and the contract of their runners.
 
-A runner is ``(context: RunContext) -> MethodOutput``: it gets the pair core (backends, the
-row store, the models; never the ``SMCSD`` facade), the settings and the EOS ids, and returns
-token ids per request with its typed report; ``SMCSD`` encodes the prompts, and the output
-builds every ``Generation`` with the call's stats. Each runner's module registers it with ``@register``;
+A runner is ``(context: RunContext) -> list[Generation]``: it gets the pair core (backends,
+the row store, the models; never the ``SMCSD`` facade), the settings and the EOS ids, and
+returns one ``Generation`` per request (``RunContext.generations``); ``SMCSD`` encodes the
+prompts and adds the method's name and the call's stats. Each runner's module registers it with ``@register``;
 importing ``smcsd_ppl.methods`` loads them all.
 """
 
@@ -13,14 +13,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..config import DraftRecord, SMCConfig
-from ..ends import FinishReason, finish_reason
+from ..ends import finish_reason
 from ..engine.client import Engine
 from ..engine.pair import PairCore
 from ..inference.rows import RowStore
 from ..models import LoadedModel
 from ..names import METHOD_SUMMARIES
 from ..proposals.retrieval import RetrievalDrafter
-from ..results import Generation, RunStats, SMCInfo, SpeculativeInfo, generation
+from ..results import Generation, generation
 
 
 @dataclass
@@ -62,6 +62,22 @@ class RunContext:
         """EOS ids in force under ``config`` (empty with ``ignore_eos``)."""
         return self.pair.eos_for(self.config)
 
+    def generations(
+        self, token_ids: list[list[int]], info: Sequence[object] = (), messages: Sequence[str] = ()
+    ) -> list[Generation]:
+        """A runner's outputs: per request its tokens, decoded, why they ended, and the method's report.
+
+        ``info``: per request, the method family's report (``SMCInfo``, ``SpeculativeInfo``), or
+        none; ``messages``: why an output is empty or incomplete. The caller adds the method's
+        name and the call's stats.
+        """
+        budget, eos = self.config.max_new_tokens, self.eos
+        info, messages = list(info) or [None] * len(token_ids), list(messages) or [""] * len(token_ids)
+        return [
+            generation("", self.decode(ids), ids, None, finish_reason(ids, budget, eos), message, x)
+            for ids, x, message in zip(token_ids, info, messages)
+        ]
+
     def rows(self) -> RowStore:
         """The pair's row store (a runner starts it afresh)."""
         return self.pair.store
@@ -81,41 +97,7 @@ class RunContext:
         return target, draft
 
 
-@dataclass
-class MethodOutput:
-    """What a runner returns.
-
-    Attributes:
-        token_ids: new token ids per request.
-        info: per request, the method family's report (``SMCInfo``, ``SpeculativeInfo``);
-            empty when the method reports nothing more.
-        texts: per request, the output text when the method decides it (SMC programs);
-            None lets the caller decode ``token_ids``.
-        messages: per request, why an output is empty or incomplete (empty: none say so).
-        reasons: per request, why it ended, where the method knows better than its tokens tell
-            (SMC programs: a constraint completed, every particle died); empty: by the tokens.
-    """
-
-    token_ids: list[list[int]]
-    info: Sequence[SMCInfo | SpeculativeInfo | None] = ()
-    texts: list[str] | None = None
-    messages: Sequence[str] = ()
-    reasons: Sequence[FinishReason] = ()
-
-    def generations(self, method: str, stats: RunStats, ctx: RunContext) -> list[Generation]:
-        """One ``Generation`` per request, sharing the call's stats; decoded unless the method gave texts."""
-        texts = self.texts if self.texts is not None else [ctx.decode(t) for t in self.token_ids]
-        info = list(self.info) or [None] * len(texts)
-        messages = list(self.messages) or [""] * len(texts)
-        budget, eos = ctx.config.max_new_tokens, ctx.eos
-        reasons = list(self.reasons) or [finish_reason(ids, budget, eos) for ids in self.token_ids]
-        return [
-            generation(method, text, ids, stats, reason, message, x)
-            for text, ids, x, message, reason in zip(texts, self.token_ids, info, messages, reasons)
-        ]
-
-
-Runner = Callable[[RunContext], MethodOutput]
+Runner = Callable[[RunContext], list[Generation]]
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,9 @@ from ..ends import row_ends
 from ..inference.blocks import BlockRequest, DraftedBlock
 from ..inference.drafting import draft_blocks, generator_draws
 from ..inference.rows import RowStore
-from ..results import SpeculativeInfo
+from ..results import Generation, SpeculativeInfo
 from ..verification import sample_tokens, speculative_accept
-from .registry import MethodOutput, RunContext, register
+from .registry import RunContext, register
 
 AcceptRule = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Generator],
@@ -197,7 +197,7 @@ def speculative_sampling(
 
 
 @register("sd", samples_target=True)
-def _sd(ctx: RunContext) -> MethodOutput:
+def _sd(ctx: RunContext) -> list[Generation]:
     run = speculative_sampling(ctx.rows(), ctx.config, ctx.eos, ctx.prompts, on_step=ctx.on_progress)
     info = SpeculativeInfo(run.acceptance())  # of the whole call, as SD has always reported it
-    return MethodOutput(run.token_ids, [info for _ in run.token_ids])
+    return ctx.generations(run.token_ids, [info for _ in run.token_ids])

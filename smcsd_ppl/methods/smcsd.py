@@ -11,10 +11,11 @@ import dataclasses
 from ..config import paper_settings
 from ..inference.static_smcsd import static_smcsd
 from ..inference.step import request_seed
-from .registry import MethodOutput, RunContext, register_smcsd
+from ..results import Generation
+from .registry import RunContext, register_smcsd
 
 
-def _static_paper(ctx: RunContext) -> MethodOutput:
+def _static_paper(ctx: RunContext) -> list[Generation]:
     """The paper's algorithm on the static path: what the eager kernel returns, from compiled graphs."""
     config = paper_settings(ctx.config)
     static = ctx.pair.static_engine("smcsd_paper")
@@ -22,7 +23,7 @@ def _static_paper(ctx: RunContext) -> MethodOutput:
     results = static_smcsd(static, ctx.prompts, config, ctx.eos, seeds, on_step=ctx.on_progress)
     for r in results:
         r.info.particles = [dataclasses.replace(p, text=ctx.decode(p.token_ids)) for p in r.info.particles]
-    return MethodOutput(
+    return ctx.generations(
         [r.token_ids for r in results],
         [r.info for r in results],
         messages=[r.message for r in results],
