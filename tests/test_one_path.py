@@ -21,10 +21,13 @@ CONFIG = SMCConfig(
 
 
 def library(pair, seed: int, spec: ConstraintSpec | None):
-    """``pair.run`` of the plain program (constrained or not), request 0 of a call seeded ``seed``."""
-    constraint = None if spec is None else spec.build(pair.tokenizer, pair.eos_token_ids)
+    """``pair.generate`` (``pair.run`` of the constrained program), request 0 of a call seeded ``seed``."""
     config = SMCConfig(**{**CONFIG.__dict__, "seed": seed})
-    [out] = pair.run([SMCSDModel(pair.encode(PROMPT), constraint)], config)
+    if spec is None:
+        out = pair.generate(PROMPT, config=config)
+    else:
+        constraint = spec.build(pair.tokenizer, pair.eos_token_ids)
+        [out] = pair.run([SMCSDModel(pair.encode(PROMPT), constraint)], config)
     return out.text, out.token_ids, out.finish_reason
 
 
