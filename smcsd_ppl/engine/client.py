@@ -183,7 +183,9 @@ class Engine:
         """
         arrival = time.perf_counter()
         request = Request(program, config, seed, tuple(stop), bounded, observer, arrival, logprobs=logprobs)
-        return self._ticket(request, on_done)
+        ticket = self._ticket(request, on_done)
+        self._enqueue([request], [ticket])
+        return ticket
 
     def run(
         self,
@@ -209,6 +211,7 @@ class Engine:
             for i, p in enumerate(programs)
         ]
         tickets = [self._ticket(r) for r in requests]
+        self._enqueue(requests, tickets)  # one message: one turn admits them together
         if self._thread.here or self._owner == threading.get_ident():
             if self.core.in_cycle:
                 raise RuntimeError("SMC-SD cannot run from inside a cycle (an observer or a reshape)")
@@ -221,9 +224,7 @@ class Engine:
     def _ticket(self, request: Request, on_done: Callable[[Ticket], None] | None = None) -> Ticket:
         prompt = request.program.prompt
         tokens = 0 if isinstance(prompt, str) or prompt is None else len(prompt)
-        ticket = Ticket(request.id, tokens, request.stop, self.abort, on_done, self.pair.decode_bytes)
-        self._enqueue(request, ticket)
-        return ticket
+        return Ticket(request.id, tokens, request.stop, self.abort, on_done, self.pair.decode_bytes)
 
     def _take_turn(self) -> None:
         """One turn on the calling thread; if it raises, what the engine holds fails (as on its thread)."""
@@ -240,7 +241,7 @@ class Engine:
         if self._thread.here or self._owner == threading.get_ident():
             return fn()
         future: Future = Future()
-        self._enqueue(Call(fn), future)
+        self._enqueue([Call(fn)], [future])
         return future.result()
 
     @contextlib.contextmanager
@@ -260,7 +261,7 @@ class Engine:
             released.wait()
 
         future: Future = Future()
-        self._enqueue(Call(hold), future)
+        self._enqueue([Call(hold)], [future])
         while not granted.wait(0.05):
             if future.done():  # the engine closed before our turn came
                 future.result()
@@ -277,10 +278,19 @@ class Engine:
         self._inbox.append(("abort", work_id))
         self._thread.wake()
 
-    def _enqueue(self, work: Work, handle: Ticket | Future) -> None:
-        self.gate.enter(work.id, handle, work.rows, work.bounded)
+    def _enqueue(self, works: Sequence[Work], handles: Sequence[Ticket | Future]) -> None:
+        """Let ``works`` in with their callers' handles, as one message (a turn takes them all)."""
+        entered = []
+        try:
+            for work, handle in zip(works, handles):
+                self.gate.enter(work.id, handle, work.rows, work.bounded)
+                entered.append(work.id)
+        except BaseException:
+            for work_id in entered:  # all or none
+                self.gate.handle(work_id, done=True)
+            raise
         self.threads = torch.get_num_threads()  # the latest caller's count
-        self._inbox.append(("add", work))
+        self._inbox.append(("add", tuple(works)))
         self._thread.wake()
 
     # The torch thread's side.
@@ -294,7 +304,8 @@ class Engine:
         while self._inbox:
             kind, item = self._inbox.popleft()
             if kind == "add":
-                self.core.add(item)
+                for work in item:
+                    self.core.add(work)
             else:
                 self.core.abort(item)
         if self.core.has_work:
@@ -320,7 +331,7 @@ class Engine:
     # Reading and closing.
     def stats(self) -> EngineStats:
         """What the engine holds and has done."""
-        arriving = sum(kind == "add" for kind, _ in list(self._inbox))
+        arriving = sum(len(item) for kind, item in list(self._inbox) if kind == "add")
         return self.gate.stats(self.core.stats, self.core.stats.waiting + arriving, self.pair.facts)
 
     def close(self, cancel: bool = False) -> None:
