@@ -52,3 +52,20 @@ def test_the_same_request_ends_the_same_on_every_path(tiny_smcsd, tmp_path, rege
     assert (record["text"], record["new_tokens"], record["finish_reason"]) == (text, len(ids), reason)
     assert server(tiny_smcsd, record["seed"], spec) == (text, ids, reason)
     assert ids and reason in (("constraint",) if regex else ("eos", "length")), reason
+
+
+def test_smcsd_inside_a_call_takes_the_engines_turns_and_answers_as_outside(tiny_smcsd):
+    """From the torch thread the caller steps the engine's one core itself: the same answer as a request."""
+    outside = tiny_smcsd.generate([PROMPT, "Once upon"], config=CONFIG)
+    inside = tiny_smcsd.call(lambda: tiny_smcsd.generate([PROMPT, "Once upon"], config=CONFIG))
+    assert [(g.token_ids, g.smc.log_z) for g in inside] == [(g.token_ids, g.smc.log_z) for g in outside]
+    assert not tiny_smcsd.engine.busy
+
+
+def test_smcsd_from_inside_a_cycle_is_refused_in_one_line(tiny_smcsd):
+    def observe(_info):
+        tiny_smcsd.engine.run([SMCSDModel(tiny_smcsd.encode("Hi"))], CONFIG)
+
+    with pytest.raises(RuntimeError, match="cannot run from inside a cycle"):
+        tiny_smcsd.run([SMCSDModel(tiny_smcsd.encode(PROMPT))], CONFIG, on_cycle=observe)
+    assert tiny_smcsd.generate(PROMPT, config=CONFIG).token_ids  # the engine goes on

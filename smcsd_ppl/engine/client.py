@@ -210,11 +210,12 @@ class Engine:
             )
             for i, p in enumerate(programs)
         ]
+        here = self._thread.here or self._owner == threading.get_ident()
+        if here and self.core.in_cycle:
+            raise RuntimeError("SMC-SD cannot run from inside a cycle (an observer or a reshape)")
         tickets = [self._ticket(r) for r in requests]
         self._enqueue(requests, tickets)  # one message: one turn admits them together
-        if self._thread.here or self._owner == threading.get_ident():
-            if self.core.in_cycle:
-                raise RuntimeError("SMC-SD cannot run from inside a cycle (an observer or a reshape)")
+        if here:
             while not all(t.done for t in tickets):
                 self._take_turn()
         for t in tickets:
