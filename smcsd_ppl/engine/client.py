@@ -214,8 +214,12 @@ class Engine:
         if here and self.core.in_cycle:
             raise RuntimeError("SMC-SD cannot run from inside a cycle (an observer or a reshape)")
         tickets = [self._ticket(r) for r in requests]
-        self._enqueue(requests, tickets)  # one message: one turn admits them together
-        if here:
+        if not here:
+            self._enqueue(requests, tickets)  # one message: one turn admits them together
+        else:  # a call's own requests run first (the rows are the call's), this thread stepping them
+            self._enter(requests, tickets)
+            for r in reversed(requests):
+                self.core.add(r, first=True)
             while not all(t.done for t in tickets):
                 self._take_turn()
         for t in tickets:
@@ -281,6 +285,13 @@ class Engine:
 
     def _enqueue(self, works: Sequence[Work], handles: Sequence[Ticket | Future]) -> None:
         """Let ``works`` in with their callers' handles, as one message (a turn takes them all)."""
+        self._enter(works, handles)
+        self.threads = torch.get_num_threads()  # the latest caller's count
+        self._inbox.append(("add", tuple(works)))
+        self._thread.wake()
+
+    def _enter(self, works: Sequence[Work], handles: Sequence[Ticket | Future]) -> None:
+        """The gate lets all of ``works`` in, or none."""
         entered = []
         try:
             for work, handle in zip(works, handles):
@@ -290,9 +301,6 @@ class Engine:
             for work_id in entered:  # all or none
                 self.gate.handle(work_id, done=True)
             raise
-        self.threads = torch.get_num_threads()  # the latest caller's count
-        self._inbox.append(("add", tuple(works)))
-        self._thread.wake()
 
     # The torch thread's side.
     @property

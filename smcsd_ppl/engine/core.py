@@ -102,12 +102,15 @@ class EngineCore:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # Taking work.
-    def add(self, work: Work) -> None:
-        """Queue a request or a call (it runs at a later boundary)."""
+    def add(self, work: Work, *, first: bool = False) -> None:
+        """Queue a request or a call (it runs at a later boundary); ``first``: ahead of all waiting."""
         if isinstance(work, Request):
             kernel = self._kernel(work.config)
             work.drafts = kernel.needs_draft(work.program, work.config, work.record or self.pair.draft_record)
-        self.waiting.append(work)
+        if first:
+            self.waiting.appendleft(work)
+        else:
+            self.waiting.append(work)
         self._publish()
 
     def abort(self, work_id: str) -> None:
