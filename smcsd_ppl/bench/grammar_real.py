@@ -178,7 +178,7 @@ def returned_texts(pair, language: Language, config: SMCConfig, runs: int, *, pe
     """The law of SMC-SD's returned texts over ``runs`` requests, seeded from ``config.seed``.
 
     A request that returns nothing (every particle died) counts as ``None``, outside the language.
-    ``per_call``: particles run at once (their logits over the vocabulary are what fills memory).
+    ``per_call``: particles submitted per call (the engine runs as many at once as its ``max_rows``).
     """
     constraint, prompt = constraint_of(pair, language), pair.encode(language.prompt)
     counts: Counter = Counter()
