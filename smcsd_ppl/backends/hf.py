@@ -122,9 +122,17 @@ class HFBatchedLM(BatchedLM, TreeOps):
         return logits
 
     def _extend(self, tokens: torch.Tensor, valid, hidden, vocab) -> torch.Tensor:
-        """``BatchedLM.extend``'s forward; with ``vocab`` the LM head reads those tokens' rows only."""
+        """``BatchedLM.extend``'s forward; with ``vocab`` the LM head reads those tokens' rows only.
+
+        A left-padded feed whose rows hold unlike counts of real tokens (blocks of unlike
+        lengths, rows that ask nothing) runs as a forward per count, over those rows alone: on
+        a CPU a forward costs every position it carries, holes included. It counts as one call.
+        """
         if valid is None:
             valid = torch.ones(tokens.shape, dtype=torch.bool)
+        groups = None if hidden is not None or self.keeps_hidden or vocab is not None else _groups(valid)
+        if groups is not None:
+            return self._grouped(tokens, groups)
         if hidden is not None:
             hidden = hidden.to(self.device)
         return self._forward(
@@ -134,6 +142,18 @@ class HFBatchedLM(BatchedLM, TreeOps):
             hidden=hidden,
             vocab=None if vocab is None else to_device(vocab, self.device),
         )
+
+    def _grouped(self, tokens: torch.Tensor, groups: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+        """A forward per group of rows (each ``(count, rows)``: their last ``count`` tokens are real)."""
+        r, t = tokens.shape
+        out, calls = None, self.stats.calls
+        for count, rows in groups:
+            real = torch.ones(len(rows), count, dtype=torch.bool)
+            logits = self._forward(tokens[rows, t - count :], real, last_only=False, rows=rows)
+            out = logits.new_zeros(r, t, logits.shape[-1]) if out is None else out
+            out[rows.to(out.device), t - count :] = logits  # holes stay 0: no caller reads them
+        self.stats.calls = calls + 1  # one extend
+        return out
 
     @torch.inference_mode()
     def fork(self, rows: torch.Tensor) -> None:
@@ -251,26 +271,34 @@ class HFBatchedLM(BatchedLM, TreeOps):
         last_only: bool,
         hidden: torch.Tensor | None = None,
         vocab: torch.Tensor | None = None,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """One forward of every row, or of ``rows [n]`` alone (on the host; the others keep still)."""
         r, t = ids.shape
         if self.reads_hidden != (hidden is not None):
             what = "needs the target's hidden states" if self.reads_hidden else "takes no hidden states"
             raise ValueError(f"{self.name}: this model {what}")
         if hidden is not None and hidden.shape[:2] != ids.shape:
             raise ValueError(f"{self.name}: hidden must be [{r}, {t}, H], got {list(hidden.shape)}")
-        bound = [b + c for b, c in zip(self.bound, kv.host_counts(valid, r, t))]
+        held = range(self.n_rows) if rows is None else rows.tolist()
+        bound = list(self.bound)
+        for row, c in zip(held, kv.host_counts(valid, r, t)):
+            bound[row] += c
         if max(bound, default=0) > self.max_length:
             raise ValueError(
                 f"{self.name}: sequence would reach {max(bound)} tokens; "
                 f"the model's context is {self.max_length}"
             )
-        width = max(self.bound, default=0) + t + self.tree_width
-        self.reserve(r, width)
+        width = max((self.bound[row] for row in held), default=0) + t + self.tree_width
+        self.reserve(self.n_rows, width)
         ids, valid = to_device(ids, self.device), to_device(valid, self.device)
         self.tree_width = 0
-        dest, positions, allowed = plan(self.lengths, valid, width)
-        self.cache.plan(dest, width)
-        self.lengths = self.lengths + valid.sum(1)
+        index = None if rows is None else to_device(rows, self.device)
+        lengths = self.lengths if index is None else self.lengths.index_select(0, index)
+        dest, positions, allowed = plan(lengths, valid, width)
+        self.cache.plan(dest, width, index)
+        grown = valid.sum(1)
+        self.lengths = self.lengths + grown if index is None else self.lengths.index_add(0, index, grown)
         self.bound = bound
         kwargs = {
             "attention_mask": attention_mask(allowed, self.model),
@@ -322,6 +350,24 @@ class HFBatchedLM(BatchedLM, TreeOps):
                 mine = self.model.get_output_embeddings()(hidden)
             self.plain_head = torch.allclose(full.float(), mine.float(), rtol=1e-3, atol=1e-3)
         return self.plain_head
+
+
+def _groups(valid: torch.Tensor) -> list[tuple[int, torch.Tensor]] | None:
+    """Rows by their count of real tokens, where every row's holes come first (a left-padded feed).
+
+    None where one forward of every row does as well (one count, no empty row), or the holes
+    lie elsewhere; rows with no real token are in no group.
+    """
+    if not kv.on_host(valid):
+        return None
+    t = valid.shape[1]
+    counts = valid.sum(1)
+    if not torch.equal(valid, torch.arange(t)[None, :] >= (t - counts)[:, None]):
+        return None
+    distinct = sorted(set(counts.tolist()) - {0})
+    if not distinct or (len(distinct) == 1 and bool((counts > 0).all())):
+        return None
+    return [(c, (counts == c).nonzero(as_tuple=True)[0]) for c in distinct]
 
 
 def _head(head: torch.nn.Module, hidden: torch.Tensor, vocab: torch.Tensor | None) -> torch.Tensor:

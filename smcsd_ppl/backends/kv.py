@@ -59,7 +59,11 @@ class RowLayer(CacheLayerMixin):
         rows, dest = self.owner.rows, self.owner.dest  # [R, 1], [R, T]
         self.keys.transpose(1, 2).index_put_((rows, dest), key_states.transpose(1, 2))
         self.values.transpose(1, 2).index_put_((rows, dest), value_states.transpose(1, 2))
-        width = self.owner.width
+        width, subset = self.owner.width, self.owner.subset
+        if subset is not None:  # a forward of some rows reads theirs alone
+            return self.keys[:, :, :width].index_select(0, subset), self.values[:, :, :width].index_select(
+                0, subset
+            )
         return self.keys[:, :, :width], self.values[:, :, :width]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -83,12 +87,17 @@ class RowCache(Cache):
         self.capacity = capacity
         self.dest: torch.Tensor | None = None  # [R, T] column of each fed token
         self.rows: torch.Tensor | None = None  # [R, 1] row index, broadcast against dest
+        self.subset: torch.Tensor | None = None  # the rows a forward of some rows runs (None: all)
         self.width = 0
 
-    def plan(self, dest: torch.Tensor, width: int) -> None:
-        """Where the next forward writes (``dest [R, T]``) and how many columns it reads."""
-        self.dest, self.width = dest, width
-        self.rows = torch.arange(dest.shape[0], device=dest.device)[:, None]
+    def plan(self, dest: torch.Tensor, width: int, subset: torch.Tensor | None = None) -> None:
+        """Where the next forward writes (``dest [n, T]``), how many columns it reads, and for which rows.
+
+        ``subset [n]``: the rows of a forward that runs only those (None: every row, in order).
+        """
+        self.dest, self.width, self.subset = dest, width, subset
+        rows = torch.arange(dest.shape[0], device=dest.device) if subset is None else subset
+        self.rows = rows[:, None]
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """Write one layer's new states (layers are created on first use)."""

@@ -220,7 +220,7 @@ def _blocks(store, requests, lead_log_w, c: SMCConfig, eos, flush: Flush) -> lis
     )
     k = block_length(drafted)  # one length for all: they are verified together
     rows = [b.row for b in drafted]
-    logits, hidden = store.score(rows, [b.tokens for b in drafted])
+    logits, hidden = store.score(rows, [b.tokens for b in drafted], [min(b.limit, k) for b in drafted])
     logits = logits.div_(flush.target_t[rows, None, None].to(logits.device))  # [n, k+1, V]
     batch = block_batch(drafted, lead_log_w, logits.shape[-1], logits.device, k > 0)
     verdict = verify_blocks(

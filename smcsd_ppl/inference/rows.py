@@ -52,6 +52,7 @@ class RowStore:
         # token [V] and (feature drafts) its state at the last position [H]; None otherwise.
         self.known: list[torch.Tensor | None] = []
         self.known_hidden: list[torch.Tensor | None] = []
+        self.scored: dict[int, int] = {}  # drafted tokens the last score fed the target, per row
 
     @property
     def n_rows(self) -> int:
@@ -222,18 +223,25 @@ class RowStore:
 
     @torch.inference_mode()
     def score(
-        self, rows: Sequence[int], blocks: Sequence[Sequence[int]]
+        self, rows: Sequence[int], blocks: Sequence[Sequence[int]], read: Sequence[int] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """ONE target forward over [pending, d_1..d_k] of ``rows`` (every other row a hole).
 
         Returns the untempered logits ``[n, k+1, V]`` of the asked rows, in order (position j
         scores d_{j+1}; position k is the bonus position), and for a feature draft the target's
-        states at the same positions ``[n, k+1, H]``, which ``commit`` takes back.
+        states at the same positions ``[n, k+1, H]``, which ``commit`` takes back. ``read[i]``:
+        the drafted tokens row i's verification can reach (its block's limit): only those are
+        fed, and its positions past ``read[i]`` are 0 (a batch's blocks share one length k).
         """
         k = len(blocks[0]) if blocks else 0
-        by_row = dict(zip(rows, blocks))
-        feed = [self.target_pending[r] + list(by_row[r]) if r in by_row else [] for r in range(self.n_rows)]
+        if read is None or self.reads_hidden:
+            read = [k] * len(rows)
+        self.scored = dict(zip(rows, read))
+        by_row = {r: list(b[:n]) for r, b, n in zip(rows, blocks, read)}
+        feed = [self.target_pending[r] + by_row[r] if r in by_row else [] for r in range(self.n_rows)]
         ids, valid = pad_left(feed, self.device)
+        if min(read, default=k) < k:
+            return _windows(self.target.extend(ids, valid), rows, read, k), None
         logits = self.target.extend(ids, valid)[:, -(k + 1) :]
         hidden = self.target.hidden[:, -(k + 1) :] if self.reads_hidden else None
         if list(rows) != list(range(self.n_rows)):  # usually every row asks: skip the copy
@@ -272,7 +280,7 @@ class RowStore:
             elif self.draft_ready:  # else decoding alone: the draft has nothing to keep in step
                 self.draft_pending[r] = self.draft_pending[r] + list(block[f:n]) + tail
             if nxt is not None:
-                drop_t[r] = k - n
+                drop_t[r] = self.scored.get(r, k) - n
                 # A feature draft read its fed tokens with predicted states: all are dropped.
                 drop_d[r] = f if with_states else max(0, f - n)
         self._drop(self.target, drop_t)
@@ -320,3 +328,11 @@ class RowStore:
     def check_finite(self) -> None:
         """Raise if either backend produced NaN logits since the last check (one host read)."""
         check_finite(self.target, self.draft)
+
+
+def _windows(logits: torch.Tensor, rows: Sequence[int], read: Sequence[int], k: int) -> torch.Tensor:
+    """Each asked row's last ``read + 1`` positions (a left-padded feed), at the start of its ``k + 1``."""
+    out = logits.new_zeros(len(rows), k + 1, logits.shape[-1])
+    for i, (r, n) in enumerate(zip(rows, read)):
+        out[i, : n + 1] = logits[r, logits.shape[1] - n - 1 :]
+    return out

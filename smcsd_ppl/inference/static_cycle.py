@@ -104,7 +104,7 @@ def smcsd_cycle(target: StaticLlama, draft: StaticLlama, n: int, k: int, alpha: 
         feed = torch.cat([s.pend_t[:, None], tokens], 1)
         logits = target.forward(t_arena, feed, live[:, None].expand_as(feed))  # [R, K+1, V]
         nan = nan_d | torch.isnan(logits).any()
-        v = verify_blocks(logits / s.temps[0][:, None, None], batch, u[:, -1], alpha=alpha)
+        v = verify_blocks(logits / s.temps[0][:, None, None], batch, u[:, -1], alpha=alpha, padded=False)
         ends = v.dead | ~v.has_bonus | torch.isin(v.bonus, s.eos) | (v.kept + 1 >= remaining)
         going = live & ~ends
         zero = torch.zeros_like(v.kept)

@@ -49,12 +49,12 @@ DIVERGENCES = {"tv": _tv, "renyi2": _renyi2, "kl": _kl}
 
 
 def cut_divergence(
-    log_p: torch.Tensor,  # [R, k, V] log p^alpha / Z at the drafted positions
-    draft_probs: torch.Tensor,  # [R, k, V] q at the same positions (masked where a constraint forbids)
+    log_p: torch.Tensor,  # [..., V] log p^alpha / Z at drafted positions
+    draft_probs: torch.Tensor,  # [..., V] q at the same positions (masked where a constraint forbids)
     name: str,
-    log_factor: torch.Tensor | None = None,  # [R, k, V] a proposal constraint's factor; None: none
+    log_factor: torch.Tensor | None = None,  # [..., V] a proposal constraint's factor; None: none
 ) -> torch.Tensor:
-    """D(p^alpha / Z || q) at every drafted position (``[R, k]``).
+    """D(p^alpha / Z || q) at every drafted position given (``[...]``).
 
     Where a proposal-mode constraint masks q, the target it stands for is p^alpha times the
     constraint's factor (restricted to the allowed tokens, tilted by a weighted one's weights).
@@ -121,7 +121,7 @@ class BlockBatch:
 
 
 def checked_retrieval(
-    log_p: torch.Tensor,  # [R, k, V] log p_T (alpha-free) at the drafted positions
+    log_p: torch.Tensor,  # [n, k, V] log p_T (alpha-free) at the drafted positions of the retrieved rows
     alpha: float,
     batch: BlockBatch,
     kept: torch.Tensor,  # [R] drafted tokens that may count
@@ -134,20 +134,27 @@ def checked_retrieval(
     follows p~ exactly. Its log q is then log p~(x), so its weight is log Z there, what the
     target alone would earn. Returns the retrieved rows' ``kept`` (refused: the refusal's
     position), the drafted tokens' log q ``[R, k]`` and the residual ``[R, V]`` at ``kept``
-    (the bonus is drawn from it where a token was refused).
+    (the bonus is drawn from it where a token was refused). The other rows keep their blocks.
     """
     r, k = batch.tokens.shape
-    rows = torch.arange(r, device=kept.device)
-    tilted = alpha * log_p if batch.log_factor is None else alpha * log_p + batch.log_factor[:, :k]
+    first, logq = kept.clone(), batch.draft_logq.clone()
+    residual = log_p.new_zeros(r, log_p.shape[-1])
+    idx = batch.retrieved.nonzero(as_tuple=True)[0]
+    if not idx.numel():
+        return first, logq, residual
+    tilted = alpha * log_p
+    if batch.log_factor is not None:
+        tilted = tilted + batch.log_factor[idx, :k]
     log_pt = tilted - torch.logsumexp(tilted, -1, keepdim=True)  # log p~ at each position
-    log_pt_drafted = pick(log_pt, batch.tokens)
-    ratio = (log_pt_drafted - batch.draft_logq).exp().double()
-    live = torch.arange(k, device=kept.device)[None, :] < kept[:, None]
-    refused = live & (batch.checks >= ratio) & batch.retrieved[:, None]
-    first = torch.where(refused.any(1), refused.float().argmax(1), kept)
-    at = first.clamp(max=max(k - 1, 0))
-    residual = (log_pt[rows, at].exp() - batch.draft_probs[rows, at].float()).clamp_min(0)
-    logq = torch.where(batch.retrieved[:, None], log_pt_drafted, batch.draft_logq)
+    log_pt_drafted = pick(log_pt, batch.tokens[idx])
+    ratio = (log_pt_drafted - batch.draft_logq[idx]).exp().double()
+    live = torch.arange(k, device=kept.device)[None, :] < kept[idx, None]
+    refused = live & (batch.checks[idx] >= ratio)
+    first[idx] = torch.where(refused.any(1), refused.float().argmax(1), kept[idx])
+    at = first[idx].clamp(max=max(k - 1, 0))
+    rows = torch.arange(idx.numel(), device=kept.device)
+    residual[idx] = (log_pt[rows, at].exp() - batch.draft_probs[idx, at].float()).clamp_min(0)
+    logq[idx] = log_pt_drafted
     return first, logq, residual
 
 
@@ -179,6 +186,24 @@ class Verdict:
     log_w: torch.Tensor
 
 
+def _divergences(logits, log_p, read, batch: BlockBatch, alpha: float, name: str) -> torch.Tensor:
+    """``cut_divergence`` where a cut can change the verdict, 0 elsewhere (``[R, k]``).
+
+    ``log_p [M, V]``: log p_T at the positions ``read`` (rows, positions: each row's up to
+    its ``limit``; the one at ``limit`` revives a dead block). Rows drawn by retrieval are left
+    out: the target's own check decides those.
+    """
+    ri, ji = read
+    asked = torch.ones_like(ri, dtype=torch.bool) if batch.retrieved is None else ~batch.retrieved[ri]
+    ri, ji, log_p = ri[asked], ji[asked], log_p[asked]
+    out = torch.zeros(batch.tokens.shape, device=logits.device)
+    if ri.numel():
+        power = log_p if alpha == 1.0 else torch.log_softmax(alpha * logits[ri, ji].float(), -1)
+        factor = batch.log_factor[ri, ji] if batch.log_factor is not None else None
+        out[ri, ji] = cut_divergence(power, batch.draft_probs[ri, ji], name, factor).float()
+    return out
+
+
 def verify_blocks(
     logits: torch.Tensor,  # [R, k+1, V] l / T_t at the drafted positions and after the last
     batch: BlockBatch,
@@ -187,8 +212,13 @@ def verify_blocks(
     alpha: float = 1.0,
     cut: float | None = None,
     divergence: str = "tv",
+    padded: bool = True,
 ) -> Verdict:
     """Cut each block, weigh it, and draw its bonus token from the (restricted) target power.
+
+    ``padded``: rows are padded to the longest block, and only positions up to each row's
+    ``limit`` are read (which reads the limits on the host); False: every position is read,
+    with no host read, as the static path's graph needs (it runs no cut and no retrieval).
 
     The cut falls at the first position where D(p^alpha || q) exceeds ``cut`` (prefix only,
     so the weights stay proper); a dead block comes alive when the cut falls at or before
@@ -200,11 +230,18 @@ def verify_blocks(
     tokens, log_factor = batch.tokens, batch.log_factor
     r, k = tokens.shape
     kept, diverged, stops, dead = batch.limit, torch.zeros_like(batch.stops), batch.stops, batch.dead
-    log_p = torch.log_softmax(logits[:, :k].float(), -1)  # one pass, shared
+    if padded:  # read each row up to its limit: the padding's vocabulary-wide passes cost the most
+        ri, ji = (torch.arange(k, device=logits.device)[None, :] <= kept[:, None]).nonzero(as_tuple=True)
+        log_p = torch.log_softmax(logits[ri, ji].float(), -1)  # [M, V], one pass, shared
+        target_logp = torch.zeros(r, k, device=logits.device)  # read where kept: the rest weighs nothing
+        target_logp[ri, ji] = log_p.gather(-1, tokens[ri, ji].unsqueeze(-1)).squeeze(-1)
+    else:
+        dense = torch.log_softmax(logits[:, :k].float(), -1)
+        target_logp = pick(dense, tokens)
+        ri = torch.arange(r, device=logits.device).repeat_interleave(k)
+        ri, ji, log_p = ri, torch.arange(k, device=logits.device).repeat(r), dense.reshape(r * k, -1)
     if cut is not None and k:
-        factor = log_factor[:, :k] if log_factor is not None else None
-        power = log_p if alpha == 1.0 else torch.log_softmax(alpha * logits[:, :k].float(), -1)
-        at = first_cut(cut_divergence(power, batch.draft_probs, divergence, factor), cut)
+        at = first_cut(_divergences(logits, log_p, (ri, ji), batch, alpha, divergence), cut)
         if batch.retrieved is not None:  # the target's own check decides where those end
             at = at.masked_fill(batch.retrieved, k)
         diverged = (at < kept) | (dead & (at == kept))
@@ -212,10 +249,10 @@ def verify_blocks(
         stops, dead = stops & ~diverged, dead & ~diverged
     draft_logq, refused = batch.draft_logq, None
     if batch.retrieved is not None and k:
-        first, draft_logq, residual = checked_retrieval(log_p, alpha, batch, kept)
+        retrieved = logits[batch.retrieved.nonzero(as_tuple=True)[0], :k].float()
+        first, draft_logq, residual = checked_retrieval(torch.log_softmax(retrieved, -1), alpha, batch, kept)
         refused = first < kept
         kept, stops, dead = torch.where(refused, first, kept), stops & ~refused, dead & ~refused
-    target_logp = pick(log_p, tokens)
     rows = torch.arange(r, device=logits.device)
     bonus, bonus_log_z = draw_restricted(
         logits[rows, kept], alpha, log_factor[rows, kept] if log_factor is not None else None, u
