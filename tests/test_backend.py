@@ -53,6 +53,26 @@ def test_prompts_of_unlike_lengths_prefill_in_groups_each_row_on_its_own_prompt(
         torch.testing.assert_close(nxt[i], scratch_logits(tiny_llama, [*p, 60 + i]), atol=ATOL, rtol=RTOL)
 
 
+def test_a_left_padded_feed_of_unlike_lengths_runs_a_forward_per_length_as_one_call(tiny_llama):
+    # Rows feeding 3, 1 and 0 real tokens (the last asks nothing): each reads its own cache,
+    # the next forward sees every row's real tokens only, and the backend counts one call.
+    lm = HFBatchedLM(tiny_llama)
+    lm.prefill(PROMPTS[:3])
+    feeds = [[7, 8, 9], [10], []]
+    tokens = torch.tensor([[0] * (3 - len(f)) + f for f in feeds])
+    valid = torch.tensor([[False] * (3 - len(f)) + [True] * len(f) for f in feeds])
+    calls = lm.stats.calls
+    out = lm.extend(tokens, valid)
+    assert lm.stats.calls == calls + 1 and lm.bound == [len(p) + len(f) for p, f in zip(PROMPTS, feeds)]
+    for r, f in enumerate(feeds[:2]):
+        want = scratch_logits(tiny_llama, PROMPTS[r] + f, len(f))
+        torch.testing.assert_close(out[r, 3 - len(f) :], want, atol=ATOL, rtol=RTOL)
+    nxt = lm.extend(torch.tensor([[11], [12], [13]]))[:, -1]
+    for r, f in enumerate(feeds):
+        seq = PROMPTS[r] + f + [11 + r]
+        torch.testing.assert_close(nxt[r], scratch_logits(tiny_llama, seq), atol=ATOL, rtol=RTOL)
+
+
 def test_fork_that_moves_few_rows_copies_in_place(tiny_llama):
     # Resampling that replaces 1 of 4 rows takes the in-place path; logits must not change.
     lm = HFBatchedLM(tiny_llama)

@@ -27,6 +27,7 @@ class ForwardStats:
 
     def __init__(self, calls: int = 0, seconds: float = 0.0, tokens: int = 0) -> None:
         self.calls, self.tokens = calls, tokens  # tokens: rows x new positions fed, holes included
+        self.split = 0  # extra passes of calls run as several (a CPU backend's feed of unlike lengths)
         self._seconds = seconds
         self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
@@ -44,12 +45,17 @@ class ForwardStats:
         self._pending.clear()
         self._seconds = value
 
+    @property
+    def passes(self) -> int:
+        """The model's forward passes: one per call, more where a call ran as several."""
+        return self.calls + self.split
+
     def __repr__(self) -> str:
         return f"ForwardStats(calls={self.calls}, seconds={self.seconds:.4f}, tokens={self.tokens})"
 
     def reset(self) -> None:
         """Zero the counters."""
-        self.calls, self.seconds, self.tokens = 0, 0.0, 0
+        self.calls, self.seconds, self.tokens, self.split = 0, 0.0, 0, 0
 
 
 @runtime_checkable

@@ -152,7 +152,7 @@ class HFBatchedLM(BatchedLM, TreeOps):
             logits = self._forward(tokens[rows, t - count :], real, last_only=False, rows=rows)
             out = logits.new_zeros(r, t, logits.shape[-1]) if out is None else out
             out[rows.to(out.device), t - count :] = logits  # holes stay 0: no caller reads them
-        self.stats.calls = calls + 1  # one extend
+        self.stats.calls, self.stats.split = calls + 1, self.stats.split + len(groups) - 1  # one extend
         return out
 
     @torch.inference_mode()

@@ -186,6 +186,25 @@ class Verdict:
     log_w: torch.Tensor
 
 
+def _read(logits: torch.Tensor, tokens: torch.Tensor, limit: torch.Tensor, padded: bool) -> tuple:
+    """The drafted tokens' log p_T ``[R, k]``, and log p_T ``[M, V]`` where read (rows, positions).
+
+    ``padded``: each row is read up to its ``limit`` only (vocabulary-wide passes over a batch's
+    padding cost most of a cycle's verification), its other positions weigh nothing (0).
+    """
+    r, k = tokens.shape
+    if padded:
+        ri, ji = (torch.arange(k, device=logits.device)[None, :] <= limit[:, None]).nonzero(as_tuple=True)
+        log_p = torch.log_softmax(logits[ri, ji].float(), -1)  # one pass, shared
+        target_logp = torch.zeros(r, k, device=logits.device)
+        target_logp[ri, ji] = log_p.gather(-1, tokens[ri, ji].unsqueeze(-1)).squeeze(-1)
+        return target_logp, log_p, (ri, ji)
+    dense = torch.log_softmax(logits[:, :k].float(), -1)
+    ri = torch.arange(r, device=logits.device).repeat_interleave(k)
+    read = (ri, torch.arange(k, device=logits.device).repeat(r))
+    return pick(dense, tokens), dense.reshape(r * k, -1), read
+
+
 def _divergences(logits, log_p, read, batch: BlockBatch, alpha: float, name: str) -> torch.Tensor:
     """``cut_divergence`` where a cut can change the verdict, 0 elsewhere (``[R, k]``).
 
@@ -230,18 +249,9 @@ def verify_blocks(
     tokens, log_factor = batch.tokens, batch.log_factor
     r, k = tokens.shape
     kept, diverged, stops, dead = batch.limit, torch.zeros_like(batch.stops), batch.stops, batch.dead
-    if padded:  # read each row up to its limit: the padding's vocabulary-wide passes cost the most
-        ri, ji = (torch.arange(k, device=logits.device)[None, :] <= kept[:, None]).nonzero(as_tuple=True)
-        log_p = torch.log_softmax(logits[ri, ji].float(), -1)  # [M, V], one pass, shared
-        target_logp = torch.zeros(r, k, device=logits.device)  # read where kept: the rest weighs nothing
-        target_logp[ri, ji] = log_p.gather(-1, tokens[ri, ji].unsqueeze(-1)).squeeze(-1)
-    else:
-        dense = torch.log_softmax(logits[:, :k].float(), -1)
-        target_logp = pick(dense, tokens)
-        ri = torch.arange(r, device=logits.device).repeat_interleave(k)
-        ri, ji, log_p = ri, torch.arange(k, device=logits.device).repeat(r), dense.reshape(r * k, -1)
+    target_logp, log_p, read = _read(logits, tokens, kept, padded)
     if cut is not None and k:
-        at = first_cut(_divergences(logits, log_p, (ri, ji), batch, alpha, divergence), cut)
+        at = first_cut(_divergences(logits, log_p, read, batch, alpha, divergence), cut)
         if batch.retrieved is not None:  # the target's own check decides where those end
             at = at.masked_fill(batch.retrieved, k)
         diverged = (at < kept) | (dead & (at == kept))

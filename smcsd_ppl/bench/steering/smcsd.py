@@ -28,7 +28,7 @@ def _smcsd(ctx, program, task, name, *, temperature, **settings):
     seconds, particles = time.perf_counter() - start, info.particles
     ids, log_w = [p.token_ids for p in particles], [p.log_weight for p in particles]
     rec = finish(name, ctx, task, ids, log_w, seconds, config.seed)
-    rec.target_calls = ctx.target_lm.stats.calls
+    rec.target_calls = ctx.target_lm.stats.passes
     rec.log_z = info.log_z  # the final weights' evidence, every resampling round's included
     return rec
 
