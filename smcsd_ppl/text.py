@@ -78,9 +78,14 @@ class IncrementalText:
         n = len(self.ids)
         if len(ids) < n or ids[:n] != self.ids:  # not an extension: start again
             self.ids, self.text, self._prefix, self._read = [], "", 0, 0
-        if len(ids) == len(self.ids):
+        return self.extend(ids[len(self.ids) :])
+
+    def extend(self, new: Sequence[int]) -> str:
+        """The text once ``new`` tokens follow those seen (a caller that knows it extends them)."""
+        if not new:
             return self.text
-        self.ids = ids
+        self.ids += new
+        ids = self.ids
         head = self._decoded(ids[self._prefix : self._read])
         tail = self._decoded(ids[self._prefix :])
         if len(tail) > len(head) and not tail.endswith("\ufffd"):  # whole: it moves on

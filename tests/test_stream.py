@@ -157,16 +157,16 @@ def test_incremental_text_is_the_whole_decoding_at_each_step(tiny_smcsd):
 
 
 def test_decoding_per_cycle_does_not_grow_with_the_output(tiny_smcsd, monkeypatch):
-    """The engine's settled text costs the new tokens' decoding per cycle, not the whole output's."""
-    per_cycle, update = [], IncrementalText.update
+    """The ticket's settled text costs the new tokens' decoding per cycle, not the whole output's."""
+    per_cycle, extend = [], IncrementalText.extend
 
-    def counted(self, ids):
+    def counted(self, new):
         before = self.decoded
-        out = update(self, ids)
-        per_cycle.append((len(ids), self.decoded - before))
+        out = extend(self, new)
+        per_cycle.append((len(self.ids), self.decoded - before))
         return out
 
-    monkeypatch.setattr(IncrementalText, "update", counted)
+    monkeypatch.setattr(IncrementalText, "extend", counted)
     config = SMCConfig(n_particles=4, block_size=3, max_new_tokens=110, ignore_eos=True, seed=1, cut=None)
     out = tiny_smcsd.engine.submit(ServeRequest([5, 6, 7], config)).wait(timeout=300)
     late = [n for length, n in per_cycle if length > 60]

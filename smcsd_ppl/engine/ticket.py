@@ -46,8 +46,7 @@ class Ticket:
     ) -> None:
         """``decode``: token ids -> text, U+FFFD where bytes are not yet a character (None: no stream)."""
         self.id, self.prompt_tokens, self.stop = request_id, prompt_tokens, tuple(stop)
-        self._settled: list[int] = []  # the ids every surviving particle shares, as sent
-        self._text = IncrementalText(decode) if decode is not None else None
+        self._text = IncrementalText(decode) if decode is not None else None  # the shared ids' text
         self._on_done = on_done
         self.completion_tokens = 0
         self.finish_reason: FinishReason | None = None
@@ -64,8 +63,7 @@ class Ticket:
     def apply(self, output: Output) -> None:
         """Take one engine output: newly settled ids, the result, or the failure."""
         if output.settled_ids and self._text is not None:
-            self._settled += output.settled_ids
-            self.offer(self._text.update(self._settled))
+            self.offer(self._text.extend(output.settled_ids))
         if output.population is not None:
             self.population = output.population
         if output.error is not None:

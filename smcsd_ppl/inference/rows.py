@@ -332,7 +332,10 @@ class RowStore:
 
 def _windows(logits: torch.Tensor, rows: Sequence[int], read: Sequence[int], k: int) -> torch.Tensor:
     """Each asked row's last ``read + 1`` positions (a left-padded feed), at the start of its ``k + 1``."""
+    n = torch.tensor(list(read))
+    j = torch.arange(k + 1)
+    i, jj = (j[None, :] <= n[:, None]).nonzero(as_tuple=True)  # the positions verification reads
+    src = torch.tensor(list(rows))[i], logits.shape[1] - n[i] - 1 + jj
     out = logits.new_zeros(len(rows), k + 1, logits.shape[-1])
-    for i, (r, n) in enumerate(zip(rows, read)):
-        out[i, : n + 1] = logits[r, logits.shape[1] - n - 1 :]
+    out[i.to(out.device), jj.to(out.device)] = logits[src[0].to(out.device), src[1].to(out.device)]
     return out

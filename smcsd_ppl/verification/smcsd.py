@@ -213,8 +213,9 @@ def _divergences(logits, log_p, read, batch: BlockBatch, alpha: float, name: str
     out: the target's own check decides those.
     """
     ri, ji = read
-    asked = torch.ones_like(ri, dtype=torch.bool) if batch.retrieved is None else ~batch.retrieved[ri]
-    ri, ji, log_p = ri[asked], ji[asked], log_p[asked]
+    if batch.retrieved is not None:
+        asked = ~batch.retrieved[ri]
+        ri, ji, log_p = ri[asked], ji[asked], log_p[asked]
     out = torch.zeros(batch.tokens.shape, device=logits.device)
     if ri.numel():
         power = log_p if alpha == 1.0 else torch.log_softmax(alpha * logits[ri, ji].float(), -1)
