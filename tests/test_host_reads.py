@@ -41,6 +41,7 @@ def smc():
     target, draft = tiny.pair()
     pair = SMCSD(target, draft)
     pair.rows().early_stop_reads = False  # the pair's one store, read as on an accelerator
+    pair.target_lm.shares_twins = pair.draft_lm.shares_twins = False  # so are the backends
     return pair
 
 

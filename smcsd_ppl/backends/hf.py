@@ -12,12 +12,13 @@ from . import cpu, kv
 from .base import BatchedLM, ForwardStats, Timer, length_groups, pad_left, pad_left_hidden, to_device
 from .kv import RowCache, attention_mask, plan
 from .tree import TreeOps, kept_first
+from .twins import RowContents, TwinFeeds, feed_groups
 
 DEFAULT_CACHE_BUDGET = 8 * 2**30  # bytes of KV cache one backend may hold
 HEADROOM = 256  # columns allocated past the first forward's need (a typical generation)
 
 
-class HFBatchedLM(BatchedLM, TreeOps):
+class HFBatchedLM(BatchedLM, TreeOps, TwinFeeds):
     """Rows of one HF model's preallocated KV cache; particles live in the batch dimension.
 
     Row lengths live on the device (``lengths``) for masks and position ids; the host
@@ -55,6 +56,8 @@ class HFBatchedLM(BatchedLM, TreeOps):
         self.bound: list[int] = []  # per row, >= lengths (host; exact when masks come from the host)
         self.nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)  # NaN seen since last check
         self.tree_width = 0  # columns of an unsettled extend_tree (keep_path settles them)
+        self.contents = RowContents()  # each row's tokens: rows holding the same compute once
+        self.shares_twins = self.device.type == "cpu"  # reading what is fed is free on a CPU only
         # A feature draft reads the target's hidden states with its tokens; a target
         # serving one keeps the hidden states of its last forward (`keep_hidden_states`).
         self.reads_hidden = bool(getattr(model, "reads_hidden", False))
@@ -80,7 +83,7 @@ class HFBatchedLM(BatchedLM, TreeOps):
     def release(self) -> None:
         """Drop every row and free the KV cache (the next ``prefill`` starts afresh)."""
         self.cache, self.hidden, self.tree_width = None, None, 0
-        self.lengths, self.bound = self.lengths.new_zeros(0), []
+        self.lengths, self.bound, self.contents = self.lengths.new_zeros(0), [], RowContents()
 
     def _prefill(self, prompts: Sequence[Sequence[int]], hidden) -> torch.Tensor:
         """``BatchedLM.prefill``: prompts of like lengths left-padded together, a forward per group.
@@ -105,6 +108,7 @@ class HFBatchedLM(BatchedLM, TreeOps):
         self.cache = RowCache(0)
         self.lengths = torch.zeros(len(prompts), dtype=torch.long, device=self.device)
         self.bound = [0] * len(prompts)
+        self.contents = RowContents(len(prompts))
         self.nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)
         self.tree_width = 0
         return self._forward(ids, valid, last_only=True, hidden=hidden)[:, -1]
@@ -113,8 +117,9 @@ class HFBatchedLM(BatchedLM, TreeOps):
         """``BatchedLM.append``: the prompts prefilled alone, their cache rows put after the held ones."""
         if self.reads_hidden:
             raise ValueError(f"{self.name}: a feature draft cannot take rows joining a running batch")
-        held = self.cache, self.lengths, self.bound, self.nonfinite
+        held = self.cache, self.lengths, self.bound, self.nonfinite, self.contents
         logits = self._prefill(prompts, None)
+        self.contents.held = held[4].held + self.contents.held
         self.cache = held[0].concat(self.cache)
         self.lengths = torch.cat([held[1], self.lengths])
         self.bound = held[2] + self.bound
@@ -130,7 +135,7 @@ class HFBatchedLM(BatchedLM, TreeOps):
         """
         if valid is None:
             valid = torch.ones(tokens.shape, dtype=torch.bool)
-        groups = None if hidden is not None or self.keeps_hidden or vocab is not None else _groups(valid)
+        groups = None if hidden is not None or self.keeps_hidden or vocab is not None else feed_groups(valid)
         if groups is not None:
             return self._grouped(tokens, groups)
         if hidden is not None:
@@ -142,18 +147,6 @@ class HFBatchedLM(BatchedLM, TreeOps):
             hidden=hidden,
             vocab=None if vocab is None else to_device(vocab, self.device),
         )
-
-    def _grouped(self, tokens: torch.Tensor, groups: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
-        """A forward per group of rows (each ``(count, rows)``: their last ``count`` tokens are real)."""
-        r, t = tokens.shape
-        out, calls = None, self.stats.calls
-        for count, rows in groups:
-            real = torch.ones(len(rows), count, dtype=torch.bool)
-            logits = self._forward(tokens[rows, t - count :], real, last_only=False, rows=rows)
-            out = logits.new_zeros(r, t, logits.shape[-1]) if out is None else out
-            out[rows.to(out.device), t - count :] = logits  # holes stay 0: no caller reads them
-        self.stats.calls, self.stats.split = calls + 1, self.stats.split + len(groups) - 1  # one extend
-        return out
 
     @torch.inference_mode()
     def fork(self, rows: torch.Tensor) -> None:
@@ -168,6 +161,7 @@ class HFBatchedLM(BatchedLM, TreeOps):
         capacity = min(self.cache.capacity, self._budget_columns(rows.numel()))
         self._check_budget(rows.numel(), used)
         self.cache.fork(rows, host, used, capacity)
+        self.contents.fork(host, rows.numel())
         self.lengths = self.lengths.index_select(0, rows)
         # Rows given on the device cannot be read without a sync: every row gets the largest bound.
         self.bound = [self.bound[i] for i in host] if host is not None else [used] * rows.numel()
@@ -181,6 +175,7 @@ class HFBatchedLM(BatchedLM, TreeOps):
                 raise ValueError(f"{self.name}: cannot drop {drop} tokens from rows holding {self.bound}")
             self.bound = [b - d for b, d in zip(self.bound, drop)]
         self.tree_width = 0
+        self.contents.drop(n)
         self.lengths = self.lengths - to_device(n, self.device)
 
     @torch.inference_mode()
@@ -236,6 +231,7 @@ class HFBatchedLM(BatchedLM, TreeOps):
         self.lengths = self.lengths + keep.sum(1)
         self.bound = [b + n for b, n in zip(self.bound, host_n)]
         self.tree_width = 0
+        self.contents.forget(range(r))  # the kept paths are not read back: nobody's twin
 
     def check_finite(self) -> None:
         """Raise if any forward since the last check produced NaN logits (one host read)."""
@@ -291,6 +287,7 @@ class HFBatchedLM(BatchedLM, TreeOps):
             )
         width = max((self.bound[row] for row in held), default=0) + t + self.tree_width
         self.reserve(self.n_rows, width)
+        self.contents.fed(held, ids, valid) if self.shares_twins else self.contents.forget(held)
         ids, valid = to_device(ids, self.device), to_device(valid, self.device)
         self.tree_width = 0
         index = None if rows is None else to_device(rows, self.device)
@@ -350,24 +347,6 @@ class HFBatchedLM(BatchedLM, TreeOps):
                 mine = self.model.get_output_embeddings()(hidden)
             self.plain_head = torch.allclose(full.float(), mine.float(), rtol=1e-3, atol=1e-3)
         return self.plain_head
-
-
-def _groups(valid: torch.Tensor) -> list[tuple[int, torch.Tensor]] | None:
-    """Rows by their count of real tokens, where every row's holes come first (a left-padded feed).
-
-    None where one forward of every row does as well (one count, no empty row), or the holes
-    lie elsewhere; rows with no real token are in no group.
-    """
-    if not kv.on_host(valid):
-        return None
-    t = valid.shape[1]
-    counts = valid.sum(1)
-    if not torch.equal(valid, torch.arange(t)[None, :] >= (t - counts)[:, None]):
-        return None
-    distinct = sorted(set(counts.tolist()) - {0})
-    if not distinct or (len(distinct) == 1 and bool((counts > 0).all())):
-        return None
-    return [(c, (counts == c).nonzero(as_tuple=True)[0]) for c in distinct]
 
 
 def _head(head: torch.nn.Module, hidden: torch.Tensor, vocab: torch.Tensor | None) -> torch.Tensor:

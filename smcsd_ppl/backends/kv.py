@@ -155,6 +155,14 @@ class RowCache(Cache):
             self.map(lambda t: _gathered(t, rows, used, capacity))
             self.capacity = capacity
 
+    def copy_columns(self, dest: torch.Tensor, src: torch.Tensor, cols: torch.Tensor) -> None:
+        """Columns ``cols [n, T]`` of rows ``src [n]`` written to the same columns of rows ``dest [n]``."""
+        for layer in self.layers:
+            if layer.is_initialized:
+                for t in (layer.keys, layer.values):
+                    view = t.transpose(1, 2)  # [R, C, heads, dim]
+                    view.index_put_((dest[:, None], cols), view[src[:, None], cols])
+
 
 def _copy_rows(t: torch.Tensor, dest: torch.Tensor, src: torch.Tensor, used: int) -> torch.Tensor:
     head = t[:, :, :used]

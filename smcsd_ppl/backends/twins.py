@@ -1,0 +1,140 @@
+"""A feed's forwards on a CPU: one per count of real tokens, and rows holding the same tokens once.
+
+A request's particles start as copies of one prompt, and every resampling copies rows again:
+at a low temperature most rows of a population hold the same tokens for much of a run. Fed the
+same tokens, such twins would compute the same logits and write the same cache columns, and on
+a CPU a forward costs every row (and every position) it carries. So ``TwinFeeds`` runs a
+left-padded feed as a forward per count of real tokens, over one row of each set of twins, and
+copies the computed row's logits and new cache columns to its twins; what every row returns
+and holds is unchanged. ``RowContents`` tells twins apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .base import to_device
+from .kv import on_host
+
+
+class RowContents:
+    """The token ids each row holds, in order (None where not known: after a tree read, say).
+
+    Kept beside the cache by every operation that writes it: a forward appends what it fed, a
+    fork copies, a rewind cuts. A row whose contents are not known is nobody's twin.
+    """
+
+    def __init__(self, rows: int = 0) -> None:
+        self.held: list[tuple[int, ...] | None] = [()] * rows
+
+    def fed(self, rows: Sequence[int], ids: torch.Tensor, valid: torch.Tensor) -> None:
+        """Rows ``rows`` were fed ``ids [n, T]`` where ``valid`` (holes hold nothing)."""
+        if not (on_host(ids) and on_host(valid)):  # reading them would be a sync: forget instead
+            self.forget(rows)
+            return
+        for r, tokens, real in zip(rows, ids.tolist(), valid.tolist()):
+            if self.held[r] is not None:
+                self.held[r] += tuple(x for x, ok in zip(tokens, real) if ok)
+
+    def fork(self, rows: list[int] | None, n: int) -> None:
+        """Rows ``rows`` in order (None: given on the device, so ``n`` rows not known)."""
+        self.held = [self.held[i] for i in rows] if rows is not None else [None] * n
+
+    def drop(self, n: torch.Tensor) -> None:
+        """Each row's last ``n[r]`` tokens are forgotten."""
+        if not on_host(n):
+            self.forget(range(len(self.held)))
+            return
+        self.held = [h if h is None else h[: len(h) - d] for h, d in zip(self.held, n.tolist())]
+
+    def forget(self, rows: Sequence[int]) -> None:
+        """What ``rows`` hold is no longer known."""
+        for r in rows:
+            self.held[r] = None
+
+    def twins(
+        self, rows: Sequence[int], fed: Sequence[Sequence[int]]
+    ) -> tuple[list[int], list[int], list[int]]:
+        """Of ``rows``, each about to be fed ``fed[i]``: the rows to compute, and each twin with its source.
+
+        Returns ``(computed, twins, sources)``: ``twins[j]`` holds what ``sources[j]`` (a computed
+        row) holds and is fed the same, so its forward would be the same.
+        """
+        first: dict[tuple, int] = {}
+        computed, twins, sources = [], [], []
+        for r, f in zip(rows, fed):
+            key = None if self.held[r] is None else (self.held[r], tuple(f))
+            if key in first:
+                twins.append(r)
+                sources.append(first[key])
+                continue
+            if key is not None:
+                first[key] = r
+            computed.append(r)
+        return computed, twins, sources
+
+
+class TwinFeeds:
+    """``HFBatchedLM``'s forward of a left-padded feed: one per count of real tokens, twins once.
+
+    The host owns ``contents`` (a ``RowContents``), ``shares_twins``, ``stats``, ``cache``,
+    ``lengths``, ``bound``, ``device`` and ``_forward(ids, valid, last_only=, rows=)``.
+    """
+
+    def _grouped(self, tokens: torch.Tensor, groups: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+        """A forward per group of rows (each ``(count, rows)``: their last ``count`` tokens are real).
+
+        Of rows that hold the same tokens and are fed the same (``RowContents.twins``), one runs
+        and the others take its logits and its new cache columns.
+        """
+        r, t = tokens.shape
+        out, calls = None, self.stats.calls
+        for count, rows in groups:
+            fed = tokens[rows, t - count :]
+            shared = self.contents.twins(rows.tolist(), fed.tolist()) if self.shares_twins else None
+            computed, twins, sources = shared or (rows.tolist(), [], [])
+            run = torch.tensor(computed) if twins else rows
+            every = len(run) == r  # every row, in order: no subset to gather
+            real = torch.ones(len(run), count, dtype=torch.bool)
+            logits = self._forward(
+                tokens[run, t - count :], real, last_only=False, rows=None if every else run
+            )
+            if every and count == t:  # the whole feed, as it came
+                return logits
+            out = logits.new_zeros(r, t, logits.shape[-1]) if out is None else out
+            out[run.to(out.device), t - count :] = logits  # holes stay 0: no caller reads them
+            if twins:
+                self._copy_twins(twins, sources, count)
+                out[twins, t - count :] = out[sources, t - count :]
+        self.stats.calls, self.stats.split = calls + 1, self.stats.split + len(groups) - 1  # one extend
+        return out
+
+    @torch.inference_mode()
+    def _copy_twins(self, twins: list[int], sources: list[int], count: int) -> None:
+        """Rows ``twins`` take the ``count`` cache columns ``sources`` just wrote; they hold the same."""
+        dest, src = to_device(torch.tensor(twins), self.device), to_device(torch.tensor(sources), self.device)
+        start = self.lengths.index_select(0, src) - count
+        self.cache.copy_columns(dest, src, start[:, None] + torch.arange(count, device=self.device))
+        self.lengths = self.lengths.index_add(0, dest, torch.full_like(dest, count))
+        for d, s in zip(twins, sources):
+            self.bound[d] = self.bound[s]
+            self.contents.held[d] = self.contents.held[s]
+
+
+def feed_groups(valid: torch.Tensor) -> list[tuple[int, torch.Tensor]] | None:
+    """Rows by their count of real tokens, where every row's holes come first (a left-padded feed).
+
+    None where no row is fed, or the holes lie elsewhere; rows with no real token are in no group.
+    """
+    if not on_host(valid):
+        return None
+    t = valid.shape[1]
+    counts = valid.sum(1)
+    if not torch.equal(valid, torch.arange(t)[None, :] >= (t - counts)[:, None]):
+        return None
+    distinct = sorted(set(counts.tolist()) - {0})
+    if not distinct:
+        return None
+    return [(c, (counts == c).nonzero(as_tuple=True)[0]) for c in distinct]

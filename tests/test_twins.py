@@ -1,0 +1,64 @@
+"""Rows holding the same tokens compute once (``backends.twins``), and every row stays its own sequence.
+
+Each step checks every row's logits against a plain forward of that row's whole sequence, so
+a twin that took the wrong row's logits or cache columns (or none) fails here; the counted
+positions check that twins were not computed.
+"""
+
+from __future__ import annotations
+
+import torch
+from helpers import scratch_logits
+
+from smcsd_ppl.backends.hf import HFBatchedLM
+
+ATOL, RTOL = 1e-4, 1e-4
+
+
+def extend(lm, model, seqs, feed):
+    """Feed each row its tokens (a left-padded block); the positions the backend computed."""
+    width = max(map(len, feed))
+    tokens = torch.tensor([[0] * (width - len(f)) + f for f in feed])
+    valid = torch.tensor([[False] * (width - len(f)) + [True] * len(f) for f in feed])
+    before = lm.stats.tokens
+    logits = lm.extend(tokens, valid)
+    for s, f in zip(seqs, feed):
+        s += f
+    for r, (s, f) in enumerate(zip(seqs, feed)):
+        if f:
+            torch.testing.assert_close(
+                logits[r, -len(f) :], scratch_logits(model, s, len(f)), atol=ATOL, rtol=RTOL
+            )
+    assert lm.contents.held == [tuple(s) for s in seqs]
+    return lm.stats.tokens - before
+
+
+def test_twins_compute_once_and_every_row_reads_its_own_sequence(tiny_llama):
+    lm = HFBatchedLM(tiny_llama)
+    lm.prefill([[5, 17, 33, 2], [40, 41]])
+    lm.fork(torch.tensor([0, 0, 1, 0]))  # a request's particles: rows 0, 1 and 3 hold one prompt
+    seqs = [[5, 17, 33, 2], [5, 17, 33, 2], [40, 41], [5, 17, 33, 2]]
+    assert extend(lm, tiny_llama, seqs, [[4, 5], [4, 5], [6, 7], [4, 5]]) == 2 * 2  # one of three runs
+    assert extend(lm, tiny_llama, seqs, [[8], [9], [8], [8]]) == 3  # row 1 leaves its twins
+    lm.fork(torch.tensor([2, 1, 1, 0]))  # a resampling: rows 1 and 2 are copies of row 1
+    seqs = [list(seqs[2]), list(seqs[1]), list(seqs[1]), list(seqs[0])]
+    assert extend(lm, tiny_llama, seqs, [[3, 1], [3, 1], [3, 1], [7]]) == 2 * 2 + 1  # per length
+    lm.drop_tail(torch.tensor([0, 1, 0, 0]))  # row 1 loses a token: no longer row 2's twin
+    del seqs[1][-1]
+    assert extend(lm, tiny_llama, seqs, [[6], [6], [6], []]) == 3
+
+
+def test_without_twins_every_row_runs(tiny_llama):
+    lm = HFBatchedLM(tiny_llama)
+    lm.shares_twins = False  # as on an accelerator, where reading the fed tokens would sync
+    lm.prefill([[5, 17, 33, 2]])
+    lm.fork(torch.tensor([0, 0, 0]))
+    seqs = [[5, 17, 33, 2] for _ in range(3)]
+    tokens = torch.tensor([[4, 5]] * 3)
+    before = lm.stats.tokens
+    logits = lm.extend(tokens, torch.ones_like(tokens, dtype=torch.bool))
+    assert lm.stats.tokens - before == 3 * 2
+    for r in range(3):
+        torch.testing.assert_close(
+            logits[r], scratch_logits(tiny_llama, seqs[r] + [4, 5], 2), atol=ATOL, rtol=RTOL
+        )
