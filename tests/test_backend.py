@@ -88,6 +88,22 @@ def test_fork_that_moves_few_rows_copies_in_place(tiny_llama):
         torch.testing.assert_close(out[i], scratch_logits(tiny_llama, seq, 2), atol=ATOL, rtol=RTOL)
 
 
+def test_rows_leaving_keep_the_buffers_and_each_staying_row_its_sequence(tiny_llama):
+    lm = HFBatchedLM(tiny_llama)
+    lm.prefill(PROMPTS)
+    first = block(len(PROMPTS), 2, seed=5)
+    lm.extend(first)
+    buffer = lm.cache.layers[0].keys.untyped_storage().data_ptr()
+    rows = torch.tensor([0, 2, 3])  # the second request leaves: the rows after it move up
+    lm.fork(rows)
+    assert lm.cache.layers[0].keys.untyped_storage().data_ptr() == buffer  # no new buffer to zero
+    more = block(3, 2, seed=6)
+    out = lm.extend(more)
+    for i, r in enumerate(rows.tolist()):
+        seq = PROMPTS[r] + first[r].tolist() + more[i].tolist()
+        torch.testing.assert_close(out[i], scratch_logits(tiny_llama, seq, 2), atol=ATOL, rtol=RTOL)
+
+
 def test_fork_to_fewer_rows_crops_padding_columns(tiny_llama):
     lm = HFBatchedLM(tiny_llama)
     lm.prefill([[1, 2, 3, 4, 5, 6], [7, 8]])

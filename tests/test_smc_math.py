@@ -10,6 +10,7 @@ import torch
 from smcsd_ppl import smc
 from smcsd_ppl.smc import resampling
 from smcsd_ppl.verification import block_log_weights, power_log_normalizer, sample_probs, speculative_accept
+from smcsd_ppl.verification.sampling import logsumexp
 
 
 def test_ess_extremes_and_dead_particles():
@@ -107,3 +108,16 @@ def test_speculative_accept_single_position_is_exact():
     assert torch.allclose(freq, p, atol=0.01)
     accept_rate = (n_acc == 1).float().mean().item()
     assert accept_rate == pytest.approx(float(torch.minimum(p, q).sum()), abs=0.01)
+
+
+def test_logsumexp_reads_the_far_tail_at_a_floor_and_keeps_empty_rows_empty():
+    # Logits at a low temperature span hundreds of nats; rows of -inf (nothing allowed) stay -inf.
+    x = torch.randn(5, 4096, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 60
+    x[1, ::2] = -math.inf  # a mask
+    x[2] = -math.inf
+    x[3, 1:] = -1e4  # one term holds all the mass
+    want = torch.logsumexp(x, -1)
+    got = logsumexp(x.float(), -1).double()
+    assert got[2] == -math.inf
+    torch.testing.assert_close(got[[0, 1, 3, 4]], want[[0, 1, 3, 4]], atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(logsumexp(x.float(), 1, keepdim=True).squeeze(1).double(), got)

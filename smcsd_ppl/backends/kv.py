@@ -8,7 +8,7 @@ columns ``[0, length[r])`` in order, so rows never hold holes:
   holes (left padding, rows that sit a step out) after them, where the next forward
   overwrites them;
 - dropping a row's tail moves ``length[r]`` back; nothing is copied;
-- a fork copies rows (in place when the row count stays).
+- a fork copies rows (in place when the row count stays or falls: requests leaving keep the buffers).
 
 Attention reads columns ``[0, width)`` through one 4D mask per forward (shared by all
 layers), built on the device from the lengths: no per-forward host read, no
@@ -107,9 +107,12 @@ class RowCache(Cache):
 
     @property
     def nbytes(self) -> int:
-        """Bytes the keys and values of every allocated layer hold."""
+        """Bytes the keys and values of every allocated layer hold (their whole buffers)."""
         return sum(
-            x.nbytes for layer in self.layers if layer.is_initialized for x in (layer.keys, layer.values)
+            x.untyped_storage().nbytes()
+            for layer in self.layers
+            if layer.is_initialized
+            for x in (layer.keys, layer.values)
         )
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -138,22 +141,25 @@ class RowCache(Cache):
     def fork(self, rows: torch.Tensor, host_rows: list[int] | None, used: int, capacity: int) -> None:
         """Keep rows ``rows [R']`` in order; only the first ``used`` columns are copied.
 
-        A new row count reallocates at ``capacity`` columns; the same count copies in place.
+        The same count, or fewer at the same capacity (requests leaving a batch), copies in
+        place and keeps the buffers' first rows; more rows reallocate at ``capacity`` columns.
         """
         n_old = self.layers[0].keys.shape[0] if self.layers and self.layers[0].is_initialized else 0
-        if host_rows is not None and len(host_rows) == n_old:
-            moved = [(d, s) for d, s in enumerate(host_rows) if d != s]
-            if not moved:
-                return
-            # Resampling usually replaces a few rows: copy only those, in place.
-            dest = to_device(torch.tensor([d for d, _ in moved]), rows.device)
-            src = to_device(torch.tensor([s for _, s in moved]), rows.device)
-            self.map(lambda t: _copy_rows(t, dest, src, used))
-        elif len(rows) == n_old:
-            self.map(lambda t: _copy_rows(t, torch.arange(n_old, device=t.device), rows, used))
-        else:
+        n = len(rows)
+        if n > n_old or (n < n_old and capacity != self.capacity):
             self.map(lambda t: _gathered(t, rows, used, capacity))
             self.capacity = capacity
+            return
+        if host_rows is not None:  # resampling usually replaces a few rows: copy only those
+            moved = [(d, s) for d, s in enumerate(host_rows) if d != s]
+            dest = to_device(torch.tensor([d for d, _ in moved], dtype=torch.long), rows.device)
+            src = to_device(torch.tensor([s for _, s in moved], dtype=torch.long), rows.device)
+        else:
+            dest, src = torch.arange(n, device=rows.device), rows
+        if len(dest):
+            self.map(lambda t: _copy_rows(t, dest, src, used))
+        if n < n_old:  # the first rows of the same buffers
+            self.map(lambda t: t[:n])
 
     def copy_columns(self, dest: torch.Tensor, src: torch.Tensor, cols: torch.Tensor) -> None:
         """Columns ``cols [n, T]`` of rows ``src [n]`` written to the same columns of rows ``dest [n]``."""

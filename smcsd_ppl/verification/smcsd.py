@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import draw_restricted, inverse_cdf, pick
+from .sampling import draw_restricted, inverse_cdf, logsumexp, pick
 
 
 def block_log_weights(
@@ -37,7 +37,7 @@ def _tv(p: torch.Tensor, q: torch.Tensor, log_p: torch.Tensor, log_q: torch.Tens
 
 def _renyi2(p: torch.Tensor, q: torch.Tensor, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
     # log E_q[(p/q)^2] = log(1 + chi^2(p || q)): the log second moment of one weight increment.
-    return torch.logsumexp(torch.where(p > 0, 2 * log_p - log_q, -torch.inf), -1)
+    return logsumexp(torch.where(p > 0, 2 * log_p - log_q, -torch.inf), -1)
 
 
 def _kl(p: torch.Tensor, q: torch.Tensor, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
@@ -61,9 +61,9 @@ def cut_divergence(
     """
     if log_factor is not None:
         tilted = log_p + log_factor
-        tilted = tilted - torch.logsumexp(tilted, -1, keepdim=True)
+        tilted = tilted - logsumexp(tilted, -1, keepdim=True)
         # Rows without a factor stay exact; a dead end (nothing allowed) keeps p.
-        partial = (log_factor != 0).any(-1, keepdim=True) & torch.isfinite(log_factor).any(-1, keepdim=True)
+        partial = (log_factor != 0).any(-1, keepdim=True) & (log_factor > -torch.inf).any(-1, keepdim=True)
         log_p = torch.where(partial, tilted, log_p)
     q = draft_probs.float()
     p = torch.softmax(log_p, -1)  # exp(log p), renormalized: on a CPU softmax is ~3x faster than exp
