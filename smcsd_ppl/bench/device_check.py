@@ -188,8 +188,21 @@ def host_reads(pair: SMCSD, method: str, prompt: list[int], config: SMCConfig) -
     """Median host reads per cycle (between target forwards) of a short run."""
     short = dataclasses.replace(config, max_new_tokens=min(32, config.max_new_tokens))
     counter = reads_per_cycle(pair.target_lm, [pair.target.model, pair.draft.model])
-    with entered_on_torch_thread(counter) as counts:
-        pair.generate_ids([prompt], method=method, config=short)
+    # Counted as an accelerator pays them: the reads a CPU takes because they are free there are off.
+    owners = [
+        (pair.rows(), "early_stop_reads"),
+        (pair.target_lm, "shares_twins"),
+        (pair.draft_lm, "shares_twins"),
+    ]
+    saved = [(o, name, getattr(o, name)) for o, name in owners if hasattr(o, name)]
+    for o, name, _ in saved:
+        setattr(o, name, False)
+    try:
+        with entered_on_torch_thread(counter) as counts:
+            pair.generate_ids([prompt], method=method, config=short)
+    finally:
+        for o, name, value in saved:
+            setattr(o, name, value)
     return float(statistics.median(counts[1:] or counts or [0]))
 
 
