@@ -105,14 +105,21 @@ class Engine:
         base: the settings of the batch requests join (``SHARED_SETTINGS``) and their defaults.
         max_queue: requests that may wait beyond the rows; more raise ``QueueFull``.
         max_rows: rows (particles times contexts) the running requests may hold.
+        keep_draft: every batch holds the draft's rows (``EngineCore``; a server's engine).
     """
 
     def __init__(
-        self, pair: PairCore, base: SMCConfig | None = None, *, max_queue: int = 64, max_rows: int = 512
+        self,
+        pair: PairCore,
+        base: SMCConfig | None = None,
+        *,
+        max_queue: int = 64,
+        max_rows: int = 512,
+        keep_draft: bool = False,
     ) -> None:
         self.gate = Gate(max_queue, max_rows)
         self.pair, self.max_queue, self.max_rows = pair, max_queue, max_rows
-        self.core = EngineCore(pair, base, max_rows=max_rows)
+        self.core = EngineCore(pair, base, max_rows=max_rows, keep_draft=keep_draft)
         self.base = self.core.base
         self.threads = torch.get_num_threads()  # the creator's: its turns run with as many
         self._inbox: deque[tuple[str, object]] = deque()
@@ -324,7 +331,7 @@ class Engine:
         """A turn raised: every request and call it holds fails with ``err``; the core starts empty."""
         with self.gate.lock:
             live = list(self.gate.live)
-        self.core = EngineCore(self.pair, self.base, max_rows=self.max_rows)
+        self.core = EngineCore(self.pair, self.base, max_rows=self.max_rows, keep_draft=self.core.keep_draft)
         self._deliver([Output(work_id, error=err, finished=True) for work_id in live])
 
     def _deliver(self, outputs: list[Output]) -> None:

@@ -85,12 +85,18 @@ class EngineCore:
         pair: the pair (its one row store becomes the batch's).
         base: the settings of the batch every request sharing them joins (``SHARED_SETTINGS``).
         max_rows: rows the running requests may hold in all.
+        keep_draft: every batch holds the draft's rows, so that a request that drafts joins a
+            batch begun by requests that do not (a server's, whose requests arrive one by one);
+            otherwise such a batch leaves the draft out and a drafting request waits for it to end.
     """
 
-    def __init__(self, pair: PairCore, base: SMCConfig | None = None, *, max_rows: int = 512) -> None:
+    def __init__(
+        self, pair: PairCore, base: SMCConfig | None = None, *, max_rows: int = 512, keep_draft: bool = False
+    ) -> None:
         if max_rows < 1:
             raise ValueError("max_rows must be at least 1")
         self.pair, self.base, self.max_rows = pair, base or SMCConfig(), max_rows
+        self.keep_draft = keep_draft
         self.waiting: deque[Work] = deque()
         self.running: list[Request] = []  # in the batch's order
         self.state = SMCState(())
@@ -211,7 +217,8 @@ class EngineCore:
             self.kernel = self._kernel(requests[0].config)
         joining = [Admission(r.program, r.config, r.seed, r.id, r.record) for r in requests]
         try:
-            self.state = self.kernel.admit(self.state, joining, self.pair.draft_record, self.pair.encode)
+            record, encode = self.pair.draft_record, self.pair.encode
+            self.state = self.kernel.admit(self.state, joining, record, encode, draft=self.keep_draft)
         except Exception as err:  # noqa: BLE001 - those requests fail, the batch goes on
             return [self._ended(r, FinishReason.ERROR, err) for r in requests]
         for r in requests:

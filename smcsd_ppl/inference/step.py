@@ -104,9 +104,18 @@ class SMCSDKernel:
 
     @torch.inference_mode()
     def admit(
-        self, state: SMCState, joining: Sequence[Admission], record: DraftRecord, encode: Callable | None
+        self,
+        state: SMCState,
+        joining: Sequence[Admission],
+        record: DraftRecord,
+        encode: Callable | None,
+        *,
+        draft: bool = False,
     ) -> SMCState:
         """``state`` with the ``joining`` programs added: prompts prefilled, each forked into its particles.
+
+        ``draft``: a new batch holds the draft's rows even if none of these requests drafts (an
+        engine taking requests as they come: one that drafts may join later).
 
         Each new context gets rows of its own after the running ones; no token is drawn yet: a
         context's first token comes with its first step (a token-level draw, or a block's
@@ -144,7 +153,7 @@ class SMCSDKernel:
                     request_id=a.request_id,
                 )
             )
-        drafting = any(self._drafts(self.settings(p), p.schedule) for p in pops)
+        drafting = draft or any(self._drafts(self.settings(p), p.schedule) for p in pops)
         if joins:
             self.store.append(prompts, sources)
         else:

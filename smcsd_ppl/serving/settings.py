@@ -97,7 +97,7 @@ def build_server(settings: ServeSettings, pair=None):
     if pair is None and settings.engine == "thread":
         pair = settings.pair.load()
     if pair is not None:
-        engine = Engine(pair.core, settings.defaults, **limits)
+        engine = Engine(pair.core, settings.defaults, **limits, keep_draft=True)  # requests come one by one
         pair.use_engine(engine)  # the pair's own calls share the server's batch
     else:
         engine = EngineProcess(
