@@ -287,7 +287,10 @@ class HFBatchedLM(BatchedLM, TreeOps, TwinFeeds):
             )
         width = max((self.bound[row] for row in held), default=0) + t + self.tree_width
         self.reserve(self.n_rows, width)
-        self.contents.fed(held, ids, valid) if self.shares_twins else self.contents.forget(held)
+        if self.shares_twins:
+            self.contents.fed(held, ids, valid)
+        else:
+            self.contents.forget(held)
         ids, valid = to_device(ids, self.device), to_device(valid, self.device)
         self.tree_width = 0
         index = None if rows is None else to_device(rows, self.device)
