@@ -9,6 +9,7 @@ string's own law and steered particles away from closing anything.
 from __future__ import annotations
 
 import json
+import math
 
 import jsonschema
 import pytest
@@ -152,7 +153,8 @@ def test_a_forced_text_is_read_along_its_canonical_tokens(default_smcsd):
     context = tuple(tok.encode("Mercury", add_special_tokens=False))
     canonical = tok.encode(phrase, add_special_tokens=False)
     assert language.forced_tokens(context) == canonical and language.forced_tokens(()) == []
-    tree = structure.grow([RowConstraint(language, "proposal", context, lookahead=True, structure=True)])[0]
+    start = RowConstraint(language, "proposal", context, lookahead=True, structure=True)
+    tree = structure.grow([start], nodes=len(canonical))[0]  # room for the phrase alone
     assert tree.forced[0] and tree.path(len(tree.tokens) - 1) == canonical
     log_law = torch.log_softmax(torch.randn(len(tree.tokens), language.vocab_size, dtype=torch.float64), -1)
     value, tilt = structure.log_phi(tree, log_law, eos)
@@ -162,6 +164,37 @@ def test_a_forced_text_is_read_along_its_canonical_tokens(default_smcsd):
     assert value == pytest.approx(path + end) and set(dict(tilt).values()) == {
         value - float(log_law[0, canonical[0]])
     }
+
+
+def test_the_room_left_reads_the_other_splits_of_a_forced_text(default_smcsd):
+    # A split the model goes on from counts as its canonical sibling does, one it does not go on
+    # from hardly at all: the canonical path alone is a lower bound, every split's mass an upper one.
+    from smcsd_ppl.inference.blocks import RowConstraint
+    from smcsd_ppl.potentials import RegexConstraint
+
+    tok, eos = default_smcsd.tokenizer, default_smcsd.eos_token_ids
+    phrase = " is a cat on the mat"
+    language = RegexConstraint(f"(Mercury{phrase}|Venus|Mars)", tok, eos)
+    context = tuple(tok.encode("Mercury", add_special_tokens=False))
+    canonical = tok.encode(phrase, add_special_tokens=False)
+    tree = structure.grow([RowConstraint(language, "proposal", context, lookahead=True, structure=True)])[0]
+    assert tree.path(len(canonical)) == canonical  # the phrase first, then the splits in the room left
+    splits = [j for j, b in enumerate(tree.beside) if b >= 0]
+    at_root = [j for j in splits if tree.parents[j] == 0]
+    assert at_root and len(tree.tokens) - 1 == structure.NODES and not any(tree.followed[j] for j in splits)
+    log_law = torch.log_softmax(torch.randn(len(tree.tokens), language.vocab_size, dtype=torch.float64), -1)
+    for j in splits:  # the model goes on from no split...
+        log_law[j, tree.masks[j]] = -60.0
+    goes_on = at_root[0]  # ...but one: all its mass on what continues the phrase
+    log_law[goes_on, tree.masks[goes_on]] = -math.log(int(tree.masks[goes_on].sum()))
+    value, tilt = structure.log_phi(tree, log_law, eos)
+    rest = sum(float(log_law[j, t]) for j, t in enumerate(canonical) if j > 0)
+    rest += torch.logsumexp(log_law[len(canonical), list(eos)], 0).item()
+    split = tree.tokens[goes_on]
+    both = torch.logsumexp(log_law[0, [canonical[0], split]], 0).item()
+    assert value == pytest.approx(both + rest)
+    assert dict(tilt)[split] == pytest.approx(rest) and dict(tilt)[canonical[0]] == pytest.approx(rest)
+    assert all(dict(tilt)[tree.tokens[j]] < rest - 50 for j in at_root if j != goes_on)
 
 
 def test_a_context_s_first_token_is_read_word_by_word(default_smcsd):
@@ -180,8 +213,38 @@ def test_a_context_s_first_token_is_read_word_by_word(default_smcsd):
     assert language.word_start((), m) == m and language.word_start((), first["Venus"]) == first["Venus"]
     tree = structure.grow([RowConstraint(language, "proposal", (), lookahead=True, structure=True)])[0]
     read = {tree.tokens[j] for j, p in enumerate(tree.parents) if p == 0}
-    assert read == {*first.values(), m} and set(tree.aliases) == allowed
+    assert read == {*first.values(), m} and set(tree.aliases[0]) == allowed
     log_law = torch.log_softmax(torch.randn(len(tree.tokens), language.vocab_size, dtype=torch.float64), -1)
     _, tilt = structure.log_phi(tree, log_law, eos)
     (v,) = tok.encode("V", add_special_tokens=False)
     assert dict(tilt)[v] == dict(tilt)[first["Venus"]] and set(dict(tilt)) == allowed
+
+
+def test_with_room_each_split_is_read_on_its_own(default_smcsd):
+    # Before a context's first token there is room for every split and the text it forces, so
+    # "M" of "Marseille" (which the model writes "Mar" first) is read, not tilted as "Mar" is.
+    from smcsd_ppl.inference.blocks import RowConstraint
+    from smcsd_ppl.potentials import RegexConstraint
+
+    tok, eos = default_smcsd.tokenizer, default_smcsd.eos_token_ids
+    language = RegexConstraint("(Paris of frogs|Lyon|Marseille)", tok, eos)
+    allowed = set(language.next_mask([()])[0].nonzero().flatten().tolist()) - set(eos)
+    start = RowConstraint(language, "proposal", (), lookahead=True, structure=True)
+    tree = structure.grow([start], nodes=structure.FIRST_NODES)[0]
+    below = {tree.tokens[j]: j for j, p in enumerate(tree.parents) if p == 0}
+    assert below.keys() == allowed and tree.aliases[0] == {t: t for t in allowed}
+    (m,), mar = (
+        tok.encode("M", add_special_tokens=False),
+        tok.encode("Marseille", add_special_tokens=False)[0],
+    )
+    assert m != mar and {m, mar} <= allowed
+    log_law = torch.log_softmax(torch.randn(len(tree.tokens), language.vocab_size, dtype=torch.float64), -1)
+    log_law[below[m], language.next_mask([[m]])[0]] = -60.0  # the model seldom goes on from "M"
+    _, tilt = structure.log_phi(tree, log_law, eos)
+    assert dict(tilt).keys() == allowed and dict(tilt)[m] < -55 < dict(tilt)[mar]
+    # Without the room, each split is tilted as the word it begins.
+    words = structure.grow([start])[0]
+    assert len(words.tokens) < len(tree.tokens)
+    log_law = torch.log_softmax(torch.randn(len(words.tokens), language.vocab_size, dtype=torch.float64), -1)
+    _, tilt = structure.log_phi(words, log_law, eos)
+    assert dict(tilt)[m] == dict(tilt)[mar]

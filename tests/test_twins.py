@@ -62,3 +62,37 @@ def test_without_twins_every_row_runs(tiny_llama):
         torch.testing.assert_close(
             logits[r], scratch_logits(tiny_llama, seqs[r] + [4, 5], 2), atol=ATOL, rtol=RTOL
         )
+
+
+def read_tree(lm, model, seqs, trees):
+    """Read a tree per row (its tokens and parents), each node against its path; the positions computed."""
+    width = max(len(t) for t, _ in trees)
+    tokens = torch.tensor([t + [0] * (width - len(t)) for t, _ in trees])
+    parents = torch.tensor([p + [-1] * (width - len(p)) for _, p in trees])
+    valid = torch.tensor([[True] * len(t) + [False] * (width - len(t)) for t, _ in trees])
+    before = lm.stats.tokens
+    logits = lm.extend_tree(tokens, parents, valid)
+    for r, (nodes, ups) in enumerate(trees):
+        for j in range(len(nodes)):
+            path, k = [], j
+            while k >= 0:
+                path.insert(0, nodes[k])
+                k = ups[k]
+            want = scratch_logits(model, seqs[r] + path)
+            torch.testing.assert_close(logits[r, j], want, atol=ATOL, rtol=RTOL)
+    return lm.stats.tokens - before
+
+
+def test_a_tree_read_computes_twins_once_and_leaves_out_rows_with_no_node(tiny_llama):
+    lm = HFBatchedLM(tiny_llama)
+    lm.prefill([[5, 17, 33, 2], [40, 41]])
+    lm.fork(torch.tensor([0, 0, 1, 0]))
+    seqs = [[5, 17, 33, 2], [5, 17, 33, 2], [40, 41], [5, 17, 33, 2]]
+    trees = [([7, 8, 9], [-1, 0, 0]), ([7, 8, 9], [-1, 0, 0]), ([], []), ([7, 8], [-1, 0])]
+    # row 1 is row 0's twin and row 2 reads nothing: one forward of rows 0 and 3, 6 of 12 positions
+    assert read_tree(lm, tiny_llama, seqs, trees) == 2 * 3
+    lm.keep_path(torch.tensor([[1, 0, 1], [1, 0, 1], [0, 0, 0], [1, 1, 0]]).bool())
+    seqs = [seqs[0] + [7, 9], seqs[1] + [7, 9], seqs[2], seqs[3] + [7, 8]]
+    # what each row kept is known, so rows 0 and 1 stay twins (row 1's kept columns are row 0's)
+    assert extend(lm, tiny_llama, seqs, [[4], [4], [4], [4]]) == 3
+    assert extend(lm, tiny_llama, seqs, [[6], [8], [6], [6]]) == 4  # row 1 reads its own columns now

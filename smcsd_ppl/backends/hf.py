@@ -12,7 +12,7 @@ from . import cpu, kv
 from .base import BatchedLM, ForwardStats, Timer, length_groups, pad_left, pad_left_hidden, to_device
 from .kv import RowCache, attention_mask, plan
 from .tree import TreeOps, kept_first
-from .twins import RowContents, TwinFeeds, feed_groups
+from .twins import RowContents, TwinFeeds, feed_groups, tree_counts
 
 DEFAULT_CACHE_BUDGET = 8 * 2**30  # bytes of KV cache one backend may hold
 HEADROOM = 256  # columns allocated past the first forward's need (a typical generation)
@@ -56,6 +56,7 @@ class HFBatchedLM(BatchedLM, TreeOps, TwinFeeds):
         self.bound: list[int] = []  # per row, >= lengths (host; exact when masks come from the host)
         self.nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)  # NaN seen since last check
         self.tree_width = 0  # columns of an unsettled extend_tree (keep_path settles them)
+        self.tree_fed: list[list[int]] | None = None  # its tokens, where they were read for free
         self.contents = RowContents()  # each row's tokens: rows holding the same compute once
         self.shares_twins = self.device.type == "cpu"  # reading what is fed is free on a CPU only
         # A feature draft reads the target's hidden states with its tokens; a target
@@ -182,7 +183,11 @@ class HFBatchedLM(BatchedLM, TreeOps, TwinFeeds):
     def _tree_logits(
         self, tokens: torch.Tensor, anc: torch.Tensor, depth: torch.Tensor, valid: torch.Tensor
     ) -> torch.Tensor:
-        """``TreeOps`` hook: write the nodes after each row's tokens, one forward under a tree mask."""
+        """``TreeOps`` hook: write the nodes after each row's tokens, one forward under a tree mask.
+
+        On a CPU, over the rows that have nodes, twins once (``TwinFeeds._tree_rows``): a row
+        with none would cost as much as one with the most.
+        """
         if self.cache is None:
             raise ValueError(f"{self.name}: extend_tree() before prefill()")
         r, t = tokens.shape
@@ -195,17 +200,32 @@ class HFBatchedLM(BatchedLM, TreeOps, TwinFeeds):
             raise ValueError(
                 f"{self.name}: KV cache for the tree would pass max_cache_bytes; use a smaller tree"
             ) from err
-        dest, allowed = kv.tree_plan(self.lengths, anc, width)
-        self.cache.plan(dest, width)
         self.tree_width = t  # the nodes sit after each row's tokens until keep_path
-        kwargs = {self.cache_kw: self.cache}
-        with Timer(self.stats, self.device, r * t):
+        counts = tree_counts(valid) if self.shares_twins else None
+        self.tree_fed = None if counts is None else tokens.tolist()  # what keep_path adds to the contents
+        if counts is None:
+            return self._tree_forward(tokens, anc, depth, width, None)
+        return self._tree_rows(tokens, anc, depth, width, counts)
+
+    def _tree_forward(
+        self,
+        tokens: torch.Tensor,
+        anc: torch.Tensor,
+        depth: torch.Tensor,
+        width: int,
+        rows: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """One tree forward of every row, or of ``rows [n]`` alone (the others keep still)."""
+        lengths = self.lengths if rows is None else self.lengths.index_select(0, rows)
+        dest, allowed = kv.tree_plan(lengths, anc, width)
+        self.cache.plan(dest, width, rows)
+        with Timer(self.stats, self.device, tokens.numel()):
             out = self.model(
                 input_ids=tokens,
                 attention_mask=attention_mask(allowed, self.model),
-                position_ids=self.lengths[:, None] + depth,
+                position_ids=lengths[:, None] + depth,
                 use_cache=True,
-                **kwargs,
+                **{self.cache_kw: self.cache},
             )
             logits = out.logits.float()
             self.nonfinite |= torch.isnan(logits).any()
@@ -231,7 +251,10 @@ class HFBatchedLM(BatchedLM, TreeOps, TwinFeeds):
         self.lengths = self.lengths + keep.sum(1)
         self.bound = [b + n for b, n in zip(self.bound, host_n)]
         self.tree_width = 0
-        self.contents.forget(range(r))  # the kept paths are not read back: nobody's twin
+        if self.tree_fed is not None and kv.on_host(keep):
+            self.contents.kept(self.tree_fed, keep)
+        else:
+            self.contents.forget(range(r))  # what was kept is not known: nobody's twin
 
     def check_finite(self) -> None:
         """Raise if any forward since the last check produced NaN logits (one host read)."""

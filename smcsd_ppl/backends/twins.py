@@ -6,7 +6,8 @@ same tokens, such twins would compute the same logits and write the same cache c
 a CPU a forward costs every row (and every position) it carries. So ``TwinFeeds`` runs a
 left-padded feed as a forward per count of real tokens, over one row of each set of twins, and
 copies the computed row's logits and new cache columns to its twins; what every row returns
-and holds is unchanged. ``RowContents`` tells twins apart.
+and holds is unchanged. A token tree (``extend_tree``) is read over the rows that have nodes, one
+row of each set of twins. ``RowContents`` tells twins apart.
 """
 
 from __future__ import annotations
@@ -37,6 +38,12 @@ class RowContents:
         for r, tokens, real in zip(rows, ids.tolist(), valid.tolist()):
             if self.held[r] is not None:
                 self.held[r] += tuple(x for x, ok in zip(tokens, real) if ok)
+
+    def kept(self, fed: Sequence[Sequence[int]], keep: torch.Tensor) -> None:
+        """Each row kept the tree nodes ``keep [R, T]`` of the tokens ``fed [R][T]``, in order."""
+        for r, (tokens, kept) in enumerate(zip(fed, keep.tolist())):
+            if self.held[r] is not None:
+                self.held[r] += tuple(x for x, k in zip(tokens, kept) if k)
 
     def fork(self, rows: list[int] | None, n: int) -> None:
         """Rows ``rows`` in order (None: given on the device, so ``n`` rows not known)."""
@@ -80,7 +87,8 @@ class TwinFeeds:
     """``HFBatchedLM``'s forward of a left-padded feed: one per count of real tokens, twins once.
 
     The host owns ``contents`` (a ``RowContents``), ``shares_twins``, ``stats``, ``cache``,
-    ``lengths``, ``bound``, ``device`` and ``_forward(ids, valid, last_only=, rows=)``.
+    ``lengths``, ``bound``, ``device``, ``_forward(ids, valid, last_only=, rows=)`` and
+    ``_tree_forward(tokens, anc, depth, width, rows)``.
     """
 
     def _grouped(self, tokens: torch.Tensor, groups: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
@@ -111,6 +119,31 @@ class TwinFeeds:
         self.stats.calls, self.stats.split = calls + 1, self.stats.split + len(groups) - 1  # one extend
         return out
 
+    def _tree_rows(
+        self, tokens: torch.Tensor, anc: torch.Tensor, depth: torch.Tensor, width: int, counts: torch.Tensor
+    ) -> torch.Tensor:
+        """One tree forward over the rows that read a node (``counts [R]``, their first nodes real).
+
+        Of rows that hold the same tokens and read the same tree, one runs; the others take its
+        logits and the columns it wrote (the tree's, which ``keep_path`` settles for each row).
+        """
+        r, t = tokens.shape
+        reading = (counts > 0).nonzero(as_tuple=True)[0]
+        trees = torch.cat([tokens[reading], anc[reading].flatten(1)], 1)
+        computed, twins, sources = self.contents.twins(reading.tolist(), trees.tolist())
+        run = torch.tensor(computed)
+        n = int(counts[run].max())
+        if len(run) == r and n == t:  # the whole tree, as it came
+            return self._tree_forward(tokens, anc, depth, width, None)
+        logits = self._tree_forward(tokens[run, :n], anc[run, :n, :n], depth[run, :n], width, run)
+        out = logits.new_zeros(r, t, logits.shape[-1])
+        out[run, :n] = logits  # padding nodes and rows with none stay 0: no caller reads them
+        if twins:
+            dest, src = torch.tensor(twins), torch.tensor(sources)
+            self.cache.copy_columns(dest, src, self.lengths.index_select(0, src)[:, None] + torch.arange(n))
+            out[dest, :n] = out[src, :n]
+        return out
+
     @torch.inference_mode()
     def _copy_twins(self, twins: list[int], sources: list[int], count: int) -> None:
         """Rows ``twins`` take the ``count`` cache columns ``sources`` just wrote; they hold the same."""
@@ -138,3 +171,13 @@ def feed_groups(valid: torch.Tensor) -> list[tuple[int, torch.Tensor]] | None:
     if not distinct:
         return None
     return [(c, (counts == c).nonzero(as_tuple=True)[0]) for c in distinct]
+
+
+def tree_counts(valid: torch.Tensor) -> torch.Tensor | None:
+    """Each row's count of tree nodes, where every row's nodes come first (padding after); else None."""
+    if not on_host(valid):
+        return None
+    counts = valid.sum(1)
+    if not torch.equal(valid, torch.arange(valid.shape[1])[None, :] < counts[:, None]) or not counts.any():
+        return None
+    return counts

@@ -77,25 +77,31 @@ def lead_tilts(
     tilts = [dict(e.tilt or ()) if e is not None else {} for e in ends]
     reading = [n for n, e in enumerate(ends) if e is not None and e.structure and e.tilt is None]
     if reading and not store.reads_hidden:  # a feature draft's rows are not read ahead
-        _, read = read_structure(
-            store, [rows[n] for n in reading], [ends[n] for n in reading], target_t, alpha
-        )
+        at, first = [rows[n] for n in reading], [ends[n] for n in reading]
+        _, read = read_structure(store, at, first, target_t, alpha, structure.FIRST_NODES)
         for n, structured in zip(reading, read):
             tilts[n] = dict(structured[1]) if structured else {}
     return tilts
 
 
-def read_structure(store, rows: Sequence[int], ends: Sequence, target_t: torch.Tensor, alpha: float):
+def read_structure(
+    store,
+    rows: Sequence[int],
+    ends: Sequence,
+    target_t: torch.Tensor,
+    alpha: float,
+    nodes: int = structure.NODES,
+):
     """Each row's tempered next-token logits ``[n, V]``, and through the structure after it (or None).
 
     The rows' queued tokens and the trees grown from ``ends`` (``RowConstraint``; those that ask
-    for ``structure``) are read in one target forward; where no tree grows (or the backend has
-    none) this is ``next_logits``. The second list holds ``structure.log_phi``'s (log Phi-hat,
-    tilt) for each row read on, None for the others.
+    for ``structure``; up to ``nodes`` tokens each) are read in one target forward; where no
+    tree grows (or the backend has none) this is ``next_logits``. The second list holds
+    ``structure.log_phi``'s (log Phi-hat, tilt) for each row read on, None for the others.
     """
     trees = [structure.Tree() for _ in ends]
     reading_on = [n for n, e in enumerate(ends) if e.structure]
-    for n, tree in zip(reading_on, structure.grow([ends[n] for n in reading_on])):
+    for n, tree in zip(reading_on, structure.grow([ends[n] for n in reading_on], nodes=nodes)):
         trees[n] = tree
     grown = [n for n, t in enumerate(trees) if len(t.tokens) > 1]
     one_step = [None] * len(rows)
