@@ -100,12 +100,13 @@ def read_structure(
     ``structure.log_phi``'s (log Phi-hat, tilt) for each row read on, None for the others.
     """
     trees = [structure.Tree() for _ in ends]
-    reading_on = [n for n, e in enumerate(ends) if e.structure]
+    trees_read = hasattr(store.target, "extend_tree")  # else nothing is grown: it could not be read
+    reading_on = [n for n, e in enumerate(ends) if e.structure and trees_read]
     for n, tree in zip(reading_on, structure.grow([ends[n] for n in reading_on], nodes=nodes)):
         trees[n] = tree
     grown = [n for n, t in enumerate(trees) if len(t.tokens) > 1]
     one_step = [None] * len(rows)
-    if not grown or not hasattr(store.target, "extend_tree"):
+    if not grown:
         return _tempered(store.next_logits(rows), rows, target_t), one_step
     branches = [(t.tokens[1:], [p - 1 for p in t.parents[1:]]) for t in trees]
     try:
