@@ -108,16 +108,17 @@ def grow(ends: Sequence, width: int = WIDTH, nodes: int = NODES) -> list[Tree]:
             tree.followed[j], tree.forced[j], tree.aliases[j] = True, len(follow) < len(allowed), aliases
             later += [(i, tree.add(t, j)) for t in follow]
         frontier = later
-    list(_masked(ends, trees, _read_splits(trees, nodes)))
+    _masked(ends, trees, _read_splits(trees, nodes))
     return trees
 
 
-def _masked(ends: Sequence, trees: list[Tree], at: list[tuple[int, int]]):
+def _masked(ends: Sequence, trees: list[Tree], at: list[tuple[int, int]]) -> list[tuple]:
     """``((tree, node), (constraint, context), mask)`` for each node ``at``, its mask kept (one call)."""
     pairs = [(ends[i].constraint, (*ends[i].context, *trees[i].path(j))) for i, j in at]
-    for (i, j), pair, mask in zip(at, pairs, constrained.masks_for(pairs)):
+    out = list(zip(at, pairs, constrained.masks_for(pairs)))
+    for (i, j), _, mask in out:
         trees[i].masks[j] = mask
-        yield (i, j), pair, mask
+    return out
 
 
 def _read_splits(trees: list[Tree], nodes: int) -> list[tuple[int, int]]:
@@ -160,6 +161,8 @@ def _aliases(constraint, context: Sequence[int], allowed: list[int], width: int,
         return {}
     # A split the model seldom goes on from ("M" of "Marseille", which it writes "Mar" first)
     # would be tilted as its word, and drawn far more often than it ends well.
+    if len(allowed) > room:  # not even a node per split: no need to count what they force
+        return words
     own = sum(1 + len(constraint.forced_tokens((*context, t))) for t in allowed)
     return {t: t for t in allowed} if own <= room else words
 
