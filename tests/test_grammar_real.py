@@ -3,18 +3,29 @@
 The batched walk over every allowed token path must give, on the mock grammar, exactly the
 laws the recursive enumeration of ``bench.grammar_exact`` gives (the joint p x phi and locally
 masked decoding's). On the embedded target, the shipped languages must put masked decoding
-at least 0.2 from the conditional, with the walk's dropped mass negligible.
+at least 0.2 from the conditional, with the walk's dropped mass negligible. Served json_schema
+requests on the tiny pair must follow their target's exact conditional law within the mock
+grammars' bound.
 """
 
 from __future__ import annotations
 
+import json
 import math
+from collections import Counter
 
+import httpx
 import pytest
+import tiny
 
+from smcsd_ppl.api import SMCSD
 from smcsd_ppl.bench import grammar_exact as ge
 from smcsd_ppl.bench import grammar_real as gr
 from smcsd_ppl.cli.main import main
+from smcsd_ppl.config import SMCConfig
+from smcsd_ppl.engine.client import Engine
+from smcsd_ppl.serving.app import build_app
+from smcsd_ppl.serving.server import BackgroundServer
 
 
 @pytest.mark.parametrize("local", [False, True])
@@ -57,3 +68,43 @@ def test_the_command_prints_a_table_per_language(capsys):
     assert "planet: 'Which planet is closest to the sun?'" in out and "| 1 | " in out
     assert main(["grammar-exactness", "--grammar", "planet", "--cuts", "0.3"]) != 0
     assert "a real language runs proposal mode" in capsys.readouterr().err
+
+
+EXACT_BOUND = 0.05  # the mock grammars' bar for an exact twist at N = 8 (tests/test_twist_exact.py)
+SERVED_RUNS = 960  # 30 requests of n = 32: sampling noise about 0.025 TV here
+
+
+@pytest.mark.slow
+def test_served_json_enums_follow_the_target_s_conditional_law():
+    # A JSON enum opens with a forced quote; the value's first token comes after it, so it is
+    # the structure read's tilt of the drafted tokens and the bonus, not only the lead's, that
+    # steers it. The tiny random pair serves it (real tokenizer, exact law by enumeration).
+    pair = SMCSD(*tiny.pair())
+    words = ("cat", "dog", "mat")
+    language = gr.Language("enum", "The quick brown", tuple(json.dumps(w) for w in words))
+    ref = gr.reference(pair, language)
+    assert ge.total_variation(ref.conditional, ref.masked) > 0.4  # masked decoding is far off
+    schema = {"type": "json_schema", "json_schema": {"name": "word", "schema": {"enum": list(words)}}}
+    defaults = SMCConfig(n_particles=8, max_new_tokens=12, draft_temperature=1.0, target_temperature=1.0)
+    engine = Engine(pair.core, defaults, max_queue=8, max_rows=512)
+    pair.use_engine(engine)
+    laws = {}
+    try:
+        app = build_app(engine, model_name="tiny", defaults=defaults)
+        with BackgroundServer(app) as server, httpx.Client(base_url=server.url, timeout=300) as client:
+            for twist in ("structure", "off"):
+                counts: Counter = Counter()
+                for start in range(0, SERVED_RUNS, 32):
+                    ask = {"prompt": pair.encode(language.prompt), "n": 32, "seed": start, "twist": twist}
+                    response = client.post("/v1/completions", json=ask | {"response_format": schema})
+                    assert response.status_code == 200, response.text
+                    for choice in response.json()["choices"]:
+                        assert choice["smcsd"]["twist"] == (None if twist == "off" else twist)
+                        counts[choice["text"]] += 1
+                laws[twist] = {text: c / SERVED_RUNS for text, c in counts.items()}
+    finally:
+        pair.close()
+    noise = ge.sampling_noise(ref.conditional, SERVED_RUNS, 0)
+    assert ge.total_variation(ref.conditional, laws["structure"]) < EXACT_BOUND + noise, (laws, noise)
+    # The control: without the twist, eight particles do not get there on this language.
+    assert ge.total_variation(ref.conditional, laws["off"]) > EXACT_BOUND + noise, (laws, noise)

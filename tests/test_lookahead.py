@@ -18,7 +18,7 @@ from helpers import run_rows
 
 from smcsd_ppl.bench import grammar_exact as ge
 from smcsd_ppl.config import SMCConfig
-from smcsd_ppl.inference import structure
+from smcsd_ppl.inference import lookahead, structure
 from smcsd_ppl.inference.program import SMCSDModel
 from smcsd_ppl.inference.rows import RowStore
 from smcsd_ppl.potentials.twist import FutureValidity, lm_step
@@ -63,35 +63,32 @@ def test_the_lookahead_twist_is_the_valid_mass_of_the_law_after_the_block(gramma
         assert amt == pytest.approx(one_step(target, constraint, y), abs=1e-5), y
 
 
-class RecordingTilt(Recording):
-    """Records each lead's tilt too, with the prefix it was made for."""
-
-    tilts: list[tuple[tuple[int, ...], tuple]] = []
-
-    async def step(self):
-        block = await self.extend()
-        if block.tilt:
-            RecordingTilt.tilts.append((tuple(self.main_context.generated), block.tilt))
-
-
 @pytest.mark.parametrize("grammar", ["dyck", "garden"])
 def test_reading_the_whole_structure_gives_the_exact_phi_and_tilt(grammar, monkeypatch):
     # With room for every continuation, the structure read is the whole bounded language: its
-    # estimate is Phi itself, at each block's end and after each token the next lead may be.
+    # estimate is Phi itself, at each block's end (and a context's start), and so is its tilt
+    # after each token the next lead or a drafted token may be, along every path it followed.
     monkeypatch.setattr(structure.grow, "__defaults__", (structure.WIDTH, 10_000))
-    RecordingTilt.tilts = []
-    target, constraint = run_mock(grammar, RecordingTilt, "structure", 60)
+    reads, read_structure = [], lookahead.read_structure
+
+    def recording(store, rows, ends, *args):
+        logits, out = read_structure(store, rows, ends, *args)
+        reads.extend((e.context, structured) for e, structured in zip(ends, out) if structured)
+        return logits, out
+
+    monkeypatch.setattr(lookahead, "read_structure", recording)
+    target, constraint = run_mock(grammar, Recording, "structure", 60)
     exact = FutureValidity(constraint, lm_step(target, ge.PROMPT, temperature=0.7), ge.HORIZON)
-    assert len(Recording.seen) >= 10 and len(RecordingTilt.tilts) >= 10, (
-        len(Recording.seen),
-        len(RecordingTilt.tilts),
-    )
+    assert len(reads) >= 10 and sum(len(tilts) > 1 for _, (_, tilts) in reads) >= 10
     for y, amt in Recording.seen:
         assert amt == pytest.approx(exact.log_phi(y), abs=1e-5), y
-    for y, tilt in RecordingTilt.tilts:
-        assert dict(tilt) == pytest.approx({t: exact.log_phi((*y, t)) for t, _ in tilt}, abs=1e-5), y
-        allowed = constraint.next_mask([y])[0].nonzero().flatten().tolist()
-        assert {t for t, _ in tilt} == set(allowed) - {ge.EOS}, y
+    for y, (value, tilts) in reads:
+        assert value == pytest.approx(exact.log_phi(y), abs=1e-5), y
+        for path, tilt in tilts.items():
+            z = (*y, *path)
+            assert dict(tilt) == pytest.approx({t: exact.log_phi((*z, t)) for t, _ in tilt}, abs=1e-5), z
+            allowed = constraint.next_mask([z])[0].nonzero().flatten().tolist()
+            assert {t for t, _ in tilt} == set(allowed) - {ge.EOS}, z
 
 
 def test_a_wide_mask_is_read_one_token_ahead(monkeypatch):
@@ -157,7 +154,8 @@ def test_a_forced_text_is_read_along_its_canonical_tokens(default_smcsd):
     tree = structure.grow([start], nodes=len(canonical))[0]  # room for the phrase alone
     assert tree.forced[0] and tree.path(len(tree.tokens) - 1) == canonical
     log_law = torch.log_softmax(torch.randn(len(tree.tokens), language.vocab_size, dtype=torch.float64), -1)
-    value, tilt = structure.log_phi(tree, log_law, eos)
+    value, tilts = structure.log_phi(tree, log_law, eos)
+    tilt = tilts[()]  # the lead's
     path = sum(float(log_law[j, t]) for j, t in enumerate(canonical))  # node j reads token j + 1
     end = torch.logsumexp(log_law[len(canonical), list(eos)], 0).item()
     # Every split of the phrase is tilted as the phrase read: the lead is steered toward none.
@@ -187,7 +185,8 @@ def test_the_room_left_reads_the_other_splits_of_a_forced_text(default_smcsd):
         log_law[j, tree.masks[j]] = -60.0
     goes_on = at_root[0]  # ...but one: all its mass on what continues the phrase
     log_law[goes_on, tree.masks[goes_on]] = -math.log(int(tree.masks[goes_on].sum()))
-    value, tilt = structure.log_phi(tree, log_law, eos)
+    value, tilts = structure.log_phi(tree, log_law, eos)
+    tilt = tilts[()]  # the lead's
     rest = sum(float(log_law[j, t]) for j, t in enumerate(canonical) if j > 0)
     rest += torch.logsumexp(log_law[len(canonical), list(eos)], 0).item()
     split = tree.tokens[goes_on]
@@ -215,7 +214,8 @@ def test_a_context_s_first_token_is_read_word_by_word(default_smcsd):
     read = {tree.tokens[j] for j, p in enumerate(tree.parents) if p == 0}
     assert read == {*first.values(), m} and set(tree.aliases[0]) == allowed
     log_law = torch.log_softmax(torch.randn(len(tree.tokens), language.vocab_size, dtype=torch.float64), -1)
-    _, tilt = structure.log_phi(tree, log_law, eos)
+    _, tilts = structure.log_phi(tree, log_law, eos)
+    tilt = tilts[()]  # the lead's
     (v,) = tok.encode("V", add_special_tokens=False)
     assert dict(tilt)[v] == dict(tilt)[first["Venus"]] and set(dict(tilt)) == allowed
 
@@ -240,11 +240,13 @@ def test_with_room_each_split_is_read_on_its_own(default_smcsd):
     assert m != mar and {m, mar} <= allowed
     log_law = torch.log_softmax(torch.randn(len(tree.tokens), language.vocab_size, dtype=torch.float64), -1)
     log_law[below[m], language.next_mask([[m]])[0]] = -60.0  # the model seldom goes on from "M"
-    _, tilt = structure.log_phi(tree, log_law, eos)
+    _, tilts = structure.log_phi(tree, log_law, eos)
+    tilt = tilts[()]  # the lead's
     assert dict(tilt).keys() == allowed and dict(tilt)[m] < -55 < dict(tilt)[mar]
     # Without the room, each split is tilted as the word it begins.
     words = structure.grow([start])[0]
     assert len(words.tokens) < len(tree.tokens)
     log_law = torch.log_softmax(torch.randn(len(words.tokens), language.vocab_size, dtype=torch.float64), -1)
-    _, tilt = structure.log_phi(words, log_law, eos)
+    _, tilts = structure.log_phi(words, log_law, eos)
+    tilt = tilts[()]  # the lead's
     assert dict(tilt)[m] == dict(tilt)[mar]

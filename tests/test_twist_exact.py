@@ -21,8 +21,10 @@ import pytest
 import torch
 from helpers import run_rows
 
+from smcsd_ppl.backends.mock import MockLM
 from smcsd_ppl.bench import grammar_exact as ge
 from smcsd_ppl.config import SMCConfig
+from smcsd_ppl.inference import constrained, structure
 from smcsd_ppl.inference.program import SMCSDModel
 from smcsd_ppl.inference.rows import RowStore
 from smcsd_ppl.potentials.twist import FutureValidity, lm_step
@@ -119,6 +121,30 @@ def test_phi_counts_only_completions_that_fit_the_budget():
 @pytest.mark.parametrize("grammar", ["dyck", "garden"])
 def test_the_exact_twist_returns_the_grammar_conditional_law_at_n_8(grammar, seed):
     assert tv_returned(grammar, seed, "future-validity") < EXACT_BOUND
+
+
+def one_particle(grammar: str, monkeypatch) -> float:
+    """TV from the exact law of one particle's outputs: the target its own draft, the structure read whole."""
+    monkeypatch.setattr(structure.grow, "__defaults__", (structure.WIDTH, 10_000))
+    target, _, language, exact = case(grammar, 0)
+    own = MockLM(table=target.table)
+    got = ge.returned_outputs(
+        target, own, n=1, mode="proposal", runs=RUNS, seed=11, constraint=language, cut=CUT, twist="structure"
+    )
+    return ge.total_variation(exact, got)
+
+
+@pytest.mark.parametrize("grammar", ["dyck", "garden"])
+def test_one_particle_samples_the_conditional_law_where_the_tilt_is_phi(grammar, monkeypatch):
+    # Read whole, the structure's Phi-hat is Phi. Every token (the lead, the drafted ones, the
+    # bonus) is then drawn from p(t | z) Phi(z t) / Phi(z): the grammar-conditional law itself,
+    # with no resampling.
+    assert one_particle(grammar, monkeypatch) < EXACT_BOUND
+
+
+def test_a_tilt_of_the_lead_alone_does_not(monkeypatch):
+    monkeypatch.setattr(structure, "past", lambda tilts, token: {})  # mutant: nothing tilted past the lead
+    assert one_particle("dyck", monkeypatch) > EXACT_BOUND
 
 
 @functools.cache
@@ -224,6 +250,19 @@ def test_twisted_weights_stay_proper_and_keep_the_evidence(twist):
 
 def test_a_lookahead_twist_left_in_the_weights_is_caught():
     tv, _, _ = pooled(Untwisted, "lookahead")
+    assert tv > POOLED_BOUND, tv
+
+
+def test_a_tilt_that_enters_the_target_is_caught(monkeypatch):
+    # Mutant: the structure's tilt of the drafted tokens and the bonus weighed as the target's.
+    factors = constrained.proposal_factors
+
+    def with_tilt(blocks, vocab, device):
+        base, tilt = factors(blocks, vocab, device), constrained.proposal_tilts(blocks, vocab, device)
+        return base if tilt is None else tilt if base is None else base + tilt
+
+    monkeypatch.setattr(constrained, "proposal_factors", with_tilt)
+    tv, _, _ = pooled(SMCSDModel, "structure")
     assert tv > POOLED_BOUND, tv
 
 

@@ -174,7 +174,7 @@ def reference(pair, language: Language, *, temperature: float = 1.0, floor: floa
     return Reference(conditional, masked.texts, z, joint.pruned / z, masked.pruned, joint.paths)
 
 
-def returned_texts(pair, language: Language, config: SMCConfig, runs: int, *, per_call: int = 1024) -> dict:
+def returned_texts(pair, language: Language, config: SMCConfig, runs: int, *, per_call: int = 256) -> dict:
     """The law of SMC-SD's returned texts over ``runs`` requests, seeded from ``config.seed``.
 
     A request that returns nothing (every particle died) counts as ``None``, outside the language.

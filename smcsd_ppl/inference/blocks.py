@@ -36,8 +36,9 @@ class RowConstraint:
         lookahead: also estimate the future validity of the block's end (``ScoredBlock.log_future``).
         structure: estimate it through the finite structure after the end, not one token
             (``inference.structure``).
-        tilt: (token, log Phi-hat(context token)) for the tokens the last block's structure
-            read followed: the block's lead is drawn tilted by them (None: not read there).
+        tilt: the last block's structure read (``structure.Tilts``): for each path it followed
+            from the context, (token, log Phi-hat after it); the lead is drawn tilted by the
+            empty path's, the tokens drafted after it by their path's (None: not read there).
     """
 
     constraint: Constraint
@@ -45,7 +46,7 @@ class RowConstraint:
     context: tuple[int, ...]
     lookahead: bool = False
     structure: bool = False
-    tilt: tuple[tuple[int, float], ...] | None = None
+    tilt: dict | None = None
 
     def __post_init__(self) -> None:
         check_constraint(self.constraint)
@@ -133,8 +134,8 @@ class ScoredBlock:
         diverged: the quality cut ended the block.
         log_future: the estimate of log Phi at the block's end, where its constraint asked
             for it (``RowConstraint.lookahead``) and the particle goes on.
-        tilt: log Phi-hat after each token the structure read followed from the block's end
-            (``RowConstraint.tilt`` of the particle's next block; None: not read).
+        tilt: the structure read's tilts from the block's end (``structure.Tilts``;
+            ``RowConstraint.tilt`` of the particle's next block; None: not read).
     """
 
     row: int
@@ -147,7 +148,7 @@ class ScoredBlock:
     dead: bool = False
     diverged: bool = False
     log_future: float | None = None
-    tilt: tuple[tuple[int, float], ...] | None = None
+    tilt: dict | None = None
 
     @property
     def tokens(self) -> list[int]:

@@ -6,7 +6,9 @@ Both roles keep SMC-SD properly weighted for the target p^alpha x constraint:
   tokens' log q already is the proposal's density (the weight p/q_masked carries
   the allowed mass of q). A weighted constraint tilts q by its factors as well (q times
   the factor, renormalized): the draft proposes what the tilted target favours, and
-  the weight still reads the density it drew from;
+  the weight still reads the density it drew from. So does the structure read's tilt
+  (``inference.structure``), which tilts q by Phi-hat where the drafted tokens follow its
+  tree and never enters the target;
 * critic: the draft samples freely and the constraint weighs the block: a block
   with an impossible token has weight zero. The row keeps only the valid prefix
   (nothing invalid is fed to later forwards) and the particle is resampled away.
@@ -69,6 +71,14 @@ def _per_constraint(pairs, ask) -> list[torch.Tensor]:
     return out
 
 
+def tilt_vector(tilt: Sequence[tuple[int, float]], vocab: int) -> torch.Tensor:
+    """``[V]`` log-tilt: log Phi-hat for each token of ``tilt``, 0 (no tilt) elsewhere."""
+    out = torch.zeros(vocab)
+    if tilt:
+        out[[t for t, _ in tilt]] = torch.tensor([v for _, v in tilt], dtype=out.dtype)
+    return out
+
+
 def _nonempty(masks: Sequence[torch.Tensor]) -> list[bool]:
     """Whether each mask allows some token: one reduction for all (bool any() is slow on CPU)."""
     return torch.stack(list(masks)).view(torch.uint8).amax(1).bool().tolist() if masks else []
@@ -92,7 +102,7 @@ class Masking:
         # the block ends there and the bonus is drawn from the target (a prefix-only cut).
         self.cut_at: dict[int, int] = {}
         self.history: dict[int, list[torch.Tensor]] = {}  # request index -> its mask at each position
-        self.tilts: dict[int, torch.Tensor] = {}  # request index -> its weighted factors [V] (latest)
+        self.tilts: dict[int, torch.Tensor] = {}  # request index -> its log-tilt of q [V] (latest)
         self.position = 0  # of the token the latest masks are for
         self.host_drafted: list[list[int]] = []  # drafted tokens per step, read once each
 
@@ -115,6 +125,10 @@ class Masking:
         contexts = [(c.constraint, c.context + tuple(d[r] for d in steps)) for _, r, c in live]
         masks, factors = masks_and_factors(contexts)
         self.tilts = {live[n][0]: f for n, f in factors.items()}
+        for n, (i, r, c) in enumerate(live):  # on the structure read's tree: q tilted by its Phi-hat
+            tilt = c.tilt.get(tuple(d[r] for d in steps)) if c.tilt else None
+            if tilt:
+                self.tilts[i] = self.tilts.get(i, 0.0) + tilt_vector(tilt, masks[n].shape[-1])
         out = {}
         for (i, _, _), mask, some in zip(live, masks, _nonempty(masks)):
             self.history.setdefault(i, []).append(mask)
@@ -286,6 +300,31 @@ def proposal_factors(blocks: Sequence, vocab_size: int, device: torch.device) ->
     ]
     for (i, j), w in zip(soft, factors_for(pairs)):
         out[i, j] = w
+    return to_device(out, device)
+
+
+def proposal_tilts(blocks: Sequence, vocab_size: int, device: torch.device) -> torch.Tensor | None:
+    """``[R, k+1, V]`` the structure read's log-tilt at each drafted position and after them.
+
+    Where a proposal-mode row's tokens follow the tree its last block read (``RowConstraint.tilt``),
+    q was drawn tilted by it (``Masking``) and the bonus will be; 0 elsewhere, and for rows drawn
+    by retrieval, which the target checks token by token. None when no row has one.
+    """
+    rows = [
+        i
+        for i, b in enumerate(blocks)
+        if b.constraint is not None and b.constraint.tilt and b.constraint.mode == "proposal"
+        if b.checks is None
+    ]
+    if not rows:
+        return None
+    k = len(blocks[0].tokens)
+    out = torch.zeros(len(blocks), k + 1, vocab_size)
+    for i in rows:
+        tilts, tokens = blocks[i].constraint.tilt, blocks[i].tokens
+        for j in range(min(k, blocks[i].limit) + 1):
+            if tuple(tokens[:j]) in tilts:
+                out[i, j] = tilt_vector(tilts[tuple(tokens[:j])], vocab_size)
     return to_device(out, device)
 
 

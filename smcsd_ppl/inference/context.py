@@ -58,7 +58,7 @@ class LMContext:
         self.row = -1
         self.mask: torch.Tensor | None = None  # [V] bool: what the next token may be (None: anything)
         self.unsent: list[int] = []  # appended since the row last heard from this context
-        self.tilt: tuple[int, tuple | None] = (-1, None)  # (at which length, the next lead's tilt)
+        self.tilt: tuple[int, dict | None] = (-1, None)  # (at which length, the next block's tilts)
         self.runtime = None
 
     @classmethod

@@ -20,7 +20,7 @@ from ..config import SMCConfig
 from ..ends import row_ends
 from ..proposals.blocks import RowProposal
 from ..verification import BlockBatch, draw_restricted, verify_blocks
-from . import constrained, lookahead
+from . import constrained, lookahead, structure
 from .blocks import (
     BlockRequest,
     CycleAnswer,
@@ -113,22 +113,17 @@ def run_blocks(
     return [out[i] for i in range(len(requests))]
 
 
-def _tilt_rows(tilts: Sequence[dict[int, float]], vocab: int) -> torch.Tensor:
-    """``[n, V]`` log-tilts: each row's (token: log Phi-hat) where it has one, 0 elsewhere."""
-    out = torch.zeros(len(tilts), vocab)
-    for j, tilt in enumerate(tilts):
-        if tilt:
-            out[j, list(tilt)] = torch.tensor(list(tilt.values()), dtype=out.dtype)
-    return out
-
-
 @dataclass(frozen=True)
 class Lead:
-    """A row's lead token, the log mass it was drawn from, and its block if the lead ends the row."""
+    """A row's lead token, the log mass it was drawn from, and its block if the lead ends the row.
+
+    ``tilts``: the structure read's tilts past the lead, for the tokens drafted after it.
+    """
 
     token: int
     log_w: float
     ended: ScoredBlock | None
+    tilts: structure.Tilts | None = None
 
 
 @dataclass(frozen=True)
@@ -165,7 +160,8 @@ def _leads(store, requests, c: SMCConfig, eos, flush: Flush) -> dict[int, Lead]:
     if not todo:
         return {}
     rows = [requests[i].row for i in todo]
-    tilts = lookahead.lead_tilts(store, rows, [requests[i].constraint for i in todo], flush.target_t, c.alpha)
+    read = lookahead.lead_tilts(store, rows, [requests[i].constraint for i in todo], flush.target_t, c.alpha)
+    tilts = [t.get((), ()) for t in read]  # at the lead's own position
     logits = store.next_logits(rows).float() / flush.target_t[rows, None].to(store.device)  # [m, V]
     masks = [requests[i].mask for i in todo]
     if any(m is not None for m in masks):  # a mask_dist observation: the target within it
@@ -175,19 +171,20 @@ def _leads(store, requests, c: SMCConfig, eos, flush: Flush) -> dict[int, Lead]:
         logits = logits.masked_fill(~within.to(logits.device), -math.inf)
     factor = constrained.next_factors([requests[i].constraint for i in todo], logits.shape[-1], logits.device)
     if any(tilts):  # drawn from p Phi-hat(x t) / Phi-hat(x) over the structure read (inference.structure)
-        factor = factor + _tilt_rows(tilts, logits.shape[-1]).to(factor.device)
+        tilted = torch.stack([constrained.tilt_vector(t, logits.shape[-1]) for t in tilts])
+        factor = factor + tilted.to(factor.device)
     lead, log_z = draw_restricted(logits, c.alpha, factor, flush.uniforms[rows, 0])
     tokens, log_z = lead.tolist(), log_z.tolist()  # one host read
     out = {}
     for j, i in enumerate(todo):
         # A tilted lead weighs p / q = Phi-hat(x) / Phi-hat(x t): the tilt is no part of the target.
-        r, t, w = requests[i], tokens[j], log_z[j] - tilts[j].get(tokens[j], 0.0)
+        r, t, w = requests[i], tokens[j], log_z[j] - dict(tilts[j]).get(tokens[j], 0.0)
         if w == -math.inf and r.constraint is not None and not r.constraint.context:
             raise ValueError("the constraint allows no first token: no output can satisfy it")
         ended = None
         if row_ends(None if w == -math.inf else t, 1, r.budget, eos):
             ended = ScoredBlock(r.row, t, (), 0, None, w, True, dead=w == -math.inf)
-        out[i] = Lead(t, w, ended)
+        out[i] = Lead(t, w, ended, structure.past(read[j], t) if read[j] else None)
     return out
 
 
@@ -196,7 +193,7 @@ def _after_lead(request: BlockRequest, lead: Lead | None) -> BlockRequest:
     if lead is None:
         return request
     c = request.constraint
-    constraint = None if c is None else replace(c, context=(*c.context, lead.token))
+    constraint = None if c is None else replace(c, context=(*c.context, lead.token), tilt=lead.tilts)
     return replace(request, budget=request.budget - 1, constraint=constraint, unsent=(), mask=None)
 
 
@@ -267,6 +264,7 @@ def block_batch(
         draft_probs=torch.stack([b.draft_probs for b in drafted]).to(device) if probs else None,
         log_factor=constrained.proposal_factors(drafted, vocab, device),
         critic_allowed=constrained.critic_masks(drafted, vocab, device),
+        log_tilt=constrained.proposal_tilts(drafted, vocab, device),
         **_retrieval_fields(drafted, device),
     )
 

@@ -61,7 +61,7 @@ def look_ahead(
     _, log_phi = restrict_power(alpha * logits, power_log_normalizer(logits, 1.0, alpha), factor)
     for i, f, end, structured in zip(asking, log_phi.tolist(), after, read):
         # read with nothing to follow (a wide mask, no room): no tilt, and no second read at the lead
-        f, tilt = structured or (f, () if end.structure else None)
+        f, tilt = structured or (f, {} if end.structure else None)
         # -inf: nothing may follow, which the next lead's weight says
         out[i] = (f, tilt) if math.isfinite(f) else (None, None)
     return out
@@ -69,18 +69,18 @@ def look_ahead(
 
 def lead_tilts(
     store, rows: Sequence[int], ends: Sequence, target_t: torch.Tensor, alpha: float
-) -> list[dict]:
-    """Each lead's tilt, {token: log Phi-hat(x token)}: its last block's, or read now (a context's first).
+) -> list[structure.Tilts]:
+    """Each lead's tilts (``structure.Tilts``): its last block's, or read now (a context's first).
 
     ``ends``: the rows' ``RowConstraint`` (None: unconstrained, no tilt).
     """
-    tilts = [dict(e.tilt or ()) if e is not None else {} for e in ends]
+    tilts = [(e.tilt or {}) if e is not None else {} for e in ends]
     reading = [n for n, e in enumerate(ends) if e is not None and e.structure and e.tilt is None]
     if reading and not store.reads_hidden:  # a feature draft's rows are not read ahead
         at, first = [rows[n] for n in reading], [ends[n] for n in reading]
         _, read = read_structure(store, at, first, target_t, alpha, structure.FIRST_NODES)
         for n, structured in zip(reading, read):
-            tilts[n] = dict(structured[1]) if structured else {}
+            tilts[n] = structured[1] if structured else {}
     return tilts
 
 

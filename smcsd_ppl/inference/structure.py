@@ -25,9 +25,13 @@ This is the future validity exactly through the structure read (along a forced t
 the splits not read), and the one-step estimate at its edge, where the grammar opens up again
 (free text) or the budget ends. With nothing to follow (a wide mask at x b) it is the one-step
 lookahead. It twists the block's end, and the next block's first token is drawn from
-p(t | x b) Phi-hat(x b t) / Phi-hat(x b) and weighed by the inverse ratio (``cycle._leads``),
-so the tilt steers without entering the target. Any positive value keeps the weights proper;
-the closer to Phi, the less they vary.
+p(t | x b) Phi-hat(x b t) / Phi-hat(x b) and weighed by the inverse ratio (``cycle._leads``).
+While the block's tokens stay on the tree, each drafted token comes from q(t | z) Phi-hat(z t)
+renormalised and weighs the density it was drawn from (``constrained.Masking``), and the bonus
+is drawn as the lead is (``verification.verify_blocks``, ``BlockBatch.log_tilt``). So the tilt
+steers the proposal without entering the target: with the whole structure read and the target
+as its own draft, one particle samples the conditional law. Any positive value keeps the
+weights proper; the closer to Phi, the less they vary.
 """
 
 from __future__ import annotations
@@ -167,11 +171,12 @@ def _aliases(constraint, context: Sequence[int], allowed: list[int], width: int,
     return {t: t for t in allowed} if own <= room else words
 
 
-Tilt = tuple[tuple[int, float], ...]  # (token, log Phi-hat after it) for each token followed
+Tilt = tuple[tuple[int, float], ...]  # (token, log Phi-hat after it) for each token followed at a node
+Tilts = dict[tuple[int, ...], Tilt]  # the tilt at each node followed, by its path from the tree's end
 
 
-def log_phi(tree: Tree, log_law: torch.Tensor, eos: Sequence[int]) -> tuple[float, Tilt]:
-    """Log Phi-hat at the tree's end, and after each token followed from it (the next lead's tilt).
+def log_phi(tree: Tree, log_law: torch.Tensor, eos: Sequence[int]) -> tuple[float, Tilts]:
+    """Log Phi-hat at the tree's end, and the tilt at each node followed (the next block's proposal).
 
     ``log_law [nodes, V]``: log p^alpha of the next token at each node.
     """
@@ -191,6 +196,14 @@ def log_phi(tree: Tree, log_law: torch.Tensor, eos: Sequence[int]) -> tuple[floa
         terms = [float(log_law[j, e]) for e in eos if masks[j, e]]
         terms += [float(log_law[j, tree.tokens[c]]) + value[c] for c in children[j]]
         value[j] = torch.logsumexp(torch.tensor(terms, dtype=torch.float64), 0).item()
-    # A split not read is tilted as the word it begins: "B" as "Blue", the splits of a forced text alike.
-    read = {tree.tokens[c]: value[c] for c in children.get(0, [])}
-    return value[0], tuple((t, read[c]) for t, c in tree.aliases[0].items() if c in read)
+    tilts = {}
+    for j, kids in children.items():
+        # A split not read is tilted as the word it begins: "B" as "Blue", the splits of a forced text alike.
+        read = {tree.tokens[c]: value[c] for c in kids}
+        tilts[tuple(tree.path(j))] = tuple((t, read[c]) for t, c in tree.aliases[j].items() if c in read)
+    return value[0], tilts
+
+
+def past(tilts: Tilts, token: int) -> Tilts:
+    """The tilts after ``token`` is drawn: the paths through it, one token shorter."""
+    return {path[1:]: tilt for path, tilt in tilts.items() if path[:1] == (token,)}

@@ -105,6 +105,10 @@ class BlockBatch:
         retrieved: ``[R]`` bool, the row's block was drawn by retrieval (``draft_logq`` then
             holds log r and ``draft_probs`` r): the target checks each token; None: no such row.
         checks: ``[R, k]`` float64, the uniform each retrieved token is checked with.
+        log_tilt: ``[R, k+1, V]`` log Phi-hat where a row's tokens follow the structure read's
+            tree, 0 elsewhere (``inference.structure``): q was drawn tilted by it, so the cut
+            compares q with the target tilted alike, and the bonus is drawn tilted and weighs
+            its tilt out. It is the proposal's, never the target's; None: no row has one.
     """
 
     tokens: torch.Tensor
@@ -118,6 +122,28 @@ class BlockBatch:
     critic_allowed: torch.Tensor | None = None
     retrieved: torch.Tensor | None = None
     checks: torch.Tensor | None = None
+    log_tilt: torch.Tensor | None = None
+
+
+def _bonus(logits: torch.Tensor, alpha: float, batch: BlockBatch, kept: torch.Tensor, u: torch.Tensor):
+    """Each row's bonus ``[R]`` from its ``logits [R, V]`` at ``kept``, and the log mass it weighs ``[R]``.
+
+    Drawn from p^alpha times the constraint's factor and the structure's tilt; a tilted bonus
+    weighs Z~ / Phi-hat(x b), as the lead does: the tilt is no part of the target.
+    """
+    rows = torch.arange(len(kept), device=kept.device)
+    drawn_from = _plus(batch.log_factor, batch.log_tilt)
+    bonus, log_z = draw_restricted(
+        logits, alpha, drawn_from[rows, kept] if drawn_from is not None else None, u
+    )
+    if batch.log_tilt is not None:
+        log_z = torch.where(torch.isfinite(log_z), log_z - batch.log_tilt[rows, kept, bonus], log_z)
+    return bonus, log_z
+
+
+def _plus(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    """The sum of two optional log-factors."""
+    return b if a is None else a if b is None else a + b
 
 
 def checked_retrieval(
@@ -170,7 +196,8 @@ class Verdict:
         target_logp: ``[R, k]`` alpha-free log p_T of each drafted token.
         bonus: the token drawn from the target after the kept prefix (where ``has_bonus``).
         has_bonus: a bonus token follows the kept prefix.
-        bonus_log_z: log of the mass of p_T^alpha the bonus was drawn from (allowed tokens only).
+        bonus_log_z: log of the mass of p_T^alpha the bonus was drawn from (allowed tokens only;
+            a tilted draw's tilt of the bonus taken out).
         log_w: the block's SMC-SD log-weight increment, its lead's included (-inf for a dead
             block, a row with no bonus to draw, or a critic's vetoed bonus).
     """
@@ -219,7 +246,8 @@ def _divergences(logits, log_p, read, batch: BlockBatch, alpha: float, name: str
     out = torch.zeros(batch.tokens.shape, device=logits.device)
     if ri.numel():
         power = log_p if alpha == 1.0 else torch.log_softmax(alpha * logits[ri, ji].float(), -1)
-        factor = batch.log_factor[ri, ji] if batch.log_factor is not None else None
+        factor = _plus(batch.log_factor, batch.log_tilt)
+        factor = factor[ri, ji] if factor is not None else None
         out[ri, ji] = cut_divergence(power, batch.draft_probs[ri, ji], name, factor).float()
     return out
 
@@ -265,9 +293,7 @@ def verify_blocks(
         refused = first < kept
         kept, stops, dead = torch.where(refused, first, kept), stops & ~refused, dead & ~refused
     rows = torch.arange(r, device=logits.device)
-    bonus, bonus_log_z = draw_restricted(
-        logits[rows, kept], alpha, log_factor[rows, kept] if log_factor is not None else None, u
-    )
+    bonus, bonus_log_z = _bonus(logits[rows, kept], alpha, batch, kept, u)
     if refused is not None:
         spare = residual.sum(-1) > 0  # none: p~ = r there, so only rounding refused; p~'s draw stands
         drawn = inverse_cdf(torch.where(spare[:, None], residual, torch.ones_like(residual)), u)
