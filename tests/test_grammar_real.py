@@ -71,7 +71,7 @@ def test_the_command_prints_a_table_per_language(capsys):
 
 
 EXACT_BOUND = 0.05  # the mock grammars' bar for an exact twist at N = 8 (tests/test_twist_exact.py)
-SERVED_RUNS = 960  # 30 requests of n = 32: sampling noise about 0.025 TV here
+SERVED_RUNS = 960  # 30 requests of n = 32: sampling noise 0.015 TV here
 
 
 @pytest.mark.slow
