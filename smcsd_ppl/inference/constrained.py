@@ -323,8 +323,9 @@ def proposal_tilts(blocks: Sequence, vocab_size: int, device: torch.device) -> t
     for i in rows:
         tilts, tokens = blocks[i].constraint.tilt, blocks[i].tokens
         for j in range(min(k, blocks[i].limit) + 1):
-            if tuple(tokens[:j]) in tilts:
-                out[i, j] = tilt_vector(tilts[tuple(tokens[:j])], vocab_size)
+            tilt = tilts.get(tuple(tokens[:j]))
+            if tilt:
+                out[i, j] = tilt_vector(tilt, vocab_size)
     return to_device(out, device)
 
 

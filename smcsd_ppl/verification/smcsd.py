@@ -132,18 +132,16 @@ def _bonus(logits: torch.Tensor, alpha: float, batch: BlockBatch, kept: torch.Te
     weighs Z~ / Phi-hat(x b), as the lead does: the tilt is no part of the target.
     """
     rows = torch.arange(len(kept), device=kept.device)
-    drawn_from = _plus(batch.log_factor, batch.log_tilt)
-    bonus, log_z = draw_restricted(
-        logits, alpha, drawn_from[rows, kept] if drawn_from is not None else None, u
-    )
+    bonus, log_z = draw_restricted(logits, alpha, _factor_at(batch, rows, kept), u)
     if batch.log_tilt is not None:
         log_z = torch.where(torch.isfinite(log_z), log_z - batch.log_tilt[rows, kept, bonus], log_z)
     return bonus, log_z
 
 
-def _plus(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
-    """The sum of two optional log-factors."""
-    return b if a is None else a if b is None else a + b
+def _factor_at(batch: BlockBatch, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+    """The constraint's log-factor plus the structure's tilt at (``rows``, ``positions``); None: neither."""
+    parts = [x[rows, positions] for x in (batch.log_factor, batch.log_tilt) if x is not None]
+    return sum(parts[1:], parts[0]) if parts else None
 
 
 def checked_retrieval(
@@ -246,8 +244,7 @@ def _divergences(logits, log_p, read, batch: BlockBatch, alpha: float, name: str
     out = torch.zeros(batch.tokens.shape, device=logits.device)
     if ri.numel():
         power = log_p if alpha == 1.0 else torch.log_softmax(alpha * logits[ri, ji].float(), -1)
-        factor = _plus(batch.log_factor, batch.log_tilt)
-        factor = factor[ri, ji] if factor is not None else None
+        factor = _factor_at(batch, ri, ji)
         out[ri, ji] = cut_divergence(power, batch.draft_probs[ri, ji], name, factor).float()
     return out
 
