@@ -4,7 +4,9 @@ a constraint that kills every particle; and results say what they measure."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import math
+import warnings
 from types import SimpleNamespace
 
 import llamppl
@@ -147,3 +149,22 @@ def test_a_request_ends_for_the_same_reason_on_every_path(tiny_smcsd):
     assert [g.finish_reason for g in via_run] == [g.finish_reason for g in via_engine]
     assert via_run[0].finish_reason in ("constraint", "length") and via_run[1].finish_reason == "error"
     assert via_run[0].token_ids == via_engine[0].token_ids
+
+
+class Interrupted(SMCSDModel):
+    """A Ctrl-C arriving while the particles step (a ``KeyboardInterrupt`` inside a cycle)."""
+
+    async def step(self):
+        raise KeyboardInterrupt
+
+
+def test_an_interrupt_inside_a_cycle_reaches_the_caller_once(tiny_smcsd, caplog):
+    with pytest.raises(KeyboardInterrupt):
+        tiny_smcsd.run([Interrupted("The cat")], CFG)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gc.collect()  # the interrupted cycle's tasks go: nothing may report them as well
+    assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
+    assert [str(w.message) for w in caught] == []
+    [out] = tiny_smcsd.run([SometimesIdle("The cat")], CFG)  # and the engine goes on
+    assert out.token_ids

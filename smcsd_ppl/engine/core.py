@@ -14,6 +14,7 @@ taking the engine's turns itself (``Engine.run`` from inside a call), or in an e
 from __future__ import annotations
 
 import asyncio
+import inspect
 import math
 import time
 from collections import deque
@@ -135,8 +136,13 @@ class EngineCore:
         """One boundary and one cycle (calls run here, outside any event loop)."""
         outputs = self._boundary()
         if self.running:
-            self._loop = self._loop or asyncio.new_event_loop()
-            outputs += self._loop.run_until_complete(self._cycle())
+            self._loop = self._loop or _cycle_loop()
+            try:
+                outputs += self._loop.run_until_complete(self._cycle())
+            except BaseException:  # a Ctrl-C mid-cycle: the loop stops where it was
+                _abandon(self._loop)
+                self._loop = None
+                raise
         return self._rested(outputs)
 
     async def astep(self) -> list[Output]:
@@ -355,3 +361,29 @@ class EngineCore:
 def _cost(request: Request, pop: Population, tokens: int) -> RunStats:
     """A request's own cost: its tokens, the time since it arrived, a target call per cycle it ran."""
     return RunStats("smcsd", tokens, time.perf_counter() - request.arrival, max(1, pop.cycles), 0, 0.0, 0.0)
+
+
+def _cycle_loop() -> asyncio.AbstractEventLoop:
+    """An event loop for ``step``'s cycles, where an interrupt is not reported a second time.
+
+    A Ctrl-C (or a closing process's ``KeyboardInterrupt``) raised inside a particle's task ends
+    that task with it and leaves the loop at once, before the task is read; when the task is
+    collected, asyncio would log it as "Task exception was never retrieved", a traceback after
+    the command has already said it was interrupted.
+    """
+    loop = asyncio.new_event_loop()
+    loop.set_exception_handler(_unless_interrupted)
+    return loop
+
+
+def _abandon(loop: asyncio.AbstractEventLoop) -> None:
+    """Close a loop left mid-cycle, and the tasks in it that never started (no code of theirs runs)."""
+    for task in asyncio.all_tasks(loop):
+        if inspect.getcoroutinestate(task.get_coro()) == inspect.CORO_CREATED:
+            task.get_coro().close()
+    loop.close()
+
+
+def _unless_interrupted(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+    if not isinstance(context.get("exception"), (KeyboardInterrupt, SystemExit)):
+        loop.default_exception_handler(context)
