@@ -68,6 +68,23 @@ def test_the_command_prints_a_table_per_language(capsys):
     assert "planet: 'Which planet is closest to the sun?'" in out and "| 1 | " in out
     assert main(["grammar-exactness", "--grammar", "planet", "--cuts", "0.3"]) != 0
     assert "a real language runs proposal mode" in capsys.readouterr().err
+    assert main(["grammar-exactness", "--grammar", "planet", "--plot", "tv.png"]) != 0
+    assert "--plot are the mock cases' own" in capsys.readouterr().err
+
+
+def test_an_interrupted_command_keeps_the_tables_it_finished(capsys, monkeypatch):
+    finished = gr.real_exactness
+
+    def interrupted_at_color(pair, languages, *args, **kw):
+        if languages[0].name == "color":
+            raise KeyboardInterrupt
+        return finished(pair, languages, *args, **kw)
+
+    monkeypatch.setattr(gr, "real_exactness", interrupted_at_color)
+    argv = ["grammar-exactness", "--grammar", "planet,color", "--particles", "1", "--twists", "off"]
+    with pytest.raises(KeyboardInterrupt):
+        main([*argv, "--runs", "2"])
+    assert "| 1 | " in capsys.readouterr().out.split("planet: ")[1]
 
 
 EXACT_BOUND = 0.05  # the mock grammars' bar for an exact twist at N = 8 (tests/test_twist_exact.py)

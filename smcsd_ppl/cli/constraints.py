@@ -57,7 +57,7 @@ def add_parsers(sub) -> None:
     ex.add_argument(
         "--seeds", default="0", help="comma-separated seeds of the mock models and the runs: one table each"
     )
-    ex.add_argument("--plot", default=None, help="write the TV-against-N plot to this PNG")
+    ex.add_argument("--plot", default=None, help="write the TV-against-N plot to this PNG (the mock cases)")
     ex.set_defaults(run=_exactness)
 
     js = command(sub, "compare-json", "JSON extraction: SMC-SD vs AR under the mask vs genlm-control SMC")
