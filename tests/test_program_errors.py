@@ -159,6 +159,7 @@ class Interrupted(SMCSDModel):
 
 
 def test_an_interrupt_inside_a_cycle_reaches_the_caller_once(tiny_smcsd, caplog):
+    gc.collect()  # what earlier tests left is not this one's
     with pytest.raises(KeyboardInterrupt):
         tiny_smcsd.run([Interrupted("The cat")], CFG)
     with warnings.catch_warnings(record=True) as caught:

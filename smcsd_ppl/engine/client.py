@@ -331,6 +331,7 @@ class Engine:
         """A turn raised: every request and call it holds fails with ``err``; the core starts empty."""
         with self.gate.lock:
             live = list(self.gate.live)
+        self.core.close()
         self.core = EngineCore(self.pair, self.base, max_rows=self.max_rows, keep_draft=self.core.keep_draft)
         self._deliver([Output(work_id, error=err, finished=True) for work_id in live])
 
