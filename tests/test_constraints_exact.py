@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 from helpers import (
+    EOS,
     DeadEnd,
     Forced,
     NoOneZero,
@@ -21,8 +22,13 @@ from helpers import (
 )
 
 import smcsd_ppl.inference.cycle as cycle_module
+import smcsd_ppl.inference.drafting as drafting_module
 from smcsd_ppl.backends.mock import MockLM
+from smcsd_ppl.config import DraftRecord
+from smcsd_ppl.inference.blocks import BlockRequest, RowConstraint
+from smcsd_ppl.inference.drafting import draft_blocks, generator_draws
 from smcsd_ppl.inference.program import SMCSDModel
+from smcsd_ppl.inference.rows import RowStore
 
 H, PROMPT = 4, [1, 2]
 # Runs and distance bound: a correct sampler's Z-weighted estimate lies ~0.04-0.06 (TV)
@@ -139,6 +145,67 @@ def test_forced_tokens_skip_draft_forwards_and_stay_properly_weighted():
     stderr = float(zs.std() / math.sqrt(len(zs)))
     assert abs(float(zs.mean()) - z) < 4 * stderr, (float(zs.mean()), z, stderr)
     assert total_variation(z_weighted(results), {k: v / z for k, v in exact.items()}) < TV_LIMIT
+
+
+@pytest.mark.slow
+def test_requests_decoding_alone_take_forced_tokens_without_a_forward_and_stay_exact(monkeypatch):
+    # A record that says the draft never pays: every particle decodes with the target alone.
+    # After the first token the constraint forces 2 then 1: the target reads them with the
+    # token before them, so the first cycle's one forward already draws the fourth token.
+    # A loose cut: the point mass must keep it exact alone (the default cut refuses most
+    # wrong guesses, and would hide one).
+    def alone(n, *, forcing=True):
+        if not forcing:
+            monkeypatch.setattr(drafting_module, "forces", lambda request, store: False)
+        target, draft = mock_pair(rare_eos=True)  # most outputs reach the free tokens after 2, 1
+        programs = [Constrained(PROMPT, Forced()) for _ in range(n)]
+        settings = dict(n_particles=3, block_size=2, cut=0.9, proposal="draft")
+        results = smc(
+            target, draft, programs, max_new_tokens=5, seed=5, record=DraftRecord(0.0, 50.0), **settings
+        )
+        assert draft.stats.calls == 0 and not any(any(r.smc.draft_lengths) for r in results)
+        return target, results
+
+    target, results = alone(4000)
+    weights, _ = exact_target(target, PROMPT, 5)
+    exact = {y: w for y, w in weights.items() if y[1:3] == (2, 1)[: len(y) - 1]}
+    z = sum(exact.values())
+    zs = torch.tensor([math.exp(r.smc.log_z) for r in results], dtype=torch.float64)
+    stderr = float(zs.std() / math.sqrt(len(zs)))
+    assert abs(float(zs.mean()) - z) < 4 * stderr, (float(zs.mean()), z, stderr)
+    assert total_variation(z_weighted(results), {k: v / z for k, v in exact.items()}) < TV_LIMIT
+    # One run: the prefill and a forward per cycle, two forwards fewer than token by token.
+    forcing, _ = alone(1)
+    plain, _ = alone(1, forcing=False)
+    assert forcing.stats.calls == plain.stats.calls - 2, (forcing.stats.calls, plain.stats.calls)
+
+
+def test_a_row_decoding_alone_beside_drafting_rows_takes_its_forced_tokens_as_a_point_mass():
+    # Row 0 drafts under NoOneZero (a choice at every step: draft forwards run); row 1 decodes
+    # alone and its constraint forces 2 then 1: q is a point mass there, whatever the draft says.
+    target, draft = mock_pair()
+    store = RowStore(target, draft)
+    store.start([PROMPT], [0, 0])
+    store.queue({0: [2], 1: [0]})
+    requests = [
+        BlockRequest(0, 10, RowConstraint(NoOneZero(), "proposal", (2,)), limit=2),
+        BlockRequest(1, 10, RowConstraint(Forced(), "proposal", (0,)), limit=0),
+    ]
+    draws = generator_draws(torch.Generator().manual_seed(1), 2, store.device)
+    before = draft.stats.calls
+    drafting, alone = draft_blocks(
+        store, requests, block_size=2, temperature=1.0, eos={EOS}, draws=draws, keep_probs=True
+    )
+    assert draft.stats.calls == before + 2  # row 0's two draft forwards
+    assert alone.tokens == [2, 1] and alone.limit == 2 and alone.fed == 0
+    assert alone.draft_logq.tolist() == [0.0, 0.0]
+    assert alone.draft_probs[[0, 1], [2, 1]].tolist() == [1.0, 1.0] and float(alone.draft_probs.sum()) == 2.0
+    for j in range(2):  # the drafting row's q is the draft's, masked, on its own context
+        context = [2, *drafting.tokens[:j]]
+        q = torch.softmax(draft.next_logits(PROMPT + context), -1) * NoOneZero().next_mask([context])[0]
+        assert float(drafting.draft_logq[j]) == pytest.approx(
+            math.log(q[drafting.tokens[j]] / q.sum()), abs=1e-5
+        )
 
 
 def test_drafted_log_q_is_the_drafts_on_the_true_context(monkeypatch):

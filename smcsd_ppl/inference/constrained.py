@@ -98,8 +98,9 @@ class Masking:
             (i, r, c) for i, (r, c) in enumerate(zip(rows, constraints)) if c is not None and c.mode == mode
         ]
         self.dead_at: dict[int, int] = {}  # request index -> position where nothing was allowed
-        # request index -> position where the draft gave the allowed tokens no mass (underflow):
-        # the block ends there and the bonus is drawn from the target (a prefix-only cut).
+        # request index -> position where the draft gave the allowed tokens no mass (underflow),
+        # or where a row drafting forced tokens only meets a choice: the block ends there and
+        # the bonus is drawn from the target (a prefix-only cut).
         self.cut_at: dict[int, int] = {}
         self.history: dict[int, list[torch.Tensor]] = {}  # request index -> its mask at each position
         self.tilts: dict[int, torch.Tensor] = {}  # request index -> its log-tilt of q [V] (latest)

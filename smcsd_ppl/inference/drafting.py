@@ -3,8 +3,10 @@
 ``draft_blocks`` feeds the rows' queued tokens from the row store, then draws a block
 position by position with ``Drafting.step``: a draft step (one forward, q sampled) or,
 where a constraint leaves every drafting row one allowed token, a forced step (no
-forward; the token is fed with the next one). It then ends each row's block at its first
-EOS, its budget, its draft length, or where its constraint ends it.
+forward; the token is fed with the next one). A row decoding with the target alone drafts
+its constraint's forced tokens and nothing else: they cost no forward of either model, and
+the target reads them with the row's queued tokens. It then ends each row's block at its
+first EOS, its budget, its draft length, or where its constraint ends it.
 """
 
 from __future__ import annotations
@@ -58,9 +60,11 @@ def draft_blocks(
     the logits of those tokens only. Retrieval rows run no draft forward and leave their
     queued tokens for the draft to read when it next drafts them.
     """
-    limits = [block_size if r.limit is None else min(block_size, r.limit) for r in requests]
+    limits = [
+        block_size if r.limit is None or forces(r, store) else min(block_size, r.limit) for r in requests
+    ]
     if not any(limits):  # nobody drafts: the target alone decodes this cycle
-        return [_ended(r, [], torch.zeros(0), eos) for r in requests]
+        return _empty(requests, eos)
     settings = dict(block_size=block_size, temperature=temperature, eos=eos, draws=draws)
     run = _start(store, requests, limits, keep_probs=keep_probs, **settings)
     for j in range(block_size):
@@ -69,7 +73,31 @@ def draft_blocks(
             break
     if run.pending_fed:  # else the draft has read nothing yet: the pending tokens stay queued
         store.draft_read([r for r, a in enumerate(run.asked.tolist()) if a])
-    return _blocks(run, requests, limits, eos)
+    blocks = _blocks(run, requests, limits, eos)
+    if run.only_forcing and not any(b.limit for b in blocks):  # nothing was forced: the target alone
+        return _empty(requests, eos, run.masking.history)
+    return blocks
+
+
+def forces(request: BlockRequest, store: RowStore) -> bool:
+    """Whether a request decoding with the target alone drafts its constraint's forced tokens.
+
+    Where a proposal-mode constraint allows one token, the target restricted to it is a
+    point mass there: drawing that token without the target's logits is drawing from the
+    proposal exactly, and the next forward reads the logits its weight needs. (A feature
+    draft's rows keep the target's states of what they read: not done there.)
+    """
+    c = request.constraint
+    alone = request.limit == 0 and request.proposal is None
+    return alone and c is not None and c.mode == "proposal" and not store.reads_hidden
+
+
+def _empty(requests, eos, history: dict | None = None) -> list[DraftedBlock]:
+    """Blocks of no tokens (the target alone), keeping any mask drafting computed for the bonus."""
+    blocks = [_ended(r, [], torch.zeros(0), eos) for r in requests]
+    for i, b in enumerate(blocks):
+        b.allowed = (history or {}).get(i, [])[:1]
+    return blocks
 
 
 def _start(store: RowStore, requests, limits, *, block_size, temperature, eos, draws, keep_probs) -> Drafting:
@@ -81,11 +109,12 @@ def _start(store: RowStore, requests, limits, *, block_size, temperature, eos, d
         retrieval = Retrieval(proposals, rows, store.draft.vocab_size)
         keep_probs = keep_probs or bool(retrieval.requests("retrieval"))  # a refused token's residual reads r
     caps = [min(r.budget, n) for r, n in zip(requests, limits)]
+    forcing = [forces(r, store) for r in requests]
     asked, retrieving = [False] * store.n_rows, [False] * store.n_rows
-    for req, n in zip(requests, limits):
+    for req, n, f in zip(requests, limits, forcing):
         p = req.proposal
-        asked[req.row] = n > 0 and (p is None or p.uses_draft)
-        retrieving[req.row] = n > 0 and not asked[req.row]
+        asked[req.row] = n > 0 and not f and (p is None or p.uses_draft)
+        retrieving[req.row] = n > 0 and not f and not asked[req.row]
     ids, valid, hidden = store.draft_input(asked)
     budget = torch.full((store.n_rows,), block_size, device=store.device)
     budget[rows] = torch.tensor(caps, device=store.device)
@@ -100,6 +129,7 @@ def _start(store: RowStore, requests, limits, *, block_size, temperature, eos, d
         hidden=hidden,
         asked=torch.tensor(asked, device=store.device),
         retrieving=torch.tensor(retrieving, device=store.device),
+        forcing={i for i, f in enumerate(forcing) if f},
         retrieval=retrieval,
         budget=budget,
         eos=torch.tensor(sorted(eos), dtype=torch.long, device=store.device),
@@ -173,6 +203,7 @@ class Drafting:
         hidden: a feature draft's input states ``[R, T, H]`` (None for a token draft).
         asked: ``[R]`` rows the draft model drafts (the others are fed holes).
         retrieving: ``[R]`` rows whose blocks retrieval draws (no draft forward).
+        forcing: requests decoding with the target alone: they draft their forced tokens only.
         retrieval: the walks of the retrieval and mixture rows (None: none).
         budget: ``[R]`` tokens each row may still draft in this block.
         eos: the end-of-sequence token ids.
@@ -191,6 +222,7 @@ class Drafting:
     hidden: torch.Tensor | None
     asked: torch.Tensor
     retrieving: torch.Tensor
+    forcing: set[int]
     retrieval: Retrieval | None
     budget: torch.Tensor
     eos: torch.Tensor
@@ -206,8 +238,11 @@ class Drafting:
     uniforms: dict[int, torch.Tensor] = field(default_factory=dict)  # position -> its draws [R]
 
     def __post_init__(self) -> None:
-        self.ended = ~(self.asked | self.retrieving)
+        self.forced = torch.zeros_like(self.asked)
+        self.forced[[self.rows[i] for i in self.forcing]] = True
+        self.ended = ~(self.asked | self.retrieving | self.forced)
         self.any_asked = bool(self.asked.any())
+        self.only_forcing = not self.any_asked and not bool(self.retrieving.any())
         self.reads_hidden = self.hidden is not None
         self.device = self.asked.device
         self.n_rows = len(self.asked)
@@ -217,9 +252,10 @@ class Drafting:
         allowed = self.masking.next_masks(self.drafts)  # proposal-mode rows sample allowed tokens only
         self._end_dead_rows()
         retrieved = set(self.retrieval.requests("retrieval")) if self.retrieval is not None else set()
-        by_draft = {i: m for i, m in allowed.items() if i not in retrieved}
+        by_draft = {i: m for i, m in allowed.items() if i not in retrieved and i not in self.forcing}
         if self._model_drafts():
-            masks = constrained.live_masks(by_draft, self.rows, self.ended | self.retrieving)  # None: free
+            others = self.ended | self.retrieving | self.forced
+            masks = constrained.live_masks(by_draft, self.rows, others)  # None: free
             # A feature draft never skips: its next input is the state this forward predicts.
             d = None if masks is None or self.reads_hidden else constrained.forced_tokens(masks, self.n_rows)
             d, q = (
@@ -235,6 +271,8 @@ class Drafting:
             self.logqs.append(torch.zeros(self.n_rows, device=self.device))
         if retrieved:
             self._retrieve(j, d, q, {i: m for i, m in allowed.items() if i in retrieved})
+        if self.forcing:
+            self._force(d, q, {i: m for i, m in allowed.items() if i in self.forcing})
         if self.retrieval is not None:
             self.retrieval.advance(d.tolist())
         self.drafts.append(d)
@@ -277,6 +315,23 @@ class Drafting:
                     q[rows] = probs[rows]
         if self.retrieval.ended_at:
             self.ended[[self.rows[i] for i in self.retrieval.ended_at]] = True
+
+    def _force(self, d: torch.Tensor, q: torch.Tensor | None, allowed: dict[int, torch.Tensor]) -> None:
+        """Rows decoding alone take their one allowed token (q a point mass); a choice ends their block.
+
+        Where the block ends, the target draws the bonus as it would have: the decision reads
+        the prefix only, so the weights stay proper.
+        """
+        for i, mask in allowed.items():
+            r = self.rows[i]
+            if int(mask.sum()) == 1:
+                d[r] = int(mask.nonzero()[0, 0])
+                self.logqs[-1][r] = 0.0
+                if q is not None:
+                    q[r] = torch.nn.functional.one_hot(d[r], q.shape[-1]).to(q.dtype)
+            else:
+                self.masking.cut_at[i] = self.masking.position
+                self.ended[r] = True
 
     def _uniforms(self, j: int) -> torch.Tensor:
         """Position ``j``'s uniforms ``[R]``, the same for the draft's rows and retrieval's."""
