@@ -42,7 +42,10 @@ def test_twins_compute_once_and_every_row_reads_its_own_sequence(tiny_llama):
     assert extend(lm, tiny_llama, seqs, [[8], [9], [8], [8]]) == 3  # row 1 leaves its twins
     lm.fork(torch.tensor([2, 1, 1, 0]))  # a resampling: rows 1 and 2 are copies of row 1
     seqs = [list(seqs[2]), list(seqs[1]), list(seqs[1]), list(seqs[0])]
-    assert extend(lm, tiny_llama, seqs, [[3, 1], [3, 1], [3, 1], [7]]) == 2 * 2 + 1  # per length
+    # Twins fed fewer tokens than the padded width: one forward, rows 1 and 2 computed once.
+    assert extend(lm, tiny_llama, seqs, [[3, 1], [7], [7], [3, 1]]) == 3 * 2
+    lm.row_position_cost = 2.0  # dear rows: a forward per length (apart 22, padded 25)
+    assert extend(lm, tiny_llama, seqs, [[2, 3, 1], [2, 3, 1], [2, 3, 1], [2]]) == 2 * 3 + 1
     lm.drop_tail(torch.tensor([0, 1, 0, 0]))  # row 1 loses a token: no longer row 2's twin
     del seqs[1][-1]
     assert extend(lm, tiny_llama, seqs, [[6], [6], [6], []]) == 3

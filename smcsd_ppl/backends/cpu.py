@@ -18,6 +18,7 @@ import torch
 # 41 ms for 1 row x 1 token and 1,242 ms for 8 rows x 9 tokens: (1242 / 41 - 1) / 71 = 0.41.
 # (float32 on the same CPU: 70 and 314 ms, 0.05, as native bf16 on AMX.)
 EMULATED_HALF_ROW_POSITION_COST = 0.4
+NATIVE_ROW_POSITION_COST = 0.05  # where the CPU multiplies the dtype natively (float32 above)
 
 # Flags (Linux /proc/cpuinfo) that mean native matrix products in each half type.
 _NATIVE_FLAGS = {

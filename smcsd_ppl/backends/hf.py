@@ -136,9 +136,11 @@ class HFBatchedLM(BatchedLM, TreeOps, TwinFeeds):
         """
         if valid is None:
             valid = torch.ones(tokens.shape, dtype=torch.bool)
-        groups = None if hidden is not None or self.keeps_hidden or vocab is not None else feed_groups(valid)
+        groups = None
+        if hidden is None and not self.keeps_hidden and vocab is None:
+            groups = feed_groups(valid, self.row_position_cost or cpu.NATIVE_ROW_POSITION_COST)
         if groups is not None:
-            return self._grouped(tokens, groups)
+            return self._grouped(tokens, valid, groups)
         if hidden is not None:
             hidden = hidden.to(self.device)
         return self._forward(

@@ -12,6 +12,7 @@ row of each set of twins. ``RowContents`` tells twins apart.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -91,31 +92,38 @@ class TwinFeeds:
     ``_tree_forward(tokens, anc, depth, width, rows)``.
     """
 
-    def _grouped(self, tokens: torch.Tensor, groups: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
-        """A forward per group of rows (each ``(count, rows)``: their last ``count`` tokens are real).
+    def _grouped(
+        self, tokens: torch.Tensor, valid: torch.Tensor, groups: list[tuple[int, torch.Tensor]]
+    ) -> torch.Tensor:
+        """A forward per group of rows (each ``(width, rows)``: their real tokens are their last ``width``).
 
         Of rows that hold the same tokens and are fed the same (``RowContents.twins``), one runs
         and the others take its logits and its new cache columns.
         """
         r, t = tokens.shape
         out, calls = None, self.stats.calls
-        for count, rows in groups:
-            fed = tokens[rows, t - count :]
-            shared = self.contents.twins(rows.tolist(), fed.tolist()) if self.shares_twins else None
+        for width, rows in groups:
+            ids, real = tokens[rows, t - width :], valid[rows, t - width :]
+            shared = self.contents.twins(rows.tolist(), _real(ids, real)) if self.shares_twins else None
             computed, twins, sources = shared or (rows.tolist(), [], [])
             run = torch.tensor(computed) if twins else rows
             every = len(run) == r  # every row, in order: no subset to gather
-            real = torch.ones(len(run), count, dtype=torch.bool)
             logits = self._forward(
-                tokens[run, t - count :], real, last_only=False, rows=None if every else run
+                tokens[run, t - width :],
+                valid[run, t - width :],
+                last_only=False,
+                rows=None if every else run,
             )
-            if every and count == t:  # the whole feed, as it came
+            if every and width == t:  # the whole feed, as it came
                 return logits
             out = logits.new_zeros(r, t, logits.shape[-1]) if out is None else out
-            out[run.to(out.device), t - count :] = logits  # holes stay 0: no caller reads them
+            out[run.to(out.device), t - width :] = logits  # holes stay 0: no caller reads them
             if twins:
-                self._copy_twins(twins, sources, count)
-                out[twins, t - count :] = out[sources, t - count :]
+                count = dict(zip(rows.tolist(), real.sum(1).tolist()))
+                for n in sorted({count[s] for s in sources}):  # twins are fed alike: one count a pair
+                    pairs = [(d, s) for d, s in zip(twins, sources) if count[s] == n]
+                    self._copy_twins([d for d, _ in pairs], [s for _, s in pairs], n)
+                out[twins, t - width :] = out[sources, t - width :]
         self.stats.calls, self.stats.split = calls + 1, self.stats.split + len(groups) - 1  # one extend
         return out
 
@@ -156,10 +164,18 @@ class TwinFeeds:
             self.contents.held[d] = self.contents.held[s]
 
 
-def feed_groups(valid: torch.Tensor) -> list[tuple[int, torch.Tensor]] | None:
-    """Rows by their count of real tokens, where every row's holes come first (a left-padded feed).
+def _real(ids: torch.Tensor, valid: torch.Tensor) -> list[list[int]]:
+    """Each row's real tokens (a host read of the ids: only where twins are looked for)."""
+    return [[x for x, ok in zip(a, b) if ok] for a, b in zip(ids.tolist(), valid.tolist())]
 
-    None where no row is fed, or the holes lie elsewhere; rows with no real token are in no group.
+
+def feed_groups(valid: torch.Tensor, row_cost: float) -> list[tuple[int, torch.Tensor]] | None:
+    """Rows of a left-padded feed grouped by count of real tokens, each group a forward.
+
+    A forward costs one read of the weights (1) and ``row_cost`` per row-position it carries:
+    rows fed 9 tokens and rows fed 1 run apart, rows fed 2 and 1 together (padded to 2).
+    Returns ``(width, rows)`` per forward, ``rows`` in order; None where no row is fed, or the
+    holes do not all come first; rows with no real token are in no group.
     """
     if not on_host(valid):
         return None
@@ -170,7 +186,31 @@ def feed_groups(valid: torch.Tensor) -> list[tuple[int, torch.Tensor]] | None:
     distinct = sorted(set(counts.tolist()) - {0})
     if not distinct:
         return None
-    return [(c, (counts == c).nonzero(as_tuple=True)[0]) for c in distinct]
+    sizes = [int((counts == c).sum()) for c in distinct]
+    return [
+        (distinct[j - 1], torch.isin(counts, torch.tensor(distinct[i:j])).nonzero(as_tuple=True)[0])
+        for i, j in _cheapest_runs(distinct, sizes, row_cost)
+    ]
+
+
+def _cheapest_runs(counts: list[int], sizes: list[int], row_cost: float) -> list[tuple[int, int]]:
+    """The cheapest split of ascending ``counts`` (``sizes[i]`` rows each) into consecutive runs.
+
+    A run ``(i, j)`` of counts i..j-1 is one forward padded to count j-1: it costs 1 +
+    ``row_cost`` x its rows x that count. Returns the runs in order.
+    """
+    n = len(counts)
+    best, start = [0.0] + [math.inf] * n, [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(j):
+            cost = best[i] + 1 + row_cost * sum(sizes[i:j]) * counts[j - 1]
+            if cost < best[j]:
+                best[j], start[j] = cost, i
+    runs, j = [], n
+    while j:
+        runs.append((start[j], j))
+        j = start[j]
+    return runs[::-1]
 
 
 def tree_counts(valid: torch.Tensor) -> torch.Tensor | None:

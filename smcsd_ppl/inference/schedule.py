@@ -44,6 +44,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from ..backends import cpu
 from ..config import DraftRecord
 from ..proposals.blocks import USES_DRAFT
 
@@ -56,7 +57,7 @@ MEMORY = 0.8  # a learned record keeps this share of its older evidence
 # row-position, as float32 on an AVX2 CPU. On an accelerator the forward is memory-bound and
 # rows come almost free. A CPU that emulates bf16 declares its own, far dearer
 # (``backends.cpu``).
-ROW_POSITION_COST = {"cpu": 0.05}
+ROW_POSITION_COST = {"cpu": cpu.NATIVE_ROW_POSITION_COST}
 DEFAULT_ROW_POSITION_COST = 0.0025
 RECENT = 0.85  # a retrieval or mixture pass rate keeps this share of its evidence per cycle
 PROBE_BELOW = 1.0  # evidence (in positions) under which a proposal other than the draft is probed
