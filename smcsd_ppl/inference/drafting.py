@@ -238,9 +238,9 @@ class Drafting:
     uniforms: dict[int, torch.Tensor] = field(default_factory=dict)  # position -> its draws [R]
 
     def __post_init__(self) -> None:
-        self.forced = torch.zeros_like(self.asked)
-        self.forced[[self.rows[i] for i in self.forcing]] = True
-        self.ended = ~(self.asked | self.retrieving | self.forced)
+        self.forcing_rows = torch.zeros_like(self.asked)
+        self.forcing_rows[[self.rows[i] for i in self.forcing]] = True
+        self.ended = ~(self.asked | self.retrieving | self.forcing_rows)
         self.any_asked = bool(self.asked.any())
         self.only_forcing = not self.any_asked and not bool(self.retrieving.any())
         self.reads_hidden = self.hidden is not None
@@ -254,7 +254,7 @@ class Drafting:
         retrieved = set(self.retrieval.requests("retrieval")) if self.retrieval is not None else set()
         by_draft = {i: m for i, m in allowed.items() if i not in retrieved and i not in self.forcing}
         if self._model_drafts():
-            others = self.ended | self.retrieving | self.forced
+            others = self.ended | self.retrieving | self.forcing_rows
             masks = constrained.live_masks(by_draft, self.rows, others)  # None: free
             # A feature draft never skips: its next input is the state this forward predicts.
             d = None if masks is None or self.reads_hidden else constrained.forced_tokens(masks, self.n_rows)
