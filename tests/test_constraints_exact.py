@@ -128,6 +128,17 @@ def test_constraint_no_particle_can_finish_ends_with_a_message(mode):
     assert ("dead end" if mode == "proposal" else "critic mode") in result.message
 
 
+def assert_follows_forced(target, results, horizon=5):
+    """Z's mean and the Z-weighted outputs against the exact target under ``Forced``."""
+    weights, _ = exact_target(target, PROMPT, horizon)
+    exact = {y: w for y, w in weights.items() if y[1:3] == (2, 1)[: len(y) - 1]}
+    z = sum(exact.values())
+    zs = torch.tensor([math.exp(r.smc.log_z) for r in results], dtype=torch.float64)
+    stderr = float(zs.std() / math.sqrt(len(zs)))
+    assert abs(float(zs.mean()) - z) < 4 * stderr, (float(zs.mean()), z, stderr)
+    assert total_variation(z_weighted(results), {k: v / z for k, v in exact.items()}) < TV_LIMIT
+
+
 @pytest.mark.slow
 def test_forced_tokens_skip_draft_forwards_and_stay_properly_weighted():
     # K=2: the first block is all forced (no draft forward; x0 stays unread), the second
@@ -138,13 +149,7 @@ def test_forced_tokens_skip_draft_forwards_and_stay_properly_weighted():
         target, draft, programs, max_new_tokens=5, draft_temperature=1.0, seed=5, n_particles=3, block_size=2
     )
     assert draft.stats.calls == 1 + 1  # prefill, then one forward in the second block
-    weights, _ = exact_target(target, PROMPT, 5)
-    exact = {y: w for y, w in weights.items() if y[1:3] == (2, 1)[: len(y) - 1]}
-    z = sum(exact.values())
-    zs = torch.tensor([math.exp(r.smc.log_z) for r in results], dtype=torch.float64)
-    stderr = float(zs.std() / math.sqrt(len(zs)))
-    assert abs(float(zs.mean()) - z) < 4 * stderr, (float(zs.mean()), z, stderr)
-    assert total_variation(z_weighted(results), {k: v / z for k, v in exact.items()}) < TV_LIMIT
+    assert_follows_forced(target, results)
 
 
 @pytest.mark.slow
@@ -167,13 +172,7 @@ def test_requests_decoding_alone_take_forced_tokens_without_a_forward_and_stay_e
         return target, results
 
     target, results = alone(4000)
-    weights, _ = exact_target(target, PROMPT, 5)
-    exact = {y: w for y, w in weights.items() if y[1:3] == (2, 1)[: len(y) - 1]}
-    z = sum(exact.values())
-    zs = torch.tensor([math.exp(r.smc.log_z) for r in results], dtype=torch.float64)
-    stderr = float(zs.std() / math.sqrt(len(zs)))
-    assert abs(float(zs.mean()) - z) < 4 * stderr, (float(zs.mean()), z, stderr)
-    assert total_variation(z_weighted(results), {k: v / z for k, v in exact.items()}) < TV_LIMIT
+    assert_follows_forced(target, results)
     # One run: the prefill and a forward per cycle, two forwards fewer than token by token.
     forcing, _ = alone(1)
     plain, _ = alone(1, forcing=False)
