@@ -13,7 +13,7 @@ RESAMPLING_SCHEMES = ("systematic", "multinomial", "stratified", "residual")
 SELECTIONS = ("sample", "argmax")
 DIVERGENCE_NAMES = ("tv", "renyi2", "kl")  # see verification.DIVERGENCES
 PROPOSAL_NAMES = ("auto", "draft", "retrieval", "mixture")  # see proposals.blocks
-TWIST_NAMES = ("future-validity", "structure", "lookahead")  # see potentials.twist
+TWIST_NAMES = ("future-validity", "structure", "finite", "lookahead")  # see potentials.twist
 # Below this, tempered log-probabilities (log p / T) grow past what float weights resolve: the ESS
 # and the resampling of near-greedy particles stop meaning anything. Use selection="argmax" or
 # the "ar" method at a low temperature instead.
@@ -68,7 +68,10 @@ class SMCConfig:
             one position, whose law the next block's first token is drawn from), as a LLaMPPL
             twist on the block's end. ``"structure"``: the same, read on through the finite
             structure after the end (where masks allow few tokens) in the same forward, which
-            also tilts the next block's first token (``inference.structure``). Either way
+            also tilts the next block's first token (``inference.structure``). ``"finite"``:
+            the structure read only where every path it follows ends the output or the read
+            (an enum's values, the rest of an object of enums); where the structure ahead opens
+            into free text, no twist and no read. Either way
             the twist cancels at the end; it does nothing without a constraint.
     """
 

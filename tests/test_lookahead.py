@@ -71,8 +71,8 @@ def test_reading_the_whole_structure_gives_the_exact_phi_and_tilt(grammar, monke
     monkeypatch.setattr(structure.grow, "__defaults__", (structure.WIDTH, 10_000))
     reads, read_structure = [], lookahead.read_structure
 
-    def recording(store, rows, ends, *args):
-        logits, out = read_structure(store, rows, ends, *args)
+    def recording(store, rows, ends, *args, **kwargs):
+        logits, out = read_structure(store, rows, ends, *args, **kwargs)
         reads.extend((e.context, structured) for e, structured in zip(ends, out) if structured)
         return logits, out
 
@@ -250,3 +250,65 @@ def test_with_room_each_split_is_read_on_its_own(default_smcsd):
     _, tilts = structure.log_phi(words, log_law, eos)
     tilt = tilts[()]  # the lead's
     assert dict(tilt)[m] == dict(tilt)[mar]
+
+
+def test_a_tree_opens_where_its_read_stops_at_free_text(default_smcsd):
+    # ``finite`` reads only trees that do not open: every path they follow ends the output or
+    # runs past the read's budget, none stops at more choices than the read follows.
+    from smcsd_ppl.inference.blocks import RowConstraint
+    from smcsd_ppl.potentials import RegexConstraint
+
+    tok, eos = default_smcsd.tokenizer, default_smcsd.eos_token_ids
+
+    def tree(pattern: str, text: str = "", nodes: int = structure.NODES) -> structure.Tree:
+        context = tuple(tok.encode(text, add_special_tokens=False)) if text else ()
+        end = RowConstraint(RegexConstraint(pattern, tok, eos), "proposal", context, True, True, finite=True)
+        return structure.grow([end], nodes=nodes)[0]
+
+    assert not tree("(Paris of frogs|Lyon|Marseille)", nodes=structure.FIRST_NODES).opens  # every path ends
+    budget = tree("(Mercury is a cat|Venus|Mars)", nodes=structure.FIRST_NODES)  # the budget ends it
+    assert not budget.opens and len(budget.tokens) - 1 == structure.FIRST_NODES
+    ahead = tree("(Lyon|Marseille), because [a-z ]+[.]", "Lyon")  # a forced text, then free text
+    assert ahead.opens and len(ahead.tokens) > 2
+    inside = tree("Answer: [a-z ]+[.]", "Answer: it")  # free text at the end itself
+    assert inside.opens and len(inside.tokens) == 1
+
+
+def test_the_finite_twist_reads_and_twists_only_where_the_tree_does_not_open(monkeypatch):
+    # On a mock every mask is narrow; with one choice the most a node follows (and a wider mask
+    # counted free text), the trees open wherever brackets may still open or close. ``finite``
+    # reads the others alone, each to the exact Phi (its rest is forced, within the room), and
+    # twists nothing at the ends it leaves unread, whose bonus the next verify reads.
+    monkeypatch.setattr(structure.grow, "__defaults__", (1, structure.NODES))
+    monkeypatch.setattr(structure, "WORDS", 1)
+    asked, reads, read_structure = [], [], lookahead.read_structure
+    grow_trees = lookahead.grow_trees
+
+    def growing(store, ends, *args):
+        trees = grow_trees(store, ends, *args)
+        asked.extend((e.context, t.opens) for e, t in zip(ends, trees))
+        return trees
+
+    def recording(store, rows, ends, *args, **kwargs):
+        reads.extend(e.context for e in ends)
+        return read_structure(store, rows, ends, *args, **kwargs)
+
+    monkeypatch.setattr(lookahead, "grow_trees", growing)
+    monkeypatch.setattr(lookahead, "read_structure", recording)
+    target, constraint = run_mock("dyck", Recording, "finite", 60)
+    closed = {y for y, opens in asked if not opens}
+    assert closed and any(opens for _, opens in asked) and set(reads) == closed
+    exact = FutureValidity(constraint, lm_step(target, ge.PROMPT, temperature=0.7), ge.HORIZON)
+    assert Recording.seen and {y for y, _ in Recording.seen} <= closed
+    for y, amt in Recording.seen:
+        assert amt == pytest.approx(exact.log_phi(y), abs=1e-5), y
+
+
+def test_without_token_trees_the_finite_twist_reads_nothing(monkeypatch):
+    # On a backend that cannot read a tree (vLLM) nothing ahead is known to be finite: no end is
+    # read or twisted, where ``structure`` falls back to one token ahead.
+    monkeypatch.setattr(lookahead, "_reads_trees", lambda store: False)
+    run_mock("dyck", Recording, "finite", 20)
+    assert Recording.seen == []
+    run_mock("dyck", Recording, "structure", 20)
+    assert Recording.seen

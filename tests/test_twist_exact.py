@@ -253,6 +253,24 @@ def test_twisted_weights_stay_proper_and_keep_the_evidence(twist):
     assert tv < POOLED_BOUND and abs(z - 1) < 4 * se + 0.01, (tv, z, se)
 
 
+def test_a_finite_twist_that_leaves_ends_unread_stays_proper(monkeypatch):
+    # With one choice the most a node follows (a wider mask counted free text), the trees open
+    # wherever brackets may still open or close: ``finite`` twists only the ends whose rest is
+    # forced and leaves the others untwisted, their bonus read by the next verify. The weights
+    # stay proper; the same twist left in them (the mutant) is caught.
+    monkeypatch.setattr(structure.grow, "__defaults__", (1, structure.NODES))
+    monkeypatch.setattr(structure, "WORDS", 1)
+    tv, z, se = pooled(SMCSDModel, "finite")
+    assert tv < POOLED_BOUND and abs(z - 1) < 4 * se + 0.01, (tv, z, se)
+    tv, _, _ = pooled(Untwisted, "finite")
+    assert tv > POOLED_BOUND, tv
+
+
+def test_the_finite_twist_is_the_structure_twist_where_no_tree_opens():
+    # Every mask of the brackets is narrow: no tree opens, so the same requests return the same.
+    assert tv_returned("dyck", 0, "finite") == tv_returned("dyck", 0, "structure")
+
+
 def test_a_lookahead_twist_left_in_the_weights_is_caught():
     tv, _, _ = pooled(Untwisted, "lookahead")
     assert tv > POOLED_BOUND, tv

@@ -151,12 +151,14 @@ def twist_arg(g) -> None:
         "--twist",
         type=twist_value,
         default=SMC_DEFAULTS.twist,
-        metavar="{future-validity,structure,lookahead,off}",
+        metavar="{future-validity,structure,finite,lookahead,off}",
         help="twist a constraint by its future validity (the chance a prefix can still be completed "
         "validly): future-validity is exact where the target can be enumerated (a mock), else "
         "lookahead, which reads one token ahead of each block; structure reads on through the finite "
         "structure there (an enum, a key, punctuation) in the same forward, a tree of up to 16 "
-        "tokens per row, and tilts the next token by it (default: off)",
+        "tokens per row, and tilts the next token by it; finite reads it only where every path it "
+        "follows ends the output or the tree, and twists nothing where it opens into free text "
+        "(default: off)",
     )
 
 

@@ -36,6 +36,8 @@ class RowConstraint:
         lookahead: also estimate the future validity of the block's end (``ScoredBlock.log_future``).
         structure: estimate it through the finite structure after the end, not one token
             (``inference.structure``).
+        finite: read that structure only where it is finite, every path it follows ending the
+            output or running past the read's budget; where it opens into free text, no twist.
         tilt: the last block's structure read (``structure.Tilts``): for each path it followed
             from the context, (token, log Phi-hat after it); the lead is drawn tilted by the
             empty path's, the tokens drafted after it by their path's (None: not read there).
@@ -47,6 +49,7 @@ class RowConstraint:
     lookahead: bool = False
     structure: bool = False
     tilt: dict | None = None
+    finite: bool = False
 
     def __post_init__(self) -> None:
         check_constraint(self.constraint)

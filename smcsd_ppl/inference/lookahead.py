@@ -54,9 +54,15 @@ def look_ahead(
     ]
     if not asking or store.reads_hidden:
         return out
-    rows = [blocks[i].row for i in asking]
     after = [_after(blocks[i].constraint, blocks[i].tokens[: kept[i]], nexts[i]) for i in asking]
-    logits, read = read_structure(store, rows, after, target_t, alpha)  # with the bonus, in one forward
+    trees = grow_trees(store, after)
+    # The ends left out are not twisted: their bonus waits for the next verify.
+    reading = _finite(store, after, trees)
+    asking, after, trees = ([x[n] for n in reading] for x in (asking, after, trees))
+    if not asking:
+        return out
+    rows = [blocks[i].row for i in asking]
+    logits, read = read_structure(store, rows, after, target_t, alpha, trees=trees)  # the bonus too
     factor = constrained.next_factors(after, logits.shape[-1], logits.device)
     _, log_phi = restrict_power(alpha * logits, power_log_normalizer(logits, 1.0, alpha), factor)
     for i, f, end, structured in zip(asking, log_phi.tolist(), after, read):
@@ -77,11 +83,29 @@ def lead_tilts(
     tilts = [(e.tilt or {}) if e is not None else {} for e in ends]
     reading = [n for n, e in enumerate(ends) if e is not None and e.structure and e.tilt is None]
     if reading and not store.reads_hidden:  # a feature draft's rows are not read ahead
-        at, first = [rows[n] for n in reading], [ends[n] for n in reading]
-        _, read = read_structure(store, at, first, target_t, alpha, structure.FIRST_NODES)
-        for n, structured in zip(reading, read):
-            tilts[n] = structured[1] if structured else {}
+        for n in reading:
+            tilts[n] = {}
+        first = [ends[n] for n in reading]
+        trees = grow_trees(store, first, structure.FIRST_NODES)
+        keep = _finite(store, first, trees)
+        reading, trees = [reading[n] for n in keep], [trees[n] for n in keep]
+        if reading:
+            at, first = [rows[n] for n in reading], [ends[n] for n in reading]
+            _, read = read_structure(store, at, first, target_t, alpha, trees=trees)
+            for n, structured in zip(reading, read):
+                tilts[n] = structured[1] if structured else {}
     return tilts
+
+
+def _finite(store, ends: Sequence, trees: Sequence[structure.Tree]) -> list[int]:
+    """The ends to read: all but those of a ``finite`` twist whose structure opens into free text.
+
+    There ``finite`` twists by nothing (Phi-hat 1, a value of the prefix alone, so the weights
+    stay proper), and no forward is spent on them. On a backend without token trees (vLLM) it
+    reads no end: what lies ahead is not known to be finite.
+    """
+    unknown = not _reads_trees(store)
+    return [n for n, (e, t) in enumerate(zip(ends, trees)) if not (e.finite and (t.opens or unknown))]
 
 
 def read_structure(
@@ -91,6 +115,7 @@ def read_structure(
     target_t: torch.Tensor,
     alpha: float,
     nodes: int = structure.NODES,
+    trees: Sequence[structure.Tree] | None = None,
 ):
     """Each row's tempered next-token logits ``[n, V]``, and through the structure after it (or None).
 
@@ -99,11 +124,7 @@ def read_structure(
     tree grows (or the backend has none) this is ``next_logits``. The second list holds
     ``structure.log_phi``'s (log Phi-hat, tilt) for each row read on, None for the others.
     """
-    trees = [structure.Tree() for _ in ends]
-    trees_read = hasattr(store.target, "extend_tree")  # else nothing is grown: it could not be read
-    reading_on = [n for n, e in enumerate(ends) if e.structure and trees_read]
-    for n, tree in zip(reading_on, structure.grow([ends[n] for n in reading_on], nodes=nodes)):
-        trees[n] = tree
+    trees = grow_trees(store, ends, nodes) if trees is None else trees
     grown = [n for n, t in enumerate(trees) if len(t.tokens) > 1]
     one_step = [None] * len(rows)
     if not grown:
@@ -120,6 +141,20 @@ def read_structure(
         law = alpha * torch.log_softmax(laws, -1).cpu()
         out[n] = structure.log_phi(trees[n], law, ends[n].constraint.eos_token_ids)
     return logits, out
+
+
+def grow_trees(store, ends: Sequence, nodes: int = structure.NODES) -> list[structure.Tree]:
+    """``structure.grow``'s tree for each end that asks for ``structure`` (a bare root for the others)."""
+    trees = [structure.Tree() for _ in ends]
+    reading_on = [n for n, e in enumerate(ends) if e.structure and _reads_trees(store)]
+    for n, tree in zip(reading_on, structure.grow([ends[n] for n in reading_on], nodes=nodes)):
+        trees[n] = tree
+    return trees
+
+
+def _reads_trees(store) -> bool:
+    """Whether the target reads token trees (else nothing is grown: it could not be read)."""
+    return hasattr(store.target, "extend_tree")
 
 
 def _tempered(raw: torch.Tensor, rows: Sequence[int], target_t: torch.Tensor) -> torch.Tensor:

@@ -245,8 +245,9 @@ class SMCSDModel(Model):
                 lookahead = True
         # the tilt its last block read holds for the lead after exactly those tokens
         tilt = ctx.tilt[1] if lookahead and ctx.tilt[0] == len(ctx.generated) else None
-        structure = lookahead and twist.structure
-        return RowConstraint(constraint, mode or self.mode, tuple(ctx.generated), lookahead, structure, tilt)
+        structure, finite = lookahead and twist.structure, lookahead and twist.finite
+        context = tuple(ctx.generated)
+        return RowConstraint(constraint, mode or self.mode, context, lookahead, structure, tilt, finite)
 
     # LLaMPPL's primitives, tracked so that a call a step forgot to await is reported.
     def sample(self, dist, proposal=None):

@@ -32,6 +32,12 @@ is drawn as the lead is (``verification.verify_blocks``, ``BlockBatch.log_tilt``
 steers the proposal without entering the target: with the whole structure read and the target
 as its own draft, one particle samples the conditional law. Any positive value keeps the
 weights proper; the closer to Phi, the less they vary.
+
+Under ``twist="finite"`` a tree that opens (``Tree.opens``: a path stops at free text, not at the
+output's end or the budget) is not read: that end is twisted by nothing (Phi-hat 1, a value of
+the prefix alone) and its bonus waits for the next verify. So an end inside free text costs no
+forward, and the read runs where the estimate is Phi itself or close to it (the rest of an enum,
+an object of enums), not where its one-step edge would steer particles away from closing a field.
 """
 
 from __future__ import annotations
@@ -59,6 +65,8 @@ class Tree:
     ``forced[j]``, the canonical first token of the forced text or of each word the allowed
     tokens begin. ``aliases[j]`` says which child stands for each token allowed at node j.
     ``beside[j]``: for another split of a forced text, read as a leaf, its canonical sibling.
+    ``opens``: a path stops at more choices than the read follows (free text), not only at
+    the output's end or the budget.
     """
 
     tokens: list[int] = field(default_factory=lambda: [-1])
@@ -68,6 +76,7 @@ class Tree:
     forced: list[bool] = field(default_factory=lambda: [False])
     aliases: list[dict[int, int]] = field(default_factory=lambda: [{}])
     beside: list[int] = field(default_factory=lambda: [-1])
+    opens: bool = False
 
     def add(self, token: int, parent: int, beside: int = -1) -> int:
         """A node for ``token`` after node ``parent``; its index."""
@@ -108,6 +117,7 @@ def grow(ends: Sequence, width: int = WIDTH, nodes: int = NODES) -> list[Tree]:
             aliases = _aliases(constraint, context, allowed, width, nodes - len(tree.tokens) + 1)
             follow = list(dict.fromkeys(aliases.values()))
             if not follow or len(tree.tokens) - 1 + len(follow) > nodes:
+                tree.opens |= not follow and bool(allowed)  # free text, not an end or the budget
                 continue  # a leaf: free text, dead, or past the budget
             tree.followed[j], tree.forced[j], tree.aliases[j] = True, len(follow) < len(allowed), aliases
             later += [(i, tree.add(t, j)) for t in follow]

@@ -22,7 +22,8 @@ grammar on an enumerable target (a mock; ``depth=None``), a k-step lookahead est
 otherwise (``depth=k``: the chance that the next k tokens stay allowed). On a real pair,
 where each context costs a forward, the run's ``twist`` setting estimates Phi at each block's
 end instead: through the finite structure ahead, read in one tree forward
-(``inference.structure``), or one token ahead (``inference.lookahead``).
+(``inference.structure``; with ``"finite"``, only where that structure does not open into free
+text), or one token ahead (``inference.lookahead``).
 """
 
 from __future__ import annotations
@@ -159,13 +160,15 @@ class Twister:
     shared by every particle); elsewhere ``exact`` is False and a program asks the cycle for
     an estimate at its blocks' ends instead: one token ahead (``"lookahead"``, and
     ``"future-validity"`` on a real target, where a forward's positions cost) or through the
-    finite structure ahead (``structure``: ``"structure"``).
+    finite structure ahead (``structure``: ``"structure"``, and ``"finite"``, which reads it only
+    where it does not open into free text: ``finite``).
     """
 
     def __init__(self, target, temperature: float, alpha: float, horizon: int, name: str) -> None:
         self.target, self.temperature, self.alpha, self.horizon = target, temperature, alpha, horizon
         self.exact = name == "future-validity" and enumerable(target)
-        self.structure = name == "structure"
+        self.structure = name in ("structure", "finite")
+        self.finite = name == "finite"
         self._twisted: dict[tuple[int, tuple[int, ...]], FutureValidity] = {}
 
     def twisted(self, constraint: Constraint, prompt: Sequence[int]) -> FutureValidity:

@@ -27,7 +27,7 @@ EXTRA_FIELDS = {
     "draft_temperature": "draft_temperature",
     "ignore_eos": "ignore_eos",
     "proposal": "proposal",
-    "twist": "twist",  # "future-validity", "structure" or "lookahead"; "off" (or null) for none
+    "twist": "twist",  # "future-validity", "structure", "finite" or "lookahead"; "off" (or null) for none
 }
 CONSTRAINT_FIELDS = ("regex", "grammar")  # extra fields: the constraint's text
 MAX_CHOICES = 32  # prompts x n of one HTTP request
