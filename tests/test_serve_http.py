@@ -191,6 +191,27 @@ def test_a_constrained_completion_reports_its_twist(tiny_server, twist):
     assert choice["text"] in ("yes", "no") and choice["smcsd"]["twist"] == twist
 
 
+@pytest.mark.parametrize(
+    ("asked", "ran"),
+    [
+        ({}, "finite"),
+        ({"twist": "off"}, None),
+        ({"twist": None}, None),
+        ({"twist": "structure"}, "structure"),
+    ],
+)
+def test_a_json_schema_runs_the_finite_twist_unless_the_request_names_one(tiny_server, asked, ran):
+    schema = {"type": "json_schema", "json_schema": {"name": "yn", "schema": {"enum": ["yes", "no"]}}}
+    ask = {"model": MODEL, "prompt": "The quick brown", "seed": 7, "response_format": schema} | asked
+    response = tiny_server.post("/v1/completions", json=ask)
+    assert response.status_code == 200, response.text
+    [choice] = response.json()["choices"]
+    assert choice["text"] in ('"yes"', '"no"') and choice["smcsd"]["twist"] == ran
+    # A regex keeps the server's default: no twist.
+    regex = tiny_server.post("/v1/completions", json={"prompt": "The quick brown", "regex": "(yes|no)"})
+    assert regex.json()["choices"][0]["smcsd"]["twist"] is None
+
+
 def test_a_request_drafts_the_block_size_it_asks_for(tiny_server, monkeypatch):
     """Above the server's block size too: the response reports what ran, so it must be what ran."""
     import smcsd_ppl.inference.cycle as cycle_module

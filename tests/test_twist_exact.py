@@ -338,3 +338,21 @@ def test_the_command_line_selects_the_twist():
     assert parser.parse_args(["grammar-exactness", "--twists", "off,lookahead"]).twists == "off,lookahead"
     with pytest.raises(SystemExit):
         parser.parse_args(["generate", "hi", "--twist", "h-transform"])
+
+
+@pytest.mark.parametrize(
+    ("flags", "ran"),
+    [
+        (["--schema", '{"enum": ["a", "b"]}'], "finite"),
+        (["--schema", '{"enum": ["a", "b"]}', "--twist", "off"], None),
+        (["--schema", '{"enum": ["a", "b"]}', "--twist", "lookahead"], "lookahead"),
+        (["--regex", "a|b"], None),
+    ],
+)
+def test_a_schema_on_the_command_line_runs_the_finite_twist_unless_told(flags, ran):
+    from smcsd_ppl.cli import build_parser
+    from smcsd_ppl.cli.options import read_constraint, smc_config, with_default_twist
+
+    for command in (["generate", "hi"], ["batch", "prompts.jsonl", "--out", "out.jsonl"]):
+        args = build_parser().parse_args([*command, *flags])
+        assert with_default_twist(smc_config(args), args, read_constraint(args)).twist == ran

@@ -18,6 +18,7 @@ from .options import (
     read_constraint,
     smc_args,
     smc_config,
+    with_default_twist,
 )
 from .util import check_output_file, check_threads, err, progress
 
@@ -84,8 +85,9 @@ def run(args: argparse.Namespace) -> int:
     """Run the batch; a summary on stderr, 130 if interrupted (rerun to resume)."""
     from ..batch.prompts import load_prompts
 
-    config = smc_config(args)  # the base seed: each prompt's seed derives from it and the prompt's id
     wanted = read_constraint(args)
+    # the base seed: each prompt's seed derives from it and the prompt's id
+    config = with_default_twist(smc_config(args), args, wanted)
     prompts = load_prompts(args.prompts, limit=args.limit, per_category=args.per_category)
     check_output_file(args.out, "--out")
     check_threads(args.threads)

@@ -228,7 +228,8 @@ def _compare_json(args: argparse.Namespace) -> int:
     from ..bench.json_tasks import TASKS, compare_json, summarize
 
     config = smc_config(args, twist=None)  # the twisted rows come as variants
-    rows = len(methods) + (args.twist is not None) * sum(m in ("smcsd", "smcsd_paper") for m in methods)
+    twist = getattr(args, "twist", None)  # the twisted rows: variants of the untwisted ones
+    rows = len(methods) + (twist is not None) * sum(m in ("smcsd", "smcsd_paper") for m in methods)
     total = args.repeats * rows * sum(len(TASKS[t][2]) for t in tasks)
     with progress(total, "runs") as bar:
         done = [0]
@@ -237,7 +238,7 @@ def _compare_json(args: argparse.Namespace) -> int:
             done[0] += 1
             bar(done[0])
 
-        runs = compare_json(pair, tasks, methods, config, repeats=args.repeats, on_run=tick, twist=args.twist)
+        runs = compare_json(pair, tasks, methods, config, repeats=args.repeats, on_run=tick, twist=twist)
     print(
         f"N={args.particles}, K={args.block_size}, T={args.temperature}, cut {args.cut}, max "
         f"{args.max_new_tokens} new tokens, {args.dtype} on {args.device}, {args.repeats} repeat(s). "

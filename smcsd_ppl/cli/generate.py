@@ -9,7 +9,15 @@ import threading
 
 from ..names import METHOD_SUMMARIES
 from .loading import load_pair
-from .options import constraint_args, engine_arg, model_args, read_constraint, smc_args, smc_config
+from .options import (
+    constraint_args,
+    engine_arg,
+    model_args,
+    read_constraint,
+    smc_args,
+    smc_config,
+    with_default_twist,
+)
 from .util import check_threads, err, progress, read_prompt
 
 _WRITING = threading.Lock()  # the streamed text is written on the torch thread; Ctrl-C closes it here
@@ -49,9 +57,9 @@ def run(args: argparse.Namespace) -> int:
     """Generate, print the text (streamed for SMC-SD) and the statistics; 130 on Ctrl-C."""
     from ..text import TextStream
 
-    config = smc_config(args)
     check_threads(args.threads)
     wanted = read_constraint(args)
+    config = with_default_twist(smc_config(args), args, wanted)
     prompt = read_prompt(args.prompt)
     pair = load_pair(args)
     constraint = None if wanted is None else wanted.build(pair.tokenizer, pair.eos_token_ids)

@@ -150,7 +150,7 @@ def twist_arg(g) -> None:
     g.add_argument(
         "--twist",
         type=twist_value,
-        default=SMC_DEFAULTS.twist,
+        default=argparse.SUPPRESS,  # unset: the constraint's own (``with_default_twist``)
         metavar="{future-validity,structure,finite,lookahead,off}",
         help="twist a constraint by its future validity (the chance a prefix can still be completed "
         "validly): future-validity is exact where the target can be enumerated (a mock), else "
@@ -158,7 +158,7 @@ def twist_arg(g) -> None:
         "structure there (an enum, a key, punctuation) in the same forward, a tree of up to 16 "
         "tokens per row, and tilts the next token by it; finite reads it only where every path it "
         "follows ends the output or the tree, and twists nothing where it opens into free text "
-        "(default: off)",
+        "(default: finite with --schema, else off)",
     )
 
 
@@ -175,6 +175,13 @@ def smc_config(args: argparse.Namespace, **fixed) -> SMCConfig:
     if getattr(args, "temperature", None) is not None:
         values |= {"draft_temperature": args.temperature, "target_temperature": args.temperature}
     return SMCConfig(**(values | fixed))
+
+
+def with_default_twist(config: SMCConfig, args: argparse.Namespace, wanted) -> SMCConfig:
+    """``config`` with the constraint's own twist where ``--twist`` is not given."""
+    if wanted is None or hasattr(args, "twist") or config.ignore_eos:
+        return config
+    return dataclasses.replace(config, twist=wanted.default_twist)
 
 
 def constraint_args(p: argparse.ArgumentParser) -> None:

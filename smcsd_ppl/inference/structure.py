@@ -105,7 +105,8 @@ def grow(ends: Sequence, width: int = WIDTH, nodes: int = NODES) -> list[Tree]:
     """A tree per block end (``RowConstraint`` whose context ends at x b), one mask call per level.
 
     What the constraint allows is followed first, level by level; the room left then reads the
-    other splits of each forced text, nearest first (``_read_splits``).
+    other splits of each forced text, nearest first (``_read_splits``). A ``finite`` end's tree
+    stops growing once it opens: it will not be read.
     """
     trees = [Tree() for _ in ends]
     frontier = [(i, 0) for i in range(len(ends))]
@@ -113,6 +114,11 @@ def grow(ends: Sequence, width: int = WIDTH, nodes: int = NODES) -> list[Tree]:
         later = []
         for (i, j), (constraint, context), mask in _masked(ends, trees, frontier):
             tree = trees[i]
+            if ends[i].finite and tree.opens:
+                continue
+            if _free(constraint, context, mask):  # told apart before the mask is listed: most ends
+                tree.opens = True
+                continue
             allowed = [t for t in mask.nonzero().flatten().tolist() if t not in constraint.eos_token_ids]
             aliases = _aliases(constraint, context, allowed, width, nodes - len(tree.tokens) + 1)
             follow = list(dict.fromkeys(aliases.values()))
@@ -122,8 +128,15 @@ def grow(ends: Sequence, width: int = WIDTH, nodes: int = NODES) -> list[Tree]:
             tree.followed[j], tree.forced[j], tree.aliases[j] = True, len(follow) < len(allowed), aliases
             later += [(i, tree.add(t, j)) for t in follow]
         frontier = later
-    _masked(ends, trees, _read_splits(trees, nodes))
+    unread = {i for i, (e, t) in enumerate(zip(ends, trees)) if e.finite and t.opens}
+    _masked(ends, trees, _read_splits(trees, nodes, unread))
     return trees
+
+
+def _free(constraint, context: Sequence[int], mask: torch.Tensor) -> bool:
+    """Whether ``mask`` at ``context`` is free text: wider than a few words' splits, and nothing forced."""
+    wide = int(mask.sum()) - int(mask[list(constraint.eos_token_ids)].sum()) > WORDS
+    return wide and not constraint.forced_tokens(context)
 
 
 def _masked(ends: Sequence, trees: list[Tree], at: list[tuple[int, int]]) -> list[tuple]:
@@ -135,8 +148,10 @@ def _masked(ends: Sequence, trees: list[Tree], at: list[tuple[int, int]]) -> lis
     return out
 
 
-def _read_splits(trees: list[Tree], nodes: int) -> list[tuple[int, int]]:
+def _read_splits(trees: list[Tree], nodes: int, unread: set[int]) -> list[tuple[int, int]]:
     """Leaves for the other splits of each forced text, nearest first, within ``nodes``; where they sit.
+
+    ``unread``: the trees no forward will read (none added).
 
     A model may write a forced text otherwise than canonically (`` {`` then ``"`` where `` {"``
     is canonical) or hardly go on from a split at all (`` f`` begins many words): a leaf reads
@@ -144,6 +159,8 @@ def _read_splits(trees: list[Tree], nodes: int) -> list[tuple[int, int]]:
     """
     added = []
     for i, tree in enumerate(trees):
+        if i in unread:
+            continue
         for j in range(len(tree.tokens)):  # in the order read: nearer first
             kids = [c for c in range(j + 1, len(tree.tokens)) if tree.parents[c] == j]
             if not tree.forced[j] or len(kids) != 1:  # a forced text: one canonical token read

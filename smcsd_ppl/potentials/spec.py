@@ -61,6 +61,15 @@ class ConstraintSpec:
             check_meta_schema(schema)
 
     @property
+    def default_twist(self) -> str | None:
+        """The twist a request with this constraint runs unless it names one (``SMCConfig.twist``).
+
+        A JSON schema's is ``finite``: exact where the rest of the output is finite (an enum, an
+        object of enums), and no read where it opens into free text (docs/constraints.md).
+        """
+        return "finite" if self.kind == "schema" else None
+
+    @property
     def name(self) -> str:
         """How errors name it."""
         return {"schema": "JSON schema", "regex": f"regex {self.text!r}"}.get(self.kind, "grammar")

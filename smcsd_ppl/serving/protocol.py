@@ -136,14 +136,17 @@ def _call(body: dict, base: SMCConfig, prompts: tuple, logprobs: int | None, ign
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise invalid("stream_options must be an object", "stream_options")
+    config, constraint = _config(body, base), _constraint(body)
+    if constraint is not None and "twist" not in body and config.twist is None and not config.ignore_eos:
+        config = dataclasses.replace(config, twist=constraint.default_twist)  # a schema's: finite
     return Call(
         prompts,
         n,
         _bool(body, "stream"),
         bool(options.get("include_usage")),
-        _config(body, base),
+        config,
         method,
-        _constraint(body),
+        constraint,
         _stops(body.get("stop")),
         logprobs,
         _bool(body, "return_tokens_as_token_ids"),
