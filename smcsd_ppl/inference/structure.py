@@ -116,11 +116,13 @@ def grow(ends: Sequence, width: int = WIDTH, nodes: int = NODES) -> list[Tree]:
             tree = trees[i]
             if ends[i].finite and tree.opens:
                 continue
-            if _free(constraint, context, mask):  # told apart before the mask is listed: most ends
+            count = int(mask.sum()) - int(mask[list(constraint.eos_token_ids)].sum())  # EOS aside
+            forced = constraint.forced_tokens(context)[:1] if count > 1 else []
+            if count > WORDS and not forced:  # free text, told before the mask is listed: most ends
                 tree.opens = True
                 continue
             allowed = [t for t in mask.nonzero().flatten().tolist() if t not in constraint.eos_token_ids]
-            aliases = _aliases(constraint, context, allowed, width, nodes - len(tree.tokens) + 1)
+            aliases = _aliases(constraint, context, allowed, forced, width, nodes - len(tree.tokens) + 1)
             follow = list(dict.fromkeys(aliases.values()))
             if not follow or len(tree.tokens) - 1 + len(follow) > nodes:
                 tree.opens |= not follow and bool(allowed)  # free text, not an end or the budget
@@ -131,12 +133,6 @@ def grow(ends: Sequence, width: int = WIDTH, nodes: int = NODES) -> list[Tree]:
     unread = {i for i, (e, t) in enumerate(zip(ends, trees)) if e.finite and t.opens}
     _masked(ends, trees, _read_splits(trees, nodes, unread))
     return trees
-
-
-def _free(constraint, context: Sequence[int], mask: torch.Tensor) -> bool:
-    """Whether ``mask`` at ``context`` is free text: wider than a few words' splits, and nothing forced."""
-    wide = int(mask.sum()) - int(mask[list(constraint.eos_token_ids)].sum()) > WORDS
-    return wide and not constraint.forced_tokens(context)
 
 
 def _masked(ends: Sequence, trees: list[Tree], at: list[tuple[int, int]]) -> list[tuple]:
@@ -172,15 +168,17 @@ def _read_splits(trees: list[Tree], nodes: int, unread: set[int]) -> list[tuple[
     return added
 
 
-def _aliases(constraint, context: Sequence[int], allowed: list[int], width: int, room: int) -> dict[int, int]:
+def _aliases(
+    constraint, context: Sequence[int], allowed: list[int], forced: list[int], width: int, room: int
+) -> dict[int, int]:
     """Each allowed token's node to follow: itself, or the canonical first token of its word.
 
-    A forced text's splits all stand for its canonical first token. A mask of a few words'
+    A forced text's splits all stand for its canonical first token (``forced``: it, where the
+    constraint forces a text). A mask of a few words'
     splits reads each split on its own where every split and the text it forces fit in
     ``room`` nodes; else each word from its first token (a split several words share is its
     own node). Empty where nothing is followed: a wide mask (free text) or too many words.
     """
-    forced = constraint.forced_tokens(context)[:1] if len(allowed) > 1 else []
     if forced:
         return dict.fromkeys(allowed, forced[0])
     if len(allowed) <= width:
