@@ -14,6 +14,7 @@ SELECTIONS = ("sample", "argmax")
 DIVERGENCE_NAMES = ("tv", "renyi2", "kl")  # see verification.DIVERGENCES
 PROPOSAL_NAMES = ("auto", "draft", "retrieval", "mixture")  # see proposals.blocks
 TWIST_NAMES = ("future-validity", "structure", "finite", "lookahead")  # see potentials.twist
+AUTO_TWIST = "auto"  # each constraint's own twist (``Constraint.default_twist``)
 # Below this, tempered log-probabilities (log p / T) grow past what float weights resolve: the ESS
 # and the resampling of near-greedy particles stop meaning anything. Use selection="argmax" or
 # the "ar" method at a low temperature instead.
@@ -60,7 +61,9 @@ class SMCConfig:
             draft schedule picks draft or retrieval per request and cycle by their recent pass
             rates (with ``cut=None``, the paper's algorithm, ``auto`` is the draft).
         twist: how a hard constraint's future validity Phi (the chance that a prefix can still
-            be completed validly) guides SMC-SD, one of ``TWIST_NAMES``, or None (off).
+            be completed validly) guides SMC-SD, one of ``TWIST_NAMES``, None (off), or
+            ``"auto"`` (the default): each constraint's own ``default_twist``, which is
+            ``"finite"`` for a JSON schema and none for the others (``twist_on``).
             ``"future-validity"``: Phi exact by dynamic programming where the target's
             next-token law can be read for any context (a mock), which tilts the draft and
             the target's draws by it; elsewhere as ``"lookahead"``. ``"lookahead"``: a one-step
@@ -90,7 +93,7 @@ class SMCConfig:
     cut_divergence: str = "tv"
     token_level: bool = False
     proposal: str = "auto"
-    twist: str | None = None
+    twist: str | None = AUTO_TWIST
 
     def __post_init__(self) -> None:
         _check_int("n_particles", self.n_particles, 1)
@@ -122,10 +125,21 @@ class SMCConfig:
             raise ValueError(f"proposal must be one of {PROPOSAL_NAMES}, got {self.proposal!r}")
         if self.selection not in SELECTIONS:
             raise ValueError(f"selection must be one of {SELECTIONS}, got {self.selection!r}")
-        if self.twist is not None and self.twist not in TWIST_NAMES:
-            raise ValueError(f"twist must be one of {TWIST_NAMES} or None, got {self.twist!r}")
-        if self.twist is not None and self.ignore_eos:
+        if self.twist not in (*TWIST_NAMES, AUTO_TWIST, None):
+            raise ValueError(f"twist must be one of {TWIST_NAMES}, 'auto' or None, got {self.twist!r}")
+        if self.twist not in (AUTO_TWIST, None) and self.ignore_eos:
             raise ValueError("a twist toward valid completions needs EOS: drop ignore_eos or the twist")
+
+    def twist_on(self, constraint) -> str | None:
+        """The twist this run gives ``constraint``: ``twist``, or under ``"auto"`` the constraint's own.
+
+        ``"auto"`` twists nothing without a constraint or with ``ignore_eos`` (a twist needs EOS).
+        """
+        if self.twist != AUTO_TWIST:
+            return self.twist
+        if constraint is None or self.ignore_eos:
+            return None
+        return getattr(constraint, "default_twist", None)
 
 
 def paper_settings(config: SMCConfig) -> SMCConfig:

@@ -333,7 +333,7 @@ def test_the_command_line_selects_the_twist():
     parser = build_parser()
     args = parser.parse_args(["generate", "hi", "--twist", "future-validity"])
     assert smc_config(args).twist == "future-validity"
-    assert smc_config(parser.parse_args(["generate", "hi"])).twist is None  # off by default
+    assert smc_config(parser.parse_args(["generate", "hi"])).twist == "auto"  # each constraint's own
     assert parser.parse_args(["compare-json", "--twist", "lookahead"]).twist == "lookahead"
     assert parser.parse_args(["grammar-exactness", "--twists", "off,lookahead"]).twists == "off,lookahead"
     with pytest.raises(SystemExit):
@@ -355,4 +355,50 @@ def test_a_schema_on_the_command_line_runs_the_finite_twist_unless_told(flags, r
 
     for command in (["generate", "hi"], ["batch", "prompts.jsonl", "--out", "out.jsonl"]):
         args = build_parser().parse_args([*command, *flags])
-        assert with_default_twist(smc_config(args), args, read_constraint(args)).twist == ran
+        assert with_default_twist(smc_config(args), read_constraint(args)).twist == ran
+
+
+class Extend(SMCSDModel):
+    async def step(self):
+        await self.extend()
+
+
+def read_as(row) -> str | None:
+    """The estimated twist a block's constraint asks for (None: none)."""
+    if not row.lookahead:
+        return None
+    return "finite" if row.finite else "structure" if row.structure else "lookahead"
+
+
+@pytest.mark.parametrize(
+    ("kind", "twist", "ran"),
+    [
+        ("schema", "auto", "finite"),
+        ("schema", None, None),
+        ("regex", "auto", None),
+        ("schema", "structure", "structure"),
+    ],
+)
+def test_a_json_schema_program_runs_the_finite_twist_unless_told(monkeypatch, kind, twist, ran):
+    # SMCConfig's default twist, "auto", is each constraint's own: a JSON schema's is finite.
+    from tiny import pair
+
+    from smcsd_ppl.api import SMCSD
+    from smcsd_ppl.potentials import JsonSchemaConstraint, RegexConstraint
+
+    seen, row_constraint = set(), SMCSDModel._row_constraint
+
+    def spy(*args):
+        row = row_constraint(*args)
+        seen.add(read_as(row))
+        return row
+
+    monkeypatch.setattr(SMCSDModel, "_row_constraint", spy)
+    smcsd = SMCSD(*pair())
+    make, language = (
+        (JsonSchemaConstraint, {"enum": ["ab", "ba"]}) if kind == "schema" else (RegexConstraint, '"(ab|ba)"')
+    )
+    constraint = make(language, smcsd.tokenizer, smcsd.eos_token_ids)
+    config = SMCConfig(block_size=2, max_new_tokens=8, twist=twist)
+    smcsd.run([Extend([1, 2, 3], constraint) for _ in range(2)], config)
+    assert seen == {ran}

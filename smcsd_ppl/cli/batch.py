@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
 
     wanted = read_constraint(args)
     # the base seed: each prompt's seed derives from it and the prompt's id
-    config = with_default_twist(smc_config(args), args, wanted)
+    config = with_default_twist(smc_config(args), wanted)
     prompts = load_prompts(args.prompts, limit=args.limit, per_category=args.per_category)
     check_output_file(args.out, "--out")
     check_threads(args.threads)

@@ -44,7 +44,7 @@ def add_parsers(sub) -> None:
     ex.add_argument(
         "--twists",
         default="off",
-        help="comma-separated twists (off, future-validity, structure, lookahead, or depth-k: Phi "
+        help="comma-separated twists (off, future-validity, structure, finite, lookahead, or depth-k: Phi "
         "estimated k tokens ahead): one row of each per mode and cut",
     )
     ex.add_argument(
@@ -113,8 +113,13 @@ def _cycles(args: argparse.Namespace) -> int:
     print("| N | task | engine | build s | first run, ms/cycle | warm runs, median ms/cycle |")
     print("|---|---|---|---|---|---|")
     for n in (8, 32):
-        config = SMCConfig(
-            n_particles=n, block_size=8, draft_temperature=0.7, target_temperature=0.7, max_new_tokens=40
+        config = SMCConfig(  # no twist: the masks alone are compared
+            n_particles=n,
+            block_size=8,
+            draft_temperature=0.7,
+            target_temperature=0.7,
+            max_new_tokens=40,
+            twist=None,
         )
         for r in compare_cycles(pair, other, config):
             print(

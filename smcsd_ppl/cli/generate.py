@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
 
     check_threads(args.threads)
     wanted = read_constraint(args)
-    config = with_default_twist(smc_config(args), args, wanted)
+    config = with_default_twist(smc_config(args), wanted)
     prompt = read_prompt(args.prompt)
     pair = load_pair(args)
     constraint = None if wanted is None else wanted.build(pair.tokenizer, pair.eos_token_ids)

@@ -150,7 +150,7 @@ def twist_arg(g) -> None:
     g.add_argument(
         "--twist",
         type=twist_value,
-        default=argparse.SUPPRESS,  # unset: the constraint's own (``with_default_twist``)
+        default=argparse.SUPPRESS,  # unset: SMCConfig's "auto", the constraint's own
         metavar="{future-validity,structure,finite,lookahead,off}",
         help="twist a constraint by its future validity (the chance a prefix can still be completed "
         "validly): future-validity is exact where the target can be enumerated (a mock), else "
@@ -177,11 +177,9 @@ def smc_config(args: argparse.Namespace, **fixed) -> SMCConfig:
     return SMCConfig(**(values | fixed))
 
 
-def with_default_twist(config: SMCConfig, args: argparse.Namespace, wanted) -> SMCConfig:
-    """``config`` with the constraint's own twist where ``--twist`` is not given."""
-    if wanted is None or hasattr(args, "twist") or config.ignore_eos:
-        return config
-    return dataclasses.replace(config, twist=wanted.default_twist)
+def with_default_twist(config: SMCConfig, wanted) -> SMCConfig:
+    """``config`` with the twist it gives ``wanted``: the constraint's own unless ``--twist`` is given."""
+    return dataclasses.replace(config, twist=config.twist_on(wanted))
 
 
 def constraint_args(p: argparse.ArgumentParser) -> None:

@@ -79,8 +79,8 @@ class CycleBarrier:
 class Runtime:
     """What one step shares with the particles it steps (made by each step, bound to its copies).
 
-    ``generator`` is the step's host generator: token-level draws use it; ``twist``: how
-    hard constraints are twisted by their future validity (None: they are not);
+    ``generator`` is the step's host generator: token-level draws use it; ``twists``: how a
+    hard constraint is twisted by its future validity (None: it is not);
     ``conditions``: the vocabulary's per-token conditions (None: ``extend(condition=...)`` is refused).
     """
 
@@ -89,7 +89,7 @@ class Runtime:
     decode: Callable[[Sequence[int]], str]
     eos: frozenset[int]
     generator: torch.Generator
-    twist: Twister | None = None
+    twists: Callable[[Constraint], Twister | None] = lambda _: None
     conditions: Conditions | None = None
 
 
@@ -237,7 +237,7 @@ class SMCSDModel(Model):
 
     def _row_constraint(self, constraint, mode: str | None, ctx) -> RowConstraint:
         """The block's constraint, under the run's twist: exact (a ``FutureValidity``), or estimated."""
-        twist, lookahead = self.runtime.twist, False
+        twist, lookahead = self.runtime.twists(constraint), False
         if twist is not None and not constraint.weighted:
             if twist.exact:
                 constraint = twist.twisted(constraint, ctx.prompt_ids)

@@ -17,6 +17,7 @@ import asyncio
 import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 
@@ -25,6 +26,7 @@ from ..config import DraftRecord, SMCConfig
 from ..ends import row_ends
 from ..keys import derive, generator
 from ..potentials.conditions import Conditions
+from ..potentials.constraints import Constraint
 from ..potentials.twist import Twister
 from ..proposals.blocks import RequestIndex
 from . import proposing
@@ -247,16 +249,17 @@ class SMCSDKernel:
         """What a request's particles share in a step: the barrier, its budget, its token-level draws."""
         g = generator(derive(pop.seed, "tokens", pop.cycles + 1))
         c = self.settings(pop)
-        twist = self._twister(c)
-        return Runtime(barrier, c.max_new_tokens, self.decode, self.eos, g, twist, self.conditions)
+        twists = partial(self._twister, c)
+        return Runtime(barrier, c.max_new_tokens, self.decode, self.eos, g, twists, self.conditions)
 
-    def _twister(self, c: SMCConfig) -> Twister | None:
-        """The twist of requests with settings ``c`` (one per setting: its dynamic programmes are kept)."""
-        if c.twist is None:
+    def _twister(self, c: SMCConfig, constraint: Constraint) -> Twister | None:
+        """The twist settings ``c`` give ``constraint`` (one per setting: its dynamic programmes are kept)."""
+        name = c.twist_on(constraint)
+        if name is None:
             return None
-        key = (c.twist, c.target_temperature, c.alpha, c.max_new_tokens)
+        key = (name, c.target_temperature, c.alpha, c.max_new_tokens)
         if key not in self.twisters:
-            self.twisters[key] = Twister(self.store.target, *key[1:], name=c.twist)
+            self.twisters[key] = Twister(self.store.target, *key[1:], name=name)
         return self.twisters[key]
 
     def _plan(self, pop: Population, slot: int, context: int, ctx) -> RowPlan:

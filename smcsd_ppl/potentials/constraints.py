@@ -38,6 +38,7 @@ class Constraint:
     vocab_size: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     weighted: bool = False  # its allowed tokens carry log-weights (a soft potential), not only 0
+    default_twist: str | None = None  # the twist ``SMCConfig(twist="auto")``, the default, gives it
 
     def __init__(self, vocab_size: int | None = None, eos_token_ids: Sequence[int] = ()) -> None:
         self.vocab_size = vocab_size

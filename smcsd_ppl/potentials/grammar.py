@@ -260,6 +260,10 @@ class JsonSchemaConstraint(GrammarConstraint):
         ValueError: a keyword is unknown or unsupported (named), or no value is valid.
     """
 
+    # exact where the rest of the output is finite (an enum, an object of enums), no read where it
+    # opens into free text, so it costs little on open JSON (docs/constraints.md)
+    default_twist = "finite"
+
     def __init__(
         self,
         schema: dict | str,

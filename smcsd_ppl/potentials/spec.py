@@ -62,12 +62,10 @@ class ConstraintSpec:
 
     @property
     def default_twist(self) -> str | None:
-        """The twist a request with this constraint runs unless it names one (``SMCConfig.twist``).
+        """The built constraint's ``default_twist`` (a JSON schema's ``finite``), known before it is built."""
+        from .grammar import JsonSchemaConstraint
 
-        A JSON schema's is ``finite``: exact where the rest of the output is finite (an enum, an
-        object of enums), and no read where it opens into free text (docs/constraints.md).
-        """
-        return "finite" if self.kind == "schema" else None
+        return JsonSchemaConstraint.default_twist if self.kind == "schema" else None
 
     @property
     def name(self) -> str:

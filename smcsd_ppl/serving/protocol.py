@@ -137,8 +137,7 @@ def _call(body: dict, base: SMCConfig, prompts: tuple, logprobs: int | None, ign
     if not isinstance(options, dict):
         raise invalid("stream_options must be an object", "stream_options")
     config, constraint = _config(body, base), _constraint(body)
-    if constraint is not None and "twist" not in body and config.twist is None and not config.ignore_eos:
-        config = dataclasses.replace(config, twist=constraint.default_twist)  # a schema's: finite
+    config = dataclasses.replace(config, twist=config.twist_on(constraint))  # its response says which ran
     return Call(
         prompts,
         n,
@@ -181,7 +180,7 @@ def _config(body: dict, base: SMCConfig) -> SMCConfig:
     for name, field in EXTRA_FIELDS.items():
         if body.get(name) is not None:
             changes[field] = (name, body[name])
-    if changes.get("twist", (None, None))[1] == "off":
+    if "twist" in body and body["twist"] in (None, "off"):
         changes["twist"] = ("twist", None)
     budget = next((k for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None), None)
     if budget:

@@ -69,7 +69,9 @@ class Sampling(BaseModel):
     draft_temperature: Number | None = Field(None, description="T_d, the draft's temperature")
     ignore_eos: StrictBool | None = Field(None, description="always emit the whole budget")
     proposal: StrictStr | None = Field(None, description="auto, draft, retrieval or mixture")
-    twist: StrictStr | None = Field(None, description="future-validity, structure, finite, lookahead or off")
+    twist: StrictStr | None = Field(
+        None, description="future-validity, structure, finite, lookahead, off, or auto (a schema's finite)"
+    )
     method: StrictStr | None = Field(None, description="smcsd (default) or ar (the target alone)")
     regex: StrictStr | None = Field(None, description="the output matches this regex in full")
     grammar: StrictStr | None = Field(None, description="the output is a sentence of this Lark grammar")
