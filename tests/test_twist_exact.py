@@ -351,11 +351,11 @@ def test_the_command_line_selects_the_twist():
 )
 def test_a_schema_on_the_command_line_runs_the_finite_twist_unless_told(flags, ran):
     from smcsd_ppl.cli import build_parser
-    from smcsd_ppl.cli.options import read_constraint, smc_config, with_default_twist
+    from smcsd_ppl.cli.options import read_constraint, smc_config
 
     for command in (["generate", "hi"], ["batch", "prompts.jsonl", "--out", "out.jsonl"]):
         args = build_parser().parse_args([*command, *flags])
-        assert with_default_twist(smc_config(args), read_constraint(args)).twist == ran
+        assert smc_config(args).twist_on(read_constraint(args)) == ran
 
 
 class Extend(SMCSDModel):

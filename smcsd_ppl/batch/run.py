@@ -95,6 +95,7 @@ def batch_settings(pair: SMCSD, config: SMCConfig, method: str, constraint: Cons
 
 def settings_before_loading(config: SMCConfig, method: str, constraint: ConstraintSpec | None) -> dict:
     """The settings of a batch known before any model loads: all but the models' own."""
+    config = dataclasses.replace(config, twist=config.twist_on(constraint))  # the twist that runs
     fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "seed"}
     return (
         {"base_seed": config.seed}
@@ -185,12 +186,16 @@ def run_batch(
 def check_batch(
     prompts: Sequence[Prompt], config: SMCConfig | None, method: str, constraint: ConstraintSpec | None
 ) -> SMCConfig:
-    """The batch's settings (defaults filled in), or a ValueError before anything runs."""
+    """The batch's settings (defaults filled in, the twist the constraint gets), or a ValueError first.
+
+    The twist is resolved here so that the records name the one that ran, not ``"auto"``.
+    """
     if not prompts:
         raise ValueError("no prompts to run")
     if constraint is not None and method != "smcsd":
         raise ValueError(f"a constraint runs with the smcsd method only, got {method!r}")
-    return config or SMCConfig()
+    config = config or SMCConfig()
+    return dataclasses.replace(config, twist=config.twist_on(constraint))
 
 
 def collect(

@@ -18,7 +18,6 @@ from .options import (
     read_constraint,
     smc_args,
     smc_config,
-    with_default_twist,
 )
 from .util import check_output_file, check_threads, err, progress
 
@@ -87,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
 
     wanted = read_constraint(args)
     # the base seed: each prompt's seed derives from it and the prompt's id
-    config = with_default_twist(smc_config(args), wanted)
+    config = smc_config(args)
     prompts = load_prompts(args.prompts, limit=args.limit, per_category=args.per_category)
     check_output_file(args.out, "--out")
     check_threads(args.threads)

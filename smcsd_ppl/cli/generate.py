@@ -16,7 +16,6 @@ from .options import (
     read_constraint,
     smc_args,
     smc_config,
-    with_default_twist,
 )
 from .util import check_threads, err, progress, read_prompt
 
@@ -59,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
 
     check_threads(args.threads)
     wanted = read_constraint(args)
-    config = with_default_twist(smc_config(args), wanted)
+    config = smc_config(args)
     prompt = read_prompt(args.prompt)
     pair = load_pair(args)
     constraint = None if wanted is None else wanted.build(pair.tokenizer, pair.eos_token_ids)

@@ -177,11 +177,6 @@ def smc_config(args: argparse.Namespace, **fixed) -> SMCConfig:
     return SMCConfig(**(values | fixed))
 
 
-def with_default_twist(config: SMCConfig, wanted) -> SMCConfig:
-    """``config`` with the twist it gives ``wanted``: the constraint's own unless ``--twist`` is given."""
-    return dataclasses.replace(config, twist=config.twist_on(wanted))
-
-
 def constraint_args(p: argparse.ArgumentParser) -> None:
     """The ``constraint`` group: ``--schema``, ``--regex`` or ``--grammar``, one at most."""
     g = p.add_argument_group("constraint (one at most, compiled by llguidance; SMC-SD only)")
