@@ -8,10 +8,12 @@ one torch thread, whichever thread called, and no thread stays busy once a call 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import threading
 import time
 import warnings
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -145,3 +147,24 @@ def test_a_call_that_returns_nothing_leaves_the_engine_idle(tiny_smcsd):
     with tiny_smcsd.engine.exclusive():  # its turn-holder returns None too
         pass
     assert not tiny_smcsd.engine.busy
+
+
+def test_an_idle_torch_thread_keeps_nothing_of_its_last_job():
+    """What a job held (its closure, its result) is let go when it ends, not when the next job comes.
+
+    Else a pair its caller dropped keeps its weights while the thread waits.
+    """
+
+    class Held:
+        pass
+
+    held = Held()
+    gone = weakref.ref(held)
+    job = functools.partial(lambda obj: obj, held)  # holds it, as a method call holds its pair
+    assert torch_thread().run(job) is held
+    del held, job
+    for _ in range(200):  # the thread lets go once it is back to waiting
+        if gone() is None:
+            break
+        time.sleep(0.01)
+    assert gone() is None

@@ -119,23 +119,33 @@ class TorchThread:
         return not thread.is_alive()
 
     def _main(self) -> None:
-        while True:
-            with self._cond:
+        while self._serve_once():
+            pass
+
+    def _serve_once(self) -> bool:
+        """Wait for work; run one job, then one turn of each ready engine. False: the thread ends.
+
+        A function of its own so that what it held (a job's closure and result, an engine) is
+        let go when it returns: a pair or engine its caller dropped is not kept alive by an idle
+        thread until the next job comes.
+        """
+        with self._cond:
+            ready = [e for e in self._engines if e.ready]
+            while not self._jobs and not ready and not self._closing:
+                self._cond.wait()
                 ready = [e for e in self._engines if e.ready]
-                while not self._jobs and not ready and not self._closing:
-                    self._cond.wait()
-                    ready = [e for e in self._engines if e.ready]
-                if self._closing:
-                    return
-                job = self._jobs.popleft() if self._jobs else None
-            if job is not None:
-                self._job(*job)
-            for engine in ready:  # one turn each, then the next job
-                self.use_threads(engine.threads)
-                try:
-                    engine.turn()
-                except BaseException as err:  # noqa: BLE001 - a bug in a turn fails its engine's work only
-                    engine.crashed(err)
+            if self._closing:
+                return False
+            job = self._jobs.popleft() if self._jobs else None
+        if job is not None:
+            self._job(*job)
+        for engine in ready:  # one turn each, then the next job
+            self.use_threads(engine.threads)
+            try:
+                engine.turn()
+            except BaseException as err:  # noqa: BLE001 - a bug in a turn fails its engine's work only
+                engine.crashed(err)
+        return True
 
     def _job(self, fn: Callable[[], object], future: Future, threads: int) -> None:
         if not future.set_running_or_notify_cancel():
