@@ -15,9 +15,8 @@ class DateAnswer(SMCSDModel):
 
 def main(pair=None, config=None):
     pair = pair or SMCSD.load()
-    config = config or SMCConfig(
-        n_particles=8, block_size=8, draft_temperature=0.7, target_temperature=0.7, max_new_tokens=24
-    )
+    # The library's temperature (0.2): at 0.7 the 135M target often rewrites the day it was given.
+    config = config or SMCConfig(n_particles=8, block_size=8, max_new_tokens=24)
     date = RegexConstraint(DATE, pair.tokenizer, pair.eos_token_ids)
     # The fact is in the prompt: the constraint fixes the format, not what a 135M model recalls.
     question = "Apollo 11 landed on the Moon on July 20, 1969. Write that date as YYYY-MM-DD."
