@@ -26,7 +26,8 @@ SHAPES = [(1, 24), (2, 24), (7, 24), (10, 24), (11, 24), (1, 1, 24), (2, 3, 24),
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_a_few_row_linear_computes_what_linear_computes(shape, bias):
+def test_a_few_row_linear_computes_what_linear_computes(shape, bias, monkeypatch):
+    monkeypatch.setattr(few_rows, "MAX_ROWS", 10)
     usual, few = _pair(bias)
     x = torch.randn(shape)
     with torch.inference_mode():
@@ -36,15 +37,17 @@ def test_a_few_row_linear_computes_what_linear_computes(shape, bias):
 
 
 def test_the_few_row_order_is_the_one_taken_up_to_max_rows(monkeypatch):
-    """Up to ``MAX_ROWS`` rows the product is ``W @ x.T``; past it (or in bf16), the usual one."""
+    """Up to ``MAX_ROWS`` rows the product is ``W @ x.T``; past it, in bf16, or off (0), the usual one."""
     usual, few = _pair(bias=False)
     calls = []
     real_mm = torch.mm
     monkeypatch.setattr(torch, "mm", lambda a, b: calls.append(a.shape) or real_mm(a, b))
     with torch.inference_mode():
+        few(torch.randn(1, 24))  # off by default
+        monkeypatch.setattr(few_rows, "MAX_ROWS", 10)
         few(torch.randn(1, 24))
-        few(torch.randn(few_rows.MAX_ROWS, 24))
-        few(torch.randn(few_rows.MAX_ROWS + 1, 24))
+        few(torch.randn(10, 24))
+        few(torch.randn(11, 24))
         few.to(torch.bfloat16)(torch.randn(2, 24, dtype=torch.bfloat16))
     assert calls == [few.weight.shape, few.weight.shape]
 
@@ -64,6 +67,7 @@ def test_the_embedded_pair_in_float32_gets_the_same_logits_either_way(default_sm
     model = default_smcsd_f32.target.model
     assert all(type(m) is FewRowLinear for m in model.modules() if isinstance(m, nn.Linear))
     ids = torch.tensor([default_smcsd_f32.encode("The capital of France is")])
+    monkeypatch.setattr(few_rows, "MAX_ROWS", 10)
     with torch.inference_mode():
         few = model(input_ids=ids[:, -3:]).logits  # 3 rows: the few-row order
         one = model(input_ids=ids[:, -1:]).logits  # 1 row, doubled
