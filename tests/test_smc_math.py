@@ -9,7 +9,14 @@ import torch
 
 from smcsd_ppl import smc
 from smcsd_ppl.smc import resampling
-from smcsd_ppl.verification import block_log_weights, power_log_normalizer, sample_probs, speculative_accept
+from smcsd_ppl.verification import (
+    block_log_weights,
+    drawn_log_probs,
+    power_log_normalizer,
+    sample_probs,
+    speculative_accept,
+    token_log_probs,
+)
 from smcsd_ppl.verification.sampling import logsumexp
 
 
@@ -121,3 +128,43 @@ def test_logsumexp_reads_the_far_tail_at_a_floor_and_keeps_empty_rows_empty():
     assert got[2] == -math.inf
     torch.testing.assert_close(got[[0, 1, 3, 4]], want[[0, 1, 3, 4]], atol=1e-5, rtol=1e-6)
     torch.testing.assert_close(logsumexp(x.float(), 1, keepdim=True).squeeze(1).double(), got)
+
+
+def _near_certain_logits(rows: int = 4, vocab: int = 49152) -> torch.Tensor:
+    """Logits over a real-sized vocabulary whose token 5 holds all but 1e-6 to 1e-4 of each row."""
+    g = torch.Generator().manual_seed(0)
+    logits = 3 * torch.randn(rows, vocab, generator=g)
+    logits[:, 5] += 25 + torch.arange(rows)  # rows from about 1e-2 to 1e-3 beside it
+    return logits
+
+
+def test_a_near_certain_tokens_log_prob_is_exact_to_its_own_scale():
+    """A float32 sum near 1 keeps about 1e-7 of the mass beside the top: a log p near 0 needs it apart."""
+    logits = _near_certain_logits()
+    tokens = torch.tensor([5, 5, 5, 7])  # the last: a token far from the top
+    exact = torch.log_softmax(logits.double(), -1).gather(-1, tokens[:, None])[:, 0]
+    got = token_log_probs(logits, tokens)
+    assert got.dtype == torch.float32 and bool((exact[:3] > -0.02).all())
+    torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=0.0)
+
+
+def test_token_log_probs_at_ties_and_far_below_the_top():
+    logits = torch.tensor([[0.0, 0.0, -200.0, -math.inf]])
+    got = token_log_probs(logits.expand(4, 4), torch.arange(4))
+    assert got[:2].tolist() == pytest.approx([-math.log(2)] * 2)
+    assert got[2].item() == pytest.approx(-200 - math.log(2)) and got[3].item() == -math.inf
+
+
+def test_a_drawn_tokens_log_prob_is_exact_to_its_own_scale():
+    """``drawn_log_probs`` reads a distribution after mixing or masking, near 1 as far from it."""
+    logits = _near_certain_logits()
+    probs = torch.softmax(logits, -1)
+    probs[2] = torch.tensor([0.3, 0.7] + [0.0] * (probs.shape[1] - 2))
+    probs[3, 9] = 0.0  # a token the draw could not take
+    tokens = torch.tensor([5, 5, 0, 9])
+    exact = torch.log_softmax(logits.double(), -1)[:2, 5].tolist() + [math.log(0.3)]
+    got = drawn_log_probs(probs, tokens)
+    torch.testing.assert_close(
+        got[:3].double(), torch.tensor(exact, dtype=torch.float64), rtol=1e-5, atol=0.0
+    )
+    assert got[3].item() == -math.inf

@@ -19,7 +19,7 @@ import torch
 from ..backends.base import BatchedLM
 from ..ends import first_end
 from ..proposals.blocks import Retrieval
-from ..verification import inverse_cdf
+from ..verification import drawn_log_probs, inverse_cdf
 from . import constrained
 from .blocks import BlockRequest, DraftedBlock
 from .rows import RowStore
@@ -371,7 +371,7 @@ class Drafting:
             self.retrieval.mix_into(q)
         self.masking.restrict(q, allowed)
         d = inverse_cdf(q, self._uniforms(len(self.drafts)))
-        self.logqs.append(q.gather(-1, d[:, None])[:, 0].log())
+        self.logqs.append(drawn_log_probs(q, d))
         self.ids, self.valid = d[:, None], self.asked[:, None]
         if self.reads_hidden:  # the draft's own predicted state goes with its next token
             self.hidden = self.draft.hidden[:, -1:]

@@ -21,7 +21,7 @@ import torch
 
 from ..backends.static import Arena, StaticLlama
 from ..smc import ESS_SLACK
-from ..verification import BlockBatch, inverse_cdf, verify_blocks
+from ..verification import BlockBatch, drawn_log_probs, inverse_cdf, verify_blocks
 
 
 @dataclass
@@ -139,7 +139,7 @@ def _draft(draft: StaticLlama, arena: Arena, s: CycleState, u: torch.Tensor, liv
         q = torch.softmax(logits / s.temps[1][:, None], -1)
         d = inverse_cdf(q, u[:, 1 + j])
         tokens.append(d)
-        logq.append(q.gather(-1, d[:, None])[:, 0].log())
+        logq.append(drawn_log_probs(q, d))
         ids, valid = d[:, None], live[:, None]
     return torch.stack(tokens, 1), torch.stack(logq, 1), nan
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-MAX_ROWS = 0  # the most rows (positions, all rows' together) that take the weight on the left
+MAX_ROWS = 10  # the most rows (positions, all rows' together) that take the weight on the left
 
 
 class FewRowLinear(nn.Linear):

@@ -3,12 +3,14 @@
 from .exact import residual_after, speculative_accept
 from .sampling import (
     draw_restricted,
+    drawn_log_probs,
     inverse_cdf,
     pick,
     power_log_normalizer,
     restrict_power,
     sample_probs,
     sample_tokens,
+    token_log_probs,
 )
 from .smcsd import (
     DIVERGENCES,
@@ -27,6 +29,7 @@ __all__ = [
     "block_log_weights",
     "cut_divergence",
     "draw_restricted",
+    "drawn_log_probs",
     "first_cut",
     "inverse_cdf",
     "pick",
@@ -36,5 +39,6 @@ __all__ = [
     "sample_probs",
     "sample_tokens",
     "speculative_accept",
+    "token_log_probs",
     "verify_blocks",
 ]

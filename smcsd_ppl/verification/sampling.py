@@ -40,6 +40,34 @@ def pick(table: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return torch.gather(table, -1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
+def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The log softmax(logits)[tokens] (``[..., V]``, ``[...]`` -> ``[...]``), exact to its own scale.
+
+    A near-certain token's log-probability is near 0, and a float32 sum near 1 cannot hold the
+    mass beside it: ``torch.log_softmax`` leaves about 1e-5 in it over a 49k vocabulary, which
+    moves with any reordering of the logits' products. Here the mass beside each token is summed
+    apart: log p_t = -log1p(beside / p_t). A token whose p underflows (over ~100 nats under the
+    top) is read from the gap to the top instead.
+    """
+    p = torch.softmax(logits, -1)
+    at = tokens.unsqueeze(-1)
+    mine, top = p.gather(-1, at).squeeze(-1), p.amax(-1)
+    beside = p.scatter_(-1, at, 0.0).sum(-1)  # p is ours to zero
+    far = logits.gather(-1, at).squeeze(-1) - logits.amax(-1) + top.log()
+    return torch.where(mine > 0, -torch.log1p(beside / mine), far)
+
+
+def drawn_log_probs(probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The log of ``probs[tokens]`` (``[R, V]``, ``[R]`` -> ``[R]``), exact to its own scale.
+
+    As ``token_log_probs``, for a distribution already mixed or restricted (summing to 1): where
+    a token holds most of it, log q_d = log1p(-the mass beside it, summed in float64).
+    """
+    mine = probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    beside = probs.sum(-1, dtype=torch.float64) - mine
+    return torch.where(mine > 0.5, torch.log1p(-beside), mine.log()).to(probs.dtype)
+
+
 def logsumexp(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
     """``torch.logsumexp``, without its slow path on a CPU.
 

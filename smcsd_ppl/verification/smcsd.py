@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import draw_restricted, inverse_cdf, logsumexp, pick
+from .sampling import draw_restricted, inverse_cdf, logsumexp, pick, token_log_probs
 
 
 def block_log_weights(
@@ -220,14 +220,14 @@ def _read(logits: torch.Tensor, tokens: torch.Tensor, limit: torch.Tensor, padde
     r, k = tokens.shape
     if padded:
         ri, ji = (torch.arange(k, device=logits.device)[None, :] <= limit[:, None]).nonzero(as_tuple=True)
-        log_p = torch.log_softmax(logits[ri, ji].float(), -1)  # one pass, shared
+        read = logits[ri, ji].float()
         target_logp = torch.zeros(r, k, device=logits.device)
-        target_logp[ri, ji] = log_p.gather(-1, tokens[ri, ji].unsqueeze(-1)).squeeze(-1)
-        return target_logp, log_p, (ri, ji)
-    dense = torch.log_softmax(logits[:, :k].float(), -1)
+        target_logp[ri, ji] = token_log_probs(read, tokens[ri, ji])
+        return target_logp, torch.log_softmax(read, -1), (ri, ji)
+    dense = logits[:, :k].float()
     ri = torch.arange(r, device=logits.device).repeat_interleave(k)
     read = (ri, torch.arange(k, device=logits.device).repeat(r))
-    return pick(dense, tokens), dense.reshape(r * k, -1), read
+    return token_log_probs(dense, tokens), torch.log_softmax(dense, -1).reshape(r * k, -1), read
 
 
 def _divergences(logits, log_p, read, batch: BlockBatch, alpha: float, name: str) -> torch.Tensor:
