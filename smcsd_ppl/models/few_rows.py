@@ -7,11 +7,10 @@ decode steps and short blocks take that order; past about 10 rows the two orders
 of each other and the usual one stays (docs/benchmarks.md, "Few rows on a CPU"). Both orders sum
 the same products; only rounding differs.
 
-Off by default (``MAX_ROWS = 0``; set it to 10 to turn it on): a request's steps alone then
-take the few-row order and its batched steps the usual one, and the two round differently
-enough that a near-zero log Z alone and batched no longer agree to 1e-4 of itself
-(tests/test_sharing.py). It can be the default once the weights' log-probabilities are exact
-enough not to depend on the product's order.
+A request's steps alone then take the few-row order and its batched steps the usual one, so
+the same output's weights round differently alone and in a batch; the weights read their
+log-probabilities exact to their own scale (``verification.sampling.token_log_probs``), which
+keeps that rounding well under what tests/test_sharing.py allows. ``MAX_ROWS = 0`` turns it off.
 """
 
 from __future__ import annotations
