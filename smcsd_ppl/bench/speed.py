@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from ..api import SMCSD
 from ..config import DraftRecord, SMCConfig
+from ..engine.worker import torch_thread
 from ..methods import METHODS
 from ..methods.hf import hf_generate
 
@@ -29,13 +30,17 @@ def timed_run(
 ) -> tuple[float, float, float]:
     """Tokens/s, tokens per target call and loop-overhead share of one run (nan where unknown)."""
     if method == HF_GENERATE:
-        ids, secs = hf_generate(
-            pair.target.model,
-            prompt_ids,
-            max_new_tokens=config.max_new_tokens,
-            temperature=config.target_temperature,
-            seed=config.seed,
-            exact_length=True,
+        # On the torch thread, as every method runs: forwards from a second thread run on a second
+        # OpenMP team, and a process with two ran the few-row product slower (docs/benchmarks.md).
+        ids, secs = torch_thread().run(
+            lambda: hf_generate(
+                pair.target.model,
+                prompt_ids,
+                max_new_tokens=config.max_new_tokens,
+                temperature=config.target_temperature,
+                seed=config.seed,
+                exact_length=True,
+            )
         )
         return len(ids) / secs, 1.0, float("nan")
     (out,) = pair.generate_ids([prompt_ids], method=method, config=config)
