@@ -149,10 +149,12 @@ def test_a_near_certain_tokens_log_prob_is_exact_to_its_own_scale():
 
 
 def test_token_log_probs_at_ties_and_far_below_the_top():
-    logits = torch.tensor([[0.0, 0.0, -200.0, -math.inf]])
-    got = token_log_probs(logits.expand(4, 4), torch.arange(4))
+    """Far below the top p is 0 (200 nats) or not a normal float (95 nats): read from the gap."""
+    logits = torch.tensor([[0.0, 0.0, -200.0, -95.0, -math.inf]])
+    got = token_log_probs(logits.expand(5, 5), torch.arange(5))
     assert got[:2].tolist() == pytest.approx([-math.log(2)] * 2)
-    assert got[2].item() == pytest.approx(-200 - math.log(2)) and got[3].item() == -math.inf
+    assert got[2:4].tolist() == pytest.approx([-200 - math.log(2), -95 - math.log(2)])
+    assert got[4].item() == -math.inf
 
 
 def test_a_drawn_tokens_log_prob_is_exact_to_its_own_scale():

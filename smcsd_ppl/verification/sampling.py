@@ -46,15 +46,15 @@ def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     A near-certain token's log-probability is near 0, and a float32 sum near 1 cannot hold the
     mass beside it: ``torch.log_softmax`` leaves about 1e-5 in it over a 49k vocabulary, which
     moves with any reordering of the logits' products. Here the mass beside each token is summed
-    apart: log p_t = -log1p(beside / p_t). A token whose p underflows (over ~100 nats under the
-    top) is read from the gap to the top instead.
+    apart: log p_t = -log1p(beside / p_t). A token whose p is not a normal float (over ~87 nats
+    under the top, where beside / p_t could overflow) is read from its gap to the top instead.
     """
     p = torch.softmax(logits, -1)
     at = tokens.unsqueeze(-1)
     mine, top = p.gather(-1, at).squeeze(-1), p.amax(-1)
     beside = p.scatter_(-1, at, 0.0).sum(-1)  # p is ours to zero
     far = logits.gather(-1, at).squeeze(-1) - logits.amax(-1) + top.log()
-    return torch.where(mine > 0, -torch.log1p(beside / mine), far)
+    return torch.where(mine >= torch.finfo(p.dtype).tiny, -torch.log1p(beside / mine), far)
 
 
 def drawn_log_probs(probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
