@@ -37,18 +37,17 @@ def test_a_few_row_linear_computes_what_linear_computes(shape, bias, monkeypatch
 
 
 def test_the_few_row_order_is_the_one_taken_up_to_max_rows(monkeypatch):
-    """Up to ``MAX_ROWS`` rows (10 by default) the product is ``W @ x.T``; past it, off or in bf16, not."""
+    """Up to ``MAX_ROWS`` rows the product is ``W @ x.T``; past it, in bf16, or off (0), the usual one."""
     usual, few = _pair(bias=False)
     calls = []
     real_mm = torch.mm
     monkeypatch.setattr(torch, "mm", lambda a, b: calls.append(a.shape) or real_mm(a, b))
     with torch.inference_mode():
-        few(torch.randn(1, 24))  # on by default
+        few(torch.randn(1, 24))  # off by default
+        monkeypatch.setattr(few_rows, "MAX_ROWS", 10)
+        few(torch.randn(1, 24))
         few(torch.randn(10, 24))
         few(torch.randn(11, 24))
-        monkeypatch.setattr(few_rows, "MAX_ROWS", 0)
-        few(torch.randn(1, 24))
-        monkeypatch.setattr(few_rows, "MAX_ROWS", 10)
         few.to(torch.bfloat16)(torch.randn(2, 24, dtype=torch.bfloat16))
     assert calls == [few.weight.shape, few.weight.shape]
 

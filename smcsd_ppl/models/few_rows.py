@@ -7,10 +7,11 @@ decode steps and short blocks take that order; past about 10 rows the two orders
 of each other and the usual one stays (docs/benchmarks.md, "Few rows on a CPU"). Both orders sum
 the same products; only rounding differs.
 
-A request's steps alone then take the few-row order and its batched steps the usual one, so
-the same output's weights round differently alone and in a batch; the weights read their
-log-probabilities exact to their own scale (``verification.sampling.token_log_probs``), which
-keeps that rounding well under what tests/test_sharing.py allows. ``MAX_ROWS = 0`` turns it off.
+Off by default (``MAX_ROWS = 0``; set it to 10 to turn it on): a request's steps alone then
+take the few-row order and its batched steps the usual one. Even with the weights reading their
+log-probabilities exact to their own scale (``verification.sampling.token_log_probs``), a full
+run of the suite found a request alone and among threads apart (tests/test_sharing.py), so it
+stays off until a request's product order no longer depends on its batch-mates.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-MAX_ROWS = 10  # the most rows (positions, all rows' together) that take the weight on the left
+MAX_ROWS = 0  # the most rows (positions, all rows' together) that take the weight on the left
 
 
 class FewRowLinear(nn.Linear):
