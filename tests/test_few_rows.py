@@ -53,6 +53,20 @@ def test_the_few_row_order_is_the_one_taken_up_to_max_rows(monkeypatch):
 
 
 @needs_mkl
+def test_the_static_paths_linear_takes_the_few_row_order_by_shape_alone(monkeypatch):
+    """``linear`` (the static path's) puts the weight on the left up to 10 rows, whatever ``MAX_ROWS``."""
+    usual, _ = _pair(bias=True)
+    calls = []
+    real_mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda a, b: calls.append(a.shape) or real_mm(a, b))
+    with torch.inference_mode():
+        for shape in [(1, 24), (2, 5, 24), (11, 24)]:
+            x = torch.randn(shape)
+            torch.testing.assert_close(few_rows.linear(usual, x), usual(x), rtol=1e-5, atol=1e-5)
+    assert few_rows.MAX_ROWS == 0 and calls == [usual.weight.shape, usual.weight.shape]
+
+
+@needs_mkl
 def test_only_float32_cpu_linears_change_class_and_keep_their_weights():
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).to(torch.bfloat16), nn.LayerNorm(4))
     weight = model[0].weight

@@ -9,8 +9,9 @@ built from the lengths. Nothing is read back to the host and no shape depends on
 forward, or a whole decoding cycle around it, can be compiled (``torch.compile``) or captured
 (CUDA graphs) once per bucket.
 
-The decoder's own modules (projections, norms, MLP, rotary embedding) are called as they
-are; only attention and its cache are ours. Llama-family models only (SmolLM2, Llama 3.x).
+The decoder's own weights, norms and rotary embedding are used as they are; attention and its
+cache are ours, and every product goes through ``models.few_rows.linear``, which on a CPU picks
+its order by the graph's shape. Llama-family models only (SmolLM2, Llama 3.x).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
+from ..models.few_rows import linear
 from .base import to_device
 from .kv import plan
 
@@ -141,10 +143,10 @@ class StaticLlama:
         rows = torch.arange(r, device=tokens.device)[:, None]
         for i, layer in enumerate(self.layers):
             h = h + self._attention(layer, i, h, (cos, sin), arena, (rows, dest), allowed)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = h + _mlp(layer.mlp, layer.post_attention_layernorm(h))
         arena.lengths.add_(valid.sum(1))
         h = self.decoder.norm(h[:, -1:] if last_only else h)
-        return self.head(h).float()
+        return linear(self.head, h).float()
 
     def _attention(self, layer, i, h, rope, arena: Arena, at, allowed) -> torch.Tensor:
         """Layer ``i``'s attention: new keys and values written to the arena, all columns read.
@@ -155,9 +157,9 @@ class StaticLlama:
         (cos, sin), (rows, dest) = rope, at
         r, t, _ = h.shape
         x = layer.input_layernorm(h)
-        q = attn.q_proj(x).view(r, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = attn.k_proj(x).view(r, t, self.n_kv, self.head_dim).transpose(1, 2)
-        v = attn.v_proj(x).view(r, t, self.n_kv, self.head_dim).transpose(1, 2)
+        q = linear(attn.q_proj, x).view(r, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = linear(attn.k_proj, x).view(r, t, self.n_kv, self.head_dim).transpose(1, 2)
+        v = linear(attn.v_proj, x).view(r, t, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         keys, values = arena.keys[i], arena.values[i]  # [R, Hkv, C, D]
         keys.transpose(1, 2).index_put_((rows, dest), k.transpose(1, 2))
@@ -165,12 +167,17 @@ class StaticLlama:
         out = scaled_dot_product_attention(
             q, keys, values, attn_mask=allowed, scale=attn.scaling, enable_gqa=self.n_kv != self.n_heads
         )
-        return attn.o_proj(out.transpose(1, 2).reshape(r, t, self.n_heads * self.head_dim))
+        return linear(attn.o_proj, out.transpose(1, 2).reshape(r, t, self.n_heads * self.head_dim))
 
 
 def _torch_version() -> tuple[int, int]:
     major, minor = torch.__version__.split(".")[:2]
     return int(major), int(minor)
+
+
+def _mlp(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A Llama MLP, its products in the order ``few_rows.linear`` picks for their shape."""
+    return linear(mlp.down_proj, mlp.act_fn(linear(mlp.gate_proj, x)) * linear(mlp.up_proj, x))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -7,11 +7,17 @@ decode steps and short blocks take that order; past about 10 rows the two orders
 of each other and the usual one stays (docs/benchmarks.md, "Few rows on a CPU"). Both orders sum
 the same products; only rounding differs.
 
-Off by default (``MAX_ROWS = 0``; set it to 10 to turn it on): a request's steps alone then
-take the few-row order and its batched steps the usual one. Even with the weights reading their
-log-probabilities exact to their own scale (``verification.sampling.token_log_probs``), a full
-run of the suite found a request alone and among threads apart (tests/test_sharing.py), so it
-stays off until a request's product order no longer depends on its batch-mates.
+Two settings:
+- ``MAX_ROWS`` (off by default, 0; 10 turns it on) for every float32 model's layers. A request's
+  steps alone would then take the few-row order and its batched steps the usual one. Even with
+  the weights reading their log-probabilities exact to their own scale
+  (``verification.sampling.token_log_probs``), a full run of the suite found a request alone and
+  among threads apart (tests/test_sharing.py), so it stays off until a request's product order
+  no longer depends on its batch-mates.
+- ``FIXED_SHAPE_MAX_ROWS`` (10) for the static path (``backends.static``), which calls
+  ``linear`` itself. Its graphs have fixed shapes, so the order is a function of the shape; a
+  shape already decides the last bits of its weights there, which hold alone and among
+  batch-mates only in a fixed row bucket (``--deterministic``), whose rows are past 10.
 """
 
 from __future__ import annotations
@@ -20,6 +26,31 @@ import torch
 from torch import nn
 
 MAX_ROWS = 0  # the most rows (positions, all rows' together) that take the weight on the left
+FIXED_SHAPE_MAX_ROWS = 10  # the same for the static path
+MKL = torch.backends.mkl.is_available()  # the order pays on MKL's products only
+
+
+def takes_left(x: torch.Tensor, max_rows: int) -> bool:
+    """Whether ``x`` takes the weight on the left: at most ``max_rows`` float32 CPU rows, on MKL."""
+    rows = x.numel() // max(1, x.shape[-1])
+    return 1 <= rows <= max_rows and x.is_cpu and x.dtype == torch.float32 and MKL
+
+
+def left_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W.T + b`` computed as ``(W @ x.T).T``: the same products, summed in another order."""
+    rows = x.numel() // max(1, x.shape[-1])
+    flat = x.reshape(rows, x.shape[-1])
+    if rows == 1:  # one row is a matrix-vector product, the slow path: two make a matrix
+        flat = torch.cat([flat, flat])
+    out = torch.mm(weight, flat.T).T[:rows]
+    if bias is not None:
+        out = out + bias
+    return out.contiguous().view(*x.shape[:-1], weight.shape[0])
+
+
+def linear(layer: nn.Linear, x: torch.Tensor, max_rows: int = FIXED_SHAPE_MAX_ROWS) -> torch.Tensor:
+    """``layer(x)``, with the weight on the left where ``takes_left(x, max_rows)``."""
+    return left_product(x, layer.weight, layer.bias) if takes_left(x, max_rows) else layer(x)
 
 
 class FewRowLinear(nn.Linear):
@@ -27,16 +58,9 @@ class FewRowLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W.T + b``, in the order that is faster for its number of rows."""
-        rows = x.numel() // max(1, x.shape[-1])
-        if not (1 <= rows <= MAX_ROWS and x.is_cpu and x.dtype == torch.float32):
-            return super().forward(x)
-        flat = x.reshape(rows, x.shape[-1])
-        if rows == 1:  # one row is a matrix-vector product, the slow path: two make a matrix
-            flat = torch.cat([flat, flat])
-        out = torch.mm(self.weight, flat.T).T[:rows]
-        if self.bias is not None:
-            out = out + self.bias
-        return out.contiguous().view(*x.shape[:-1], self.out_features)
+        if takes_left(x, MAX_ROWS):
+            return left_product(x, self.weight, self.bias)
+        return super().forward(x)
 
 
 def few_row_linears(model: nn.Module) -> nn.Module:
@@ -45,7 +69,7 @@ def few_row_linears(model: nn.Module) -> nn.Module:
     The layers change class in place (their weights stay as they are), so a model sharing them
     (a layer-slice draft) gains too.
     """
-    if not torch.backends.mkl.is_available():
+    if not MKL:
         return model
     for module in model.modules():
         weight = getattr(module, "weight", None)
