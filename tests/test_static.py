@@ -9,6 +9,7 @@ graph (a graph break fails) and still give the same tokens in float32.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -78,6 +79,22 @@ def test_a_step_of_a_few_rows_takes_the_weight_on_the_left(tiny_llama, monkeypat
     assert len(calls) == 7 * len(model.layers) + 1
     whole = tiny_llama(torch.cat([ids, torch.tensor([[4]])], 1)).logits[0, -1]
     torch.testing.assert_close(step[0, -1], whole, rtol=1e-4, atol=1e-4)
+
+
+def test_the_static_forward_in_bf16_on_a_cpu_gives_the_models_logits(tiny_llama):
+    """In bf16 on a CPU attention is three products (``static._attend``), not torch's fused kernel."""
+    model = copy.deepcopy(tiny_llama).to(torch.bfloat16)
+    static = StaticLlama(model)
+    arena = static.arena(2, 128)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10], [0, 0, 11, 12, 13, 14]])
+    with torch.inference_mode():
+        static.forward(arena, ids, torch.tensor([[True] * 6, [False, False] + [True] * 4]))
+        step = static.forward(arena, torch.tensor([[3], [4]]), torch.tensor([[True], [True]]))[:, -1]
+        first = model(torch.tensor([[5, 6, 7, 8, 9, 10, 3]])).logits[0, -1].float()
+        second = model(torch.tensor([[11, 12, 13, 14, 4]])).logits[0, -1].float()
+    torch.testing.assert_close(
+        step, torch.stack([first, second]), rtol=0.02, atol=0.125
+    )  # 2 bf16 ulps at 8-16
 
 
 def test_an_arena_gather_copies_whole_rows(tiny_llama):
