@@ -92,9 +92,8 @@ def test_the_static_forward_in_bf16_on_a_cpu_gives_the_models_logits(tiny_llama)
         step = static.forward(arena, torch.tensor([[3], [4]]), torch.tensor([[True], [True]]))[:, -1]
         first = model(torch.tensor([[5, 6, 7, 8, 9, 10, 3]])).logits[0, -1].float()
         second = model(torch.tensor([[11, 12, 13, 14, 4]])).logits[0, -1].float()
-    torch.testing.assert_close(
-        step, torch.stack([first, second]), rtol=0.02, atol=0.125
-    )  # 2 bf16 ulps at 8-16
+    expected = torch.stack([first, second])
+    torch.testing.assert_close(step, expected, rtol=0.02, atol=0.125)  # 2 bf16 ulps at 8-16
 
 
 def test_an_arena_gather_copies_whole_rows(tiny_llama):

@@ -181,8 +181,8 @@ def _torch_version() -> tuple[int, int]:
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor, scale: float):
     """Attention as three products: ``q [R, H, T, D]``, ``keys [R, Hkv, C, D]``, ``allowed [R, 1, T, C]``.
 
-    For a CPU in bf16, where torch's fused kernel took 1.1 ms for 8 rows of one token over 256
-    columns, and this 0.18 ms (9.4 and 0.65 ms at 64 rows), with the same error against float32.
+    For a CPU in bf16, where torch's fused kernel is several times slower for a few query
+    tokens per row, with the same error against float32 (docs/benchmarks.md, "The static path").
     """
     r, heads, t, d = q.shape
     kv, columns = keys.shape[1], keys.shape[2]
