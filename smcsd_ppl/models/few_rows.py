@@ -48,9 +48,9 @@ def left_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return out.contiguous().view(*x.shape[:-1], weight.shape[0])
 
 
-def linear(layer: nn.Linear, x: torch.Tensor, max_rows: int = FIXED_SHAPE_MAX_ROWS) -> torch.Tensor:
-    """``layer(x)``, with the weight on the left where ``takes_left(x, max_rows)``."""
-    return left_product(x, layer.weight, layer.bias) if takes_left(x, max_rows) else layer(x)
+def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``layer(x)``, with the weight on the left where ``takes_left(x, FIXED_SHAPE_MAX_ROWS)``."""
+    return left_product(x, layer.weight, layer.bias) if takes_left(x, FIXED_SHAPE_MAX_ROWS) else layer(x)
 
 
 class FewRowLinear(nn.Linear):
