@@ -67,7 +67,7 @@ def test_the_static_forward_gives_the_models_logits(tiny_llama):
 
 @pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="the order is for MKL builds")
 def test_a_step_of_a_few_rows_takes_the_weight_on_the_left(tiny_llama, monkeypatch):
-    """A one-row step puts every weight on the left (``few_rows.linear``): 7 per layer and the head."""
+    """A one-row step puts every weight on the left (``products.linear``): 7 per layer and the head."""
     model = StaticLlama(tiny_llama)
     arena = model.arena(1, 256)
     ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]])  # 11 rows: the usual order

@@ -10,7 +10,7 @@ forward, or a whole decoding cycle around it, can be compiled (``torch.compile``
 (CUDA graphs) once per bucket.
 
 The decoder's own weights, norms and rotary embedding are used as they are; attention and its
-cache are ours, and every product goes through ``models.few_rows.linear``, which on a CPU picks
+cache are ours, and every product goes through ``backends.products.linear``, which on a CPU picks
 its order by the graph's shape. Llama-family models only (SmolLM2, Llama 3.x).
 """
 
@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
-from ..models.few_rows import linear
 from .base import to_device
 from .kv import plan
+from .products import linear
 
 CAPACITY_STEP = 256  # arena capacities are multiples of this: one compiled graph per bucket
 SUPPORTED = ("llama",)
@@ -194,7 +194,7 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: 
 
 
 def _mlp(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """A Llama MLP, its products in the order ``few_rows.linear`` picks for their shape."""
+    """A Llama MLP, its products in the order ``products.linear`` picks for their shape."""
     return linear(mlp.down_proj, mlp.act_fn(linear(mlp.gate_proj, x)) * linear(mlp.up_proj, x))
 
 

@@ -14,10 +14,10 @@ Two settings:
   (``verification.sampling.token_log_probs``), a full run of the suite found a request alone and
   among threads apart (tests/test_sharing.py), so it stays off until a request's product order
   no longer depends on its batch-mates.
-- ``FIXED_SHAPE_MAX_ROWS`` (10) for the static path (``backends.static``), which calls
-  ``linear`` itself. Its graphs have fixed shapes, so the order is a function of the shape; a
-  shape already decides the last bits of its weights there, which hold alone and among
-  batch-mates only in a fixed row bucket (``--deterministic``), whose rows are past 10.
+- ``backends.products.FIXED_SHAPE_MAX_ROWS`` (10) for the static path (``backends.static``),
+  which calls ``products.linear`` itself. Its graphs have fixed shapes, so the order is a
+  function of the shape; a shape already decides the last bits of its weights there, which hold
+  alone and among batch-mates only in a fixed row bucket (``--deterministic``), past 10 rows.
 """
 
 from __future__ import annotations
@@ -25,32 +25,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..backends.products import MKL, left_product, takes_left
+
 MAX_ROWS = 0  # the most rows (positions, all rows' together) that take the weight on the left
-FIXED_SHAPE_MAX_ROWS = 10  # the same for the static path
-MKL = torch.backends.mkl.is_available()  # the order pays on MKL's products only
-
-
-def takes_left(x: torch.Tensor, max_rows: int) -> bool:
-    """Whether ``x`` takes the weight on the left: at most ``max_rows`` float32 CPU rows, on MKL."""
-    rows = x.numel() // max(1, x.shape[-1])
-    return 1 <= rows <= max_rows and x.is_cpu and x.dtype == torch.float32 and MKL
-
-
-def left_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ W.T + b`` computed as ``(W @ x.T).T``: the same products, summed in another order."""
-    rows = x.numel() // max(1, x.shape[-1])
-    flat = x.reshape(rows, x.shape[-1])
-    if rows == 1:  # one row is a matrix-vector product, the slow path: two make a matrix
-        flat = torch.cat([flat, flat])
-    out = torch.mm(weight, flat.T).T[:rows]
-    if bias is not None:
-        out = out + bias
-    return out.contiguous().view(*x.shape[:-1], weight.shape[0])
-
-
-def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``layer(x)``, with the weight on the left where ``takes_left(x, FIXED_SHAPE_MAX_ROWS)``."""
-    return left_product(x, layer.weight, layer.bias) if takes_left(x, FIXED_SHAPE_MAX_ROWS) else layer(x)
 
 
 class FewRowLinear(nn.Linear):
