@@ -65,6 +65,14 @@ def default_smcsd_f32():
     return SMCSD.load(dtype="float32")
 
 
+@pytest.fixture
+def mm_calls(monkeypatch):
+    """The shapes of the left operands of every ``torch.mm`` from now on (the weight-on-left products)."""
+    calls, real_mm = [], torch.mm
+    monkeypatch.setattr(torch, "mm", lambda a, b: calls.append(a.shape) or real_mm(a, b))
+    return calls
+
+
 @pytest.fixture(scope="session", autouse=True)
 def torch_on_one_thread():
     """Every test runs torch on one thread unless it sets its own count.

@@ -37,12 +37,9 @@ def test_a_few_row_linear_computes_what_linear_computes(shape, bias, monkeypatch
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_the_few_row_order_is_the_one_taken_up_to_max_rows(monkeypatch):
+def test_the_few_row_order_is_the_one_taken_up_to_max_rows(monkeypatch, mm_calls):
     """Up to ``MAX_ROWS`` rows the product is ``W @ x.T``; past it, in bf16, or off (0), the usual one."""
     usual, few = _pair(bias=False)
-    calls = []
-    real_mm = torch.mm
-    monkeypatch.setattr(torch, "mm", lambda a, b: calls.append(a.shape) or real_mm(a, b))
     with torch.inference_mode():
         few(torch.randn(1, 24))  # off by default
         monkeypatch.setattr(few_rows, "MAX_ROWS", 10)
@@ -50,21 +47,18 @@ def test_the_few_row_order_is_the_one_taken_up_to_max_rows(monkeypatch):
         few(torch.randn(10, 24))
         few(torch.randn(11, 24))
         few.to(torch.bfloat16)(torch.randn(2, 24, dtype=torch.bfloat16))
-    assert calls == [few.weight.shape, few.weight.shape]
+    assert mm_calls == [few.weight.shape, few.weight.shape]
 
 
 @needs_mkl
-def test_the_static_paths_linear_takes_the_few_row_order_by_shape_alone(monkeypatch):
+def test_the_static_paths_linear_takes_the_few_row_order_by_shape_alone(mm_calls):
     """``linear`` (the static path's) puts the weight on the left up to 10 rows, whatever ``MAX_ROWS``."""
     usual, _ = _pair(bias=True)
-    calls = []
-    real_mm = torch.mm
-    monkeypatch.setattr(torch, "mm", lambda a, b: calls.append(a.shape) or real_mm(a, b))
     with torch.inference_mode():
         for shape in [(1, 24), (2, 5, 24), (11, 24)]:
             x = torch.randn(shape)
             torch.testing.assert_close(products.linear(usual, x), usual(x), rtol=1e-5, atol=1e-5)
-    assert few_rows.MAX_ROWS == 0 and calls == [usual.weight.shape, usual.weight.shape]
+    assert few_rows.MAX_ROWS == 0 and mm_calls == [usual.weight.shape, usual.weight.shape]
 
 
 @needs_mkl
