@@ -53,24 +53,31 @@ def test_prompts_of_unlike_lengths_prefill_in_groups_each_row_on_its_own_prompt(
         torch.testing.assert_close(nxt[i], scratch_logits(tiny_llama, [*p, 60 + i]), atol=ATOL, rtol=RTOL)
 
 
-@pytest.mark.parametrize(("row_cost", "passes"), [(1.0, 2), (0.05, 1)])
-def test_a_left_padded_feed_of_unlike_lengths_runs_apart_where_padding_costs_more(
-    tiny_llama, row_cost, passes
+@pytest.mark.parametrize(
+    ("flattens", "row_cost", "passes", "positions"),
+    [(True, 1.0, 1, 4), (True, 0.05, 1, 4), (False, 1.0, 2, 4), (False, 0.05, 1, 6)],
+)
+def test_a_left_padded_feed_of_unlike_lengths_runs_its_real_tokens_alone(
+    tiny_llama, flattens, row_cost, passes, positions
 ):
-    # Rows feeding 3, 1 and 0 real tokens (the last asks nothing): each reads its own cache,
+    # Rows feeding 0, 3 and 1 real tokens (the first asks nothing): each reads its own cache,
     # the next forward sees every row's real tokens only, and the backend counts one call.
-    # A forward costs 1 and row_cost per row-position: apart 2 + 4 r, padded together 1 + 6 r.
+    # Flattened (backends.ragged), the 4 real tokens run in one forward whatever rows cost.
+    # A model that cannot: a forward costs 1 and row_cost per row-position, apart 2 + 4 r,
+    # padded together 1 + 6 r.
     lm = HFBatchedLM(tiny_llama)
-    lm.row_position_cost = row_cost
+    assert lm.flattens  # SDPA through the attention interface, on a CPU
+    lm.flattens, lm.row_position_cost = flattens, row_cost
     lm.prefill(PROMPTS[:3])
-    feeds = [[7, 8, 9], [10], []]
+    feeds = [[], [7, 8, 9], [10]]
     tokens = torch.tensor([[0] * (3 - len(f)) + f for f in feeds])
     valid = torch.tensor([[False] * (3 - len(f)) + [True] * len(f) for f in feeds])
-    calls, before = lm.stats.calls, lm.stats.passes
+    calls, before, computed = lm.stats.calls, lm.stats.passes, lm.stats.tokens
     out = lm.extend(tokens, valid)
     assert lm.stats.calls == calls + 1 and lm.stats.passes == before + passes
+    assert lm.stats.tokens == computed + positions
     assert lm.bound == [len(p) + len(f) for p, f in zip(PROMPTS, feeds)]
-    for r, f in enumerate(feeds[:2]):
+    for r, f in enumerate(feeds[1:], 1):
         want = scratch_logits(tiny_llama, PROMPTS[r] + f, len(f))
         torch.testing.assert_close(out[r, 3 - len(f) :], want, atol=ATOL, rtol=RTOL)
     nxt = lm.extend(torch.tensor([[11], [12], [13]]))[:, -1]

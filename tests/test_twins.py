@@ -7,6 +7,7 @@ positions check that twins were not computed.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from helpers import scratch_logits
 
@@ -33,8 +34,10 @@ def extend(lm, model, seqs, feed):
     return lm.stats.tokens - before
 
 
-def test_twins_compute_once_and_every_row_reads_its_own_sequence(tiny_llama):
+@pytest.mark.parametrize("flattens", [True, False])
+def test_twins_compute_once_and_every_row_reads_its_own_sequence(tiny_llama, flattens):
     lm = HFBatchedLM(tiny_llama)
+    lm.flattens = flattens  # flattened: real tokens alone (backends.ragged); else a forward per count
     lm.prefill([[5, 17, 33, 2], [40, 41]])
     lm.fork(torch.tensor([0, 0, 1, 0]))  # a request's particles: rows 0, 1 and 3 hold one prompt
     seqs = [[5, 17, 33, 2], [5, 17, 33, 2], [40, 41], [5, 17, 33, 2]]
@@ -43,8 +46,8 @@ def test_twins_compute_once_and_every_row_reads_its_own_sequence(tiny_llama):
     lm.fork(torch.tensor([2, 1, 1, 0]))  # a resampling: rows 1 and 2 are copies of row 1
     seqs = [list(seqs[2]), list(seqs[1]), list(seqs[1]), list(seqs[0])]
     # Twins fed fewer tokens than the padded width: one forward, rows 1 and 2 computed once.
-    assert extend(lm, tiny_llama, seqs, [[3, 1], [7], [7], [3, 1]]) == 3 * 2
-    lm.row_position_cost = 2.0  # dear rows: a forward per length (apart 22, padded 25)
+    assert extend(lm, tiny_llama, seqs, [[3, 1], [7], [7], [3, 1]]) == (2 + 1 + 2 if flattens else 3 * 2)
+    lm.row_position_cost = 2.0  # dear rows: unflattened, a forward per length (apart 22, padded 25)
     assert extend(lm, tiny_llama, seqs, [[2, 3, 1], [2, 3, 1], [2, 3, 1], [2]]) == 2 * 3 + 1
     lm.drop_tail(torch.tensor([0, 1, 0, 0]))  # row 1 loses a token: no longer row 2's twin
     del seqs[1][-1]

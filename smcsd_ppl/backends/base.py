@@ -26,7 +26,7 @@ class ForwardStats:
     """
 
     def __init__(self, calls: int = 0, seconds: float = 0.0, tokens: int = 0) -> None:
-        self.calls, self.tokens = calls, tokens  # tokens: rows x new positions fed, holes included
+        self.calls, self.tokens = calls, tokens  # tokens: positions computed, holes included (none flattened)
         self.split = 0  # extra passes of calls run as several (a CPU backend's feed of unlike lengths)
         self._seconds = seconds
         self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []

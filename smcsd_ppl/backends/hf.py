@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 
 import torch
 from transformers import PreTrainedModel
 
-from . import cpu, kv
+from . import cpu, kv, ragged
 from .base import BatchedLM, ForwardStats, Timer, length_groups, pad_left, pad_left_hidden, to_device
 from .kv import RowCache, attention_mask, plan
 from .tree import TreeOps, kept_first
@@ -45,12 +44,12 @@ class HFBatchedLM(BatchedLM, TreeOps, TwinFeeds):
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.max_length = int(getattr(model.config, "max_position_embeddings", 2048))
         self.max_cache_bytes = max_cache_bytes
-        self.bytes_per_token = _kv_bytes_per_token(model)
+        self.bytes_per_token = kv.bytes_per_token(model)
         self.n_params = sum(p.numel() for p in model.parameters())  # what a forward reads
         # What one verified row-position costs, when this CPU makes it dearer than usual.
         self.row_position_cost = cpu.row_position_cost(self.dtype) if self.device.type == "cpu" else None
         self.stats = ForwardStats()
-        self.cache_kw = _cache_keyword(model)
+        self.cache_kw = kv.cache_keyword(model)
         self.cache: RowCache | None = None
         self.lengths = torch.zeros(0, dtype=torch.long, device=self.device)  # [R] real tokens per row
         self.bound: list[int] = []  # per row, >= lengths (host; exact when masks come from the host)
@@ -59,6 +58,8 @@ class HFBatchedLM(BatchedLM, TreeOps, TwinFeeds):
         self.tree_fed: list[list[int]] | None = None  # its tokens, where they were read for free
         self.contents = RowContents()  # each row's tokens: rows holding the same compute once
         self.shares_twins = self.device.type == "cpu"  # reading what is fed is free on a CPU only
+        # On a CPU a feed of unlike counts runs flattened, as one forward (``backends.ragged``).
+        self.flattens = self.device.type == "cpu" and ragged.flattens(model)
         # A feature draft reads the target's hidden states with its tokens; a target
         # serving one keeps the hidden states of its last forward (`keep_hidden_states`).
         self.reads_hidden = bool(getattr(model, "reads_hidden", False))
@@ -67,7 +68,7 @@ class HFBatchedLM(BatchedLM, TreeOps, TwinFeeds):
         # The decoder both of those call, and its cache argument (looked up once, not per forward).
         owner = model.body if self.reads_hidden else model
         decoder = owner.get_decoder() if hasattr(owner, "get_decoder") else None
-        self.decoder_cache_kw = _cache_keyword(decoder) if decoder is not None else None
+        self.decoder_cache_kw = kv.cache_keyword(decoder) if decoder is not None else None
         # A feature draft's head is plain by construction; others are checked on first use.
         self.plain_head: bool | None = True if self.reads_hidden else None
 
@@ -130,9 +131,11 @@ class HFBatchedLM(BatchedLM, TreeOps, TwinFeeds):
     def _extend(self, tokens: torch.Tensor, valid, hidden, vocab) -> torch.Tensor:
         """``BatchedLM.extend``'s forward; with ``vocab`` the LM head reads those tokens' rows only.
 
-        A left-padded feed whose rows hold unlike counts of real tokens (blocks of unlike
-        lengths, rows that ask nothing) runs as a forward per count, over those rows alone: on
-        a CPU a forward costs every position it carries, holes included. It counts as one call.
+        On a CPU a forward costs every position it carries, holes included, and a read of every
+        weight. A left-padded feed whose rows hold unlike counts of real tokens (blocks of unlike
+        lengths, rows that ask nothing) runs its real tokens alone, flattened, in one forward
+        (``backends.ragged``); a model that cannot, as a forward per count where padding costs
+        more (``feed_groups``). Rows fed nothing sit out. It counts as one call.
         """
         if valid is None:
             valid = torch.ones(tokens.shape, dtype=torch.bool)
@@ -140,7 +143,8 @@ class HFBatchedLM(BatchedLM, TreeOps, TwinFeeds):
         if hidden is None and not self.keeps_hidden and vocab is None:
             groups = feed_groups(valid, self.row_position_cost or cpu.NATIVE_ROW_POSITION_COST)
         if groups is not None:
-            return self._grouped(tokens, valid, groups)
+            flat = ragged.flat_group(valid) if self.flattens else None  # one forward, no holes
+            return self._grouped(tokens, valid, flat or groups, flat is not None)
         if hidden is not None:
             hidden = hidden.to(self.device)
         return self._forward(
@@ -293,8 +297,12 @@ class HFBatchedLM(BatchedLM, TreeOps, TwinFeeds):
         hidden: torch.Tensor | None = None,
         vocab: torch.Tensor | None = None,
         rows: torch.Tensor | None = None,
+        flat: bool = False,
     ) -> torch.Tensor:
-        """One forward of every row, or of ``rows [n]`` alone (on the host; the others keep still)."""
+        """One forward of every row, or of ``rows [n]`` alone (on the host; the others keep still).
+
+        ``flat``: the real tokens alone run, flattened (``backends.ragged``); holes get logits 0.
+        """
         r, t = ids.shape
         if self.reads_hidden != (hidden is not None):
             what = "needs the target's hidden states" if self.reads_hidden else "takes no hidden states"
@@ -321,19 +329,20 @@ class HFBatchedLM(BatchedLM, TreeOps, TwinFeeds):
         index = None if rows is None else to_device(rows, self.device)
         lengths = self.lengths if index is None else self.lengths.index_select(0, index)
         dest, positions, allowed = plan(lengths, valid, width)
-        self.cache.plan(dest, width, index)
+        kwargs = {"attention_mask": attention_mask(allowed, self.model), "use_cache": True}
+        row_of = None
+        if flat:  # the real tokens alone, each with its row; attention takes them back to rows
+            ids, dest, positions, row_of = ragged.flattened(valid, index, ids, dest, positions)
+            kwargs["rows_valid"] = valid
+        self.cache.plan(dest, width, index, rows=row_of)
+        kwargs["position_ids"] = positions
         grown = valid.sum(1)
         self.lengths = self.lengths + grown if index is None else self.lengths.index_add(0, index, grown)
         self.bound = bound
-        kwargs = {
-            "attention_mask": attention_mask(allowed, self.model),
-            "position_ids": positions,
-            "use_cache": True,
-        }
-        with Timer(self.stats, self.device, r * t), torch.inference_mode():
+        with Timer(self.stats, self.device, ids.numel()), torch.inference_mode():
             logits = self._logits(ids, kwargs, last_only, hidden, vocab)
             self.nonfinite |= torch.isnan(logits).any()
-        return logits
+        return ragged.scatter(logits[0], valid) if flat else logits
 
     def _logits(self, ids, kwargs, last_only, read, vocab) -> torch.Tensor:
         """The forward itself (``read``: the hidden states fed); float32 logits ``[R, T or 1, V or U]``."""
@@ -383,17 +392,3 @@ def _head(head: torch.nn.Module, hidden: torch.Tensor, vocab: torch.Tensor | Non
         return head(hidden)
     bias = head.bias.index_select(0, vocab) if head.bias is not None else None
     return torch.nn.functional.linear(hidden, head.weight.index_select(0, vocab), bias)
-
-
-def _cache_keyword(model: torch.nn.Module) -> str:
-    """The cache argument's name: ``cache`` since transformers 5.24, ``past_key_values`` before."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def _kv_bytes_per_token(model: PreTrainedModel) -> int:
-    """Bytes one row's KV cache grows by per position (keys + values, all layers)."""
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    elem = next(model.parameters()).element_size()
-    return 2 * cfg.num_hidden_layers * heads * head_dim * elem

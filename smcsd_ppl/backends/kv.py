@@ -17,12 +17,14 @@ layers), built on the device from the lengths: no per-forward host read, no
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from collections.abc import Callable
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from . import ragged
 from .base import to_device
 
 
@@ -56,7 +58,7 @@ class RowLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         # index_put_ on [R, C, heads, dim] views writes only the new tokens (scatter_ on CPU
         # copied the whole buffer).
-        rows, dest = self.owner.rows, self.owner.dest  # [R, 1], [R, T]
+        rows, dest = self.owner.rows, self.owner.dest  # [R, 1] and [R, T], or [1, P] both
         self.keys.transpose(1, 2).index_put_((rows, dest), key_states.transpose(1, 2))
         self.values.transpose(1, 2).index_put_((rows, dest), value_states.transpose(1, 2))
         width, subset = self.owner.width, self.owner.subset
@@ -90,14 +92,23 @@ class RowCache(Cache):
         self.subset: torch.Tensor | None = None  # the rows a forward of some rows runs (None: all)
         self.width = 0
 
-    def plan(self, dest: torch.Tensor, width: int, subset: torch.Tensor | None = None) -> None:
+    def plan(
+        self,
+        dest: torch.Tensor,
+        width: int,
+        subset: torch.Tensor | None = None,
+        rows: torch.Tensor | None = None,
+    ) -> None:
         """Where the next forward writes (``dest [n, T]``), how many columns it reads, and for which rows.
 
         ``subset [n]``: the rows of a forward that runs only those (None: every row, in order).
+        ``rows``: the row of each token, where the tokens come flattened (``dest`` and ``rows``
+        then ``[1, P]``, see ``backends.ragged``); None: row i of ``dest`` is ``subset[i]``.
         """
         self.dest, self.width, self.subset = dest, width, subset
-        rows = torch.arange(dest.shape[0], device=dest.device) if subset is None else subset
-        self.rows = rows[:, None]
+        if rows is None:
+            rows = (torch.arange(dest.shape[0], device=dest.device) if subset is None else subset)[:, None]
+        self.rows = rows
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """Write one layer's new states (layers are created on first use)."""
@@ -223,7 +234,7 @@ def tree_plan(
 def attention_mask(allowed: torch.Tensor, model: torch.nn.Module) -> torch.Tensor:
     """The 4D mask the model's attention takes: bool for SDPA, additive float for eager."""
     impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
-    if impl == "sdpa":
+    if impl in ("sdpa", ragged.NAME):
         return allowed
     if impl == "eager":
         dtype = next(model.parameters()).dtype
@@ -240,3 +251,17 @@ def on_host(t: torch.Tensor) -> bool:
 def host_counts(valid: torch.Tensor, rows: int, t: int) -> list[int]:
     """Real tokens per row when ``valid`` is on the host; else ``t`` (an upper bound, no read)."""
     return valid.sum(1).tolist() if on_host(valid) else [t] * rows
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The cache argument's name: ``cache`` since transformers 5.24, ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def bytes_per_token(model: torch.nn.Module) -> int:
+    """Bytes one row's KV cache grows by per position (keys + values, all layers)."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    elem = next(model.parameters()).element_size()
+    return 2 * cfg.num_hidden_layers * heads * head_dim * elem

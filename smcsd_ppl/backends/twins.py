@@ -1,10 +1,11 @@
-"""A feed's forwards on a CPU: one per count of real tokens, and rows holding the same tokens once.
+"""A feed's forwards on a CPU: its real tokens alone (or one per count), rows holding the same tokens once.
 
 A request's particles start as copies of one prompt, and every resampling copies rows again:
 at a low temperature most rows of a population hold the same tokens for much of a run. Fed the
 same tokens, such twins would compute the same logits and write the same cache columns, and on
 a CPU a forward costs every row (and every position) it carries. So ``TwinFeeds`` runs a
-left-padded feed as a forward per count of real tokens, over one row of each set of twins, and
+left-padded feed over one row of each set of twins, its real tokens alone in one flattened
+forward (``backends.ragged``; for a model that cannot, a forward per count of real tokens), and
 copies the computed row's logits and new cache columns to its twins; what every row returns
 and holds is unchanged. A token tree (``extend_tree``) is read over the rows that have nodes, one
 row of each set of twins. ``RowContents`` tells twins apart.
@@ -93,9 +94,15 @@ class TwinFeeds:
     """
 
     def _grouped(
-        self, tokens: torch.Tensor, valid: torch.Tensor, groups: list[tuple[int, torch.Tensor]]
+        self,
+        tokens: torch.Tensor,
+        valid: torch.Tensor,
+        groups: list[tuple[int, torch.Tensor]],
+        flat: bool = False,
     ) -> torch.Tensor:
         """A forward per group of rows (each ``(width, rows)``: their real tokens are their last ``width``).
+
+        ``flat``: each forward runs its rows' real tokens alone (``backends.ragged``).
 
         Of rows that hold the same tokens and are fed the same (``RowContents.twins``), one runs
         and the others take its logits and its new cache columns.
@@ -113,6 +120,7 @@ class TwinFeeds:
                 valid[run, t - width :],
                 last_only=False,
                 rows=None if every else run,
+                flat=flat,
             )
             if every and width == t:  # the whole feed, as it came
                 return logits
