@@ -59,7 +59,7 @@ class HFBatchedLM(BatchedLM, TreeOps, TwinFeeds):
         self.contents = RowContents()  # each row's tokens: rows holding the same compute once
         self.shares_twins = self.device.type == "cpu"  # reading what is fed is free on a CPU only
         # On a CPU a feed of unlike counts runs flattened, as one forward (``backends.ragged``).
-        self.flattens = self.device.type == "cpu" and ragged.flattens(model)
+        self.flattens = self.device.type == "cpu" and ragged.route_attention(model)
         # A feature draft reads the target's hidden states with its tokens; a target
         # serving one keeps the hidden states of its last forward (`keep_hidden_states`).
         self.reads_hidden = bool(getattr(model, "reads_hidden", False))

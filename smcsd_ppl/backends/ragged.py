@@ -35,10 +35,11 @@ def rows_attention(module, query, key, value, attention_mask, *, rows_valid=None
     return out[rows_valid][None], None
 
 
-def flattens(model: torch.nn.Module) -> bool:
-    """Take ``model``'s attention through ``rows_attention`` where it can: SDPA, through the interface.
+def route_attention(model: torch.nn.Module) -> bool:
+    """Route ``model``'s attention through ``rows_attention`` where it is SDPA, through the interface.
 
-    Returns whether its forwards may be flattened. Its attention stays SDPA for every other forward.
+    Sets the attention implementation of ``model``'s configs to ``NAME`` (SDPA for every forward
+    that is not flattened); returns whether its feeds may now run flattened.
     """
     # Every module's config: a model built from parts may hold several.
     configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None}
