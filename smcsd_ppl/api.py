@@ -48,8 +48,11 @@ class SMCSD:
         backend: ``"hf"`` (batched KV caches in PyTorch, the default and the exactness
             reference) or ``"vllm"`` (both models on vLLM engines; see docs/scaling.md).
         vllm_options: more ``vllm.LLM`` arguments for both engines (``tensor_parallel_size``, ...).
-        engine: ``"compiled"``: ``ar`` and ``smcsd_paper`` on the static path's graphs.
-        deterministic: the static path's fixed row bucket (both: ``engine.pair.Execution``).
+        forward: how the HF backend computes a forward: ``"auto"`` (ours where the model is a
+            Llama, its parts compiled where built), ``"compiled"`` (ours, its parts compiled
+            now where missing) or ``"reference"`` (the model's own; ``config.FORWARDS``).
+        deterministic: a seeded request's forwards have the same shapes alone and among
+            batch-mates (both: ``engine.pair.Execution``).
     """
 
     def __init__(
@@ -61,7 +64,7 @@ class SMCSD:
         max_cache_bytes: int = DEFAULT_CACHE_BUDGET,
         backend: str = "hf",
         vllm_options: dict | None = None,
-        engine: str = "eager",
+        forward: str = "auto",
         deterministic: bool = False,
     ) -> None:
         if backend not in BACKENDS:
@@ -81,6 +84,7 @@ class SMCSD:
             backend=backend,
             max_cache_bytes=max_cache_bytes,
             vllm_options=vllm_options,
+            forward=forward,
         )
         # vLLM's engines start on the calling thread (signal handlers); PyTorch's on the torch thread
         target_lm, draft_lm = build() if backend == "vllm" else torch_thread().run(build)
@@ -92,7 +96,7 @@ class SMCSD:
             chat=chat,
             target=target,
             draft=draft,
-            execution=Execution(backend, engine, deterministic),
+            execution=Execution(backend, forward, deterministic),
         )
         # RACER's index across calls, only if the caller sets one: later outputs then depend on earlier.
         self.retrieval_memory: RetrievalDrafter | None = None
@@ -285,7 +289,6 @@ class SMCSD:
                     "SMCSDModel(prompt) (or SMCSDModel(prompt, constraint)), or call generate"
                 )
         self.core.check_token_prompts([p.prompt for p in programs if not isinstance(p.prompt, str)])
-        self.core.static_engine("smcsd")  # a compiled pair refuses: programs run eagerly
         return self._batched(programs, config or SMCConfig(), "smcsd", on_cycle=on_cycle)
 
     def check_request(self, ids: list[int], config: SMCConfig) -> None:
@@ -293,8 +296,7 @@ class SMCSD:
         self.core.check_request(ids, config)
 
     def check_fits(self, ids: list[list[int]], config: SMCConfig, method: methods.Method) -> None:
-        """Refuse up front what would fail mid-generation (context length, KV budget, the engine)."""
-        self.core.static_engine(method.name)  # a compiled pair refuses what it cannot run
+        """Refuse up front what would fail mid-generation (context length, KV budget)."""
         rows = len(ids) * (config.n_particles if method.particles else 1)
         self.core.check_fits(ids, config, method.uses_draft, rows)
 
@@ -308,7 +310,7 @@ class SMCSD:
         """Run ``method`` on token-id prompts and build each request's ``Generation``."""
         method.check(config)
         self.check_fits(ids, config, method)
-        if method.settings is not None and not self.core.static_engine(method.name):
+        if method.settings is not None:
             programs = [SMCSDModel(i) for i in ids]
             return self._batched(programs, method.settings(config), method.name, on_progress)
         context = self.context(config, ids, on_progress)

@@ -7,8 +7,10 @@ import math
 import os
 from dataclasses import dataclass
 
-EXECUTION_ENGINES = ("eager", "compiled", "auto")
-"""What runs a pair's forwards: the backends (eager), the static path's graphs, or compiled on CUDA."""
+FORWARDS = ("auto", "compiled", "reference")
+"""How a pair's models compute a forward (``models.batched.forward_of``): ``reference``, the model's own
+(transformers: any model, the exactness reference); ``compiled``, ours (``backends.llama``), its parts
+compiled now where not yet built; ``auto``, ours where the model runs on it, compiled where built."""
 RESAMPLING_SCHEMES = ("systematic", "multinomial", "stratified", "residual")
 SELECTIONS = ("sample", "argmax")
 DIVERGENCE_NAMES = ("tv", "renyi2", "kl")  # see verification.DIVERGENCES

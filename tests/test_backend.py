@@ -351,8 +351,8 @@ def test_extend_over_a_vocabulary_subset_returns_those_logits(tiny_llama, plain_
     vocab = torch.tensor([3, 17, 250, 299])
     lm = HFBatchedLM(tiny_llama)
     lm.prefill(PROMPTS)
-    assert lm.has_plain_head()  # a Llama's logits are its head on the decoder's output
-    lm.plain_head = plain_head
+    assert lm.model_forward.has_plain_head()  # a Llama's logits are its head on the decoder's output
+    lm.model_forward.plain_head = plain_head
     tokens = block(len(PROMPTS), 3)
     full = lm.extend(tokens)
     lm.drop_tail(torch.full((len(PROMPTS),), 3))

@@ -12,6 +12,7 @@ from helpers import regex_contract, scratch_logits
 from smcsd_ppl.backends.base import BatchedLM, TreeLM
 from smcsd_ppl.backends.contract import BatchedLMContract, ContractError
 from smcsd_ppl.backends.hf import HFBatchedLM
+from smcsd_ppl.backends.llama import LlamaForward
 from smcsd_ppl.backends.mock import MockLM
 from smcsd_ppl.bench.fidelity import MixedDraft
 from smcsd_ppl.potentials import PotentialConstraint, RegexConstraint
@@ -31,6 +32,15 @@ def test_hf_backend_keeps_the_contract(tiny_llama, attn):
 
 def test_hf_backend_keeps_the_contract_against_its_own_prefill(tiny_llama):
     BatchedLMContract(lambda: HFBatchedLM(tiny_llama), seed=1).check_all()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_our_forward_keeps_the_contract_against_the_model_s_own(tiny_llama, seed):
+    BatchedLMContract(
+        lambda: HFBatchedLM(tiny_llama, compiled=LlamaForward(tiny_llama)),
+        reference=partial(scratch_logits, tiny_llama),
+        seed=seed,
+    ).check_all()
 
 
 def mock():

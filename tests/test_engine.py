@@ -291,21 +291,25 @@ def test_text_prompt_without_tokenizer_raises():
 
 
 def nan_after_prefill(model):
-    """Make the model's logits NaN from its second forward on (prefill stays clean)."""
+    """Make the model's logits NaN from its second forward on (prefill stays clean).
+
+    On the input embeddings: every forward calls them, ours and the model's own alike.
+    """
     calls = []
 
     def hook(module, args, output):
         calls.append(1)
         return output * float("nan") if len(calls) > 1 else output
 
-    return model.lm_head.register_forward_hook(hook)
+    return model.get_input_embeddings().register_forward_hook(hook)
 
 
+@pytest.mark.parametrize("forward", ["auto", "reference"])
 @pytest.mark.parametrize("which", ["target", "draft"])
 @pytest.mark.parametrize("method", ["smcsd", "sd"])
-def test_nan_logits_during_generation_raise(which, method):
+def test_nan_logits_during_generation_raise(which, method, forward):
     target, draft = tiny.pair()  # fresh models: the hook must not leak into other tests
-    pair = SMCSD(target, draft)
+    pair = SMCSD(target, draft, forward=forward)
     handle = nan_after_prefill((target if which == "target" else draft).model)
     with pytest.raises(ValueError, match="NaN") as err:
         pair.generate(PROMPTS, method=method, config=cfg())

@@ -170,7 +170,7 @@ def test_compare_rows_and_length_matched_plain(tiny_smcsd):
         assert r.runs == 1 and r.tokens_per_second > 0
     assert rows[0].validity == 1.0 and rows[0].output_validity == 1.0
     assert rows[0].loglik_per_token < 0
-    # The hook on the decoder counts what the backend counts, and token-level SMC pays one
+    # The hook on the embeddings counts what the backend counts, and token-level SMC pays one
     # target forward per token where SMC-SD pays one per block.
     for method in ("smcsd_proposal", "smcsd_plain"):
         assert recs[method].target_forwards == recs[method].target_calls

@@ -101,8 +101,8 @@ def test_the_cli_sets_the_count_it_is_given_and_leaves_torchs_own_otherwise():
 def forward_threads(tiny_smcsd):
     """The threads every forward of the pair's two models ran on, while the fixture is in use."""
     seen: set[int] = set()
-    hooks = [
-        m.register_forward_pre_hook(lambda *_: seen.add(threading.get_ident()))
+    hooks = [  # on the input embeddings: every forward calls them, ours and the model's own
+        m.get_input_embeddings().register_forward_pre_hook(lambda *_: seen.add(threading.get_ident()))
         for m in (tiny_smcsd.target.model, tiny_smcsd.draft.model)
     ]
     yield seen

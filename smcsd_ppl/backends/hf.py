@@ -9,7 +9,9 @@ from transformers import PreTrainedModel
 
 from . import cpu, kv, ragged
 from .base import BatchedLM, ForwardStats, Timer, length_groups, pad_left, pad_left_hidden, to_device
-from .kv import RowCache, attention_mask, plan
+from .kv import Feed, RowCache, plan
+from .llama import LlamaForward
+from .reference import ReferenceForward
 from .tree import TreeOps, kept_first
 from .twins import RowContents, TwinFeeds, feed_groups, tree_counts
 
@@ -28,6 +30,8 @@ class HFBatchedLM(BatchedLM, TreeOps, TwinFeeds):
         model: a causal LM in eval mode (any device and dtype).
         max_cache_bytes: refuse (``ValueError``) a forward whose KV cache would exceed this.
         name: used in error messages.
+        compiled: our forward of a Llama model (``llama.LlamaForward``), run instead of the
+            model's own; None: the model's own forward, the reference.
     """
 
     def __init__(
@@ -36,8 +40,11 @@ class HFBatchedLM(BatchedLM, TreeOps, TwinFeeds):
         *,
         max_cache_bytes: int = DEFAULT_CACHE_BUDGET,
         name: str = "model",
+        compiled: LlamaForward | None = None,
     ) -> None:
         self.model = model
+        # What a forward runs: ours (``llama``) where given, else the model's own (the reference).
+        self.model_forward = compiled if compiled is not None else ReferenceForward(model)
         self.name = name
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -49,7 +56,6 @@ class HFBatchedLM(BatchedLM, TreeOps, TwinFeeds):
         # What one verified row-position costs, when this CPU makes it dearer than usual.
         self.row_position_cost = cpu.row_position_cost(self.dtype) if self.device.type == "cpu" else None
         self.stats = ForwardStats()
-        self.cache_kw = kv.cache_keyword(model)
         self.cache: RowCache | None = None
         self.lengths = torch.zeros(0, dtype=torch.long, device=self.device)  # [R] real tokens per row
         self.bound: list[int] = []  # per row, >= lengths (host; exact when masks come from the host)
@@ -59,18 +65,17 @@ class HFBatchedLM(BatchedLM, TreeOps, TwinFeeds):
         self.contents = RowContents()  # each row's tokens: rows holding the same compute once
         self.shares_twins = self.device.type == "cpu"  # reading what is fed is free on a CPU only
         # On a CPU a feed of unlike counts runs flattened, as one forward (``backends.ragged``).
-        self.flattens = self.device.type == "cpu" and ragged.route_attention(model)
+        self.flattens = self.device.type == "cpu" and getattr(self.model_forward, "flattens", True)
         # A feature draft reads the target's hidden states with its tokens; a target
         # serving one keeps the hidden states of its last forward (`keep_hidden_states`).
         self.reads_hidden = bool(getattr(model, "reads_hidden", False))
         self.keeps_hidden = self.reads_hidden
         self.hidden: torch.Tensor | None = None  # [R, T, H] of the last forward, when kept
-        # The decoder both of those call, and its cache argument (looked up once, not per forward).
-        owner = model.body if self.reads_hidden else model
-        decoder = owner.get_decoder() if hasattr(owner, "get_decoder") else None
-        self.decoder_cache_kw = kv.cache_keyword(decoder) if decoder is not None else None
-        # A feature draft's head is plain by construction; others are checked on first use.
-        self.plain_head: bool | None = True if self.reads_hidden else None
+
+    @property
+    def compiled(self) -> LlamaForward | None:
+        """Our forward of the model, or None where it runs its own."""
+        return self.model_forward if isinstance(self.model_forward, LlamaForward) else None
 
     @property
     def n_rows(self) -> int:
@@ -225,15 +230,9 @@ class HFBatchedLM(BatchedLM, TreeOps, TwinFeeds):
         lengths = self.lengths if rows is None else self.lengths.index_select(0, rows)
         dest, allowed = kv.tree_plan(lengths, anc, width)
         self.cache.plan(dest, width, rows)
+        positions = lengths[:, None] + depth
         with Timer(self.stats, self.device, tokens.numel()):
-            out = self.model(
-                input_ids=tokens,
-                attention_mask=attention_mask(allowed, self.model),
-                position_ids=lengths[:, None] + depth,
-                use_cache=True,
-                **{self.cache_kw: self.cache},
-            )
-            logits = out.logits.float()
+            logits, _ = self.model_forward(tokens, Feed(positions, allowed, self.cache))
             self.nonfinite |= torch.isnan(logits).any()
         return logits
 
@@ -329,66 +328,19 @@ class HFBatchedLM(BatchedLM, TreeOps, TwinFeeds):
         index = None if rows is None else to_device(rows, self.device)
         lengths = self.lengths if index is None else self.lengths.index_select(0, index)
         dest, positions, allowed = plan(lengths, valid, width)
-        kwargs = {"attention_mask": attention_mask(allowed, self.model), "use_cache": True}
         row_of = None
         if flat:  # the real tokens alone, each with its row; attention takes them back to rows
             ids, dest, positions, row_of = ragged.flattened(valid, index, ids, dest, positions)
-            kwargs["rows_valid"] = valid
         self.cache.plan(dest, width, index, rows=row_of)
-        kwargs["position_ids"] = positions
         grown = valid.sum(1)
         self.lengths = self.lengths + grown if index is None else self.lengths.index_add(0, index, grown)
         self.bound = bound
+        options = dict(last_only=last_only, keep_hidden=self.keeps_hidden)
+        options["vocab"] = None if vocab is None else to_device(vocab, self.device)
+        if hidden is not None:
+            options["read"] = hidden
+        feed = Feed(positions, allowed, self.cache, valid if flat else None)
         with Timer(self.stats, self.device, ids.numel()), torch.inference_mode():
-            logits = self._logits(ids, kwargs, last_only, hidden, vocab)
+            logits, self.hidden = self.model_forward(ids, feed, **options)
             self.nonfinite |= torch.isnan(logits).any()
-        return ragged.scatter(logits[0], valid) if flat else logits
-
-    def _logits(self, ids, kwargs, last_only, read, vocab) -> torch.Tensor:
-        """The forward itself (``read``: the hidden states fed); float32 logits ``[R, T or 1, V or U]``."""
-        t = ids.shape[1]
-        if read is not None:
-            kwargs[self.decoder_cache_kw] = self.cache
-            hidden = self.model.predict_hidden(ids, read, **kwargs)
-        elif self.keeps_hidden or (vocab is not None and self.has_plain_head()):
-            kwargs[self.decoder_cache_kw] = self.cache
-            hidden = self.model.get_decoder()(input_ids=ids, **kwargs).last_hidden_state
-        else:
-            kwargs[self.cache_kw] = self.cache
-            # An index tensor, not the int 1: HF's slice hidden[:, -1:] keeps the strides
-            # of the whole sequence, and torch's CPU linear then takes a path that copies
-            # the LM head per row (measured ~30x slower); indexing gives a fresh tensor.
-            keep = torch.tensor([t - 1], device=self.device) if last_only else 0
-            out = self.model(input_ids=ids, logits_to_keep=keep, **kwargs)
-            self.hidden = None
-            logits = out.logits if vocab is None else out.logits.index_select(-1, vocab)
-            return logits.float()
-        self.hidden = hidden if self.keeps_hidden else None
-        if last_only:
-            hidden = hidden.index_select(1, torch.tensor([t - 1], device=self.device))  # see above
-        return _head(self.model.get_output_embeddings(), hidden, vocab).float()
-
-    def has_plain_head(self) -> bool:
-        """Whether the logits are the LM head applied to the decoder's output, as in Llama.
-
-        Checked once on two tokens: some models scale or soft-cap their logits after the
-        head, and then only the full forward is right.
-        """
-        if self.plain_head is None and not hasattr(self.model, "get_decoder"):
-            self.plain_head = False
-        if self.plain_head is None:
-            ids = torch.tensor([[0, 1]], device=self.device)
-            with torch.inference_mode():
-                full = self.model(input_ids=ids, use_cache=False).logits
-                hidden = self.model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
-                mine = self.model.get_output_embeddings()(hidden)
-            self.plain_head = torch.allclose(full.float(), mine.float(), rtol=1e-3, atol=1e-3)
-        return self.plain_head
-
-
-def _head(head: torch.nn.Module, hidden: torch.Tensor, vocab: torch.Tensor | None) -> torch.Tensor:
-    """The LM head on ``hidden``, for every token or for the rows ``vocab`` only."""
-    if vocab is None:
-        return head(hidden)
-    bias = head.bias.index_select(0, vocab) if head.bias is not None else None
-    return torch.nn.functional.linear(hidden, head.weight.index_select(0, vocab), bias)
+        return logits

@@ -20,6 +20,7 @@ from __future__ import annotations
 import inspect
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -191,6 +192,24 @@ def _gathered(t: torch.Tensor, rows: torch.Tensor, used: int, capacity: int) -> 
     out = t.new_zeros(len(rows), t.shape[1], capacity, t.shape[3])
     out[:, :, :used] = t[:, :, :used].index_select(0, rows)
     return out
+
+
+@dataclass(frozen=True)
+class Feed:
+    """A forward's feed as the backend planned it, for the model's forward to read.
+
+    Attributes:
+        positions: each token's position id (``[n, T]``, or ``[1, P]`` where ``flat``).
+        allowed: ``[n, 1, T, W]`` what each token attends to (True = attend).
+        cache: the rows, planned (``RowCache.plan``): where each layer writes, which rows it reads.
+        flat: ``[n, T]`` bool where the ids are the feed's real tokens alone, flattened ``[1, P]``
+            in this order (``backends.ragged``); None: the ids are the padded ``[n, T]`` feed.
+    """
+
+    positions: torch.Tensor
+    allowed: torch.Tensor
+    cache: RowCache
+    flat: torch.Tensor | None = None
 
 
 def plan(

@@ -161,8 +161,9 @@ def compare_constrained(
     )
     pair.call(functools.partial(_warm_up, ctx, tasks[0], constraints[tasks[0].name], methods, lms, **kw))
     runs: dict[tuple[str, str], list[tuple[SteeringRecord, float]]] = {}
-    forwards = ForwardStats()  # on the decoder: the batched backend runs it and its own LM head
-    with count_forwards(pair.target.model.get_decoder(), forwards):
+    # On the input embeddings: the one module every forward calls, ours and the model's own alike.
+    forwards = ForwardStats()
+    with count_forwards(pair.target.model.get_input_embeddings(), forwards):
         for rep, task in itertools.product(range(repeats), tasks):
             done: dict[str, SteeringRecord] = {}
             for method in methods:

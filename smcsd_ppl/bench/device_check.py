@@ -26,7 +26,6 @@ from ..backends.syncs import reads_per_cycle
 from ..config import SMCConfig
 from ..engine.worker import entered_on_torch_thread
 from ..models import LoadedModel
-from .device_static import static_report
 from .speed import HF_GENERATE, timed_run
 
 VOCAB_8B = 128256
@@ -237,8 +236,7 @@ class CheckSettings:
 
     ``tiny``: tiny shapes (always on a CPU); ``compile``: also time ``torch.compile``d
     forwards; ``backend="vllm"``: also time AR, SD and SMC-SD on vLLM engines over the same
-    models; ``engine="compiled"`` (or ``"auto"``): the static path beside the eager one
-    (``device_static``), with prompts of ``static_prompts`` tokens.
+    models.
     """
 
     tiny: bool = False
@@ -247,8 +245,6 @@ class CheckSettings:
     prompt_tokens: int = 128
     repeats: int = 3
     backend: str = "hf"
-    engine: str = "eager"
-    static_prompts: tuple[int, ...] = (256, 1024)
 
 
 def check(device: str | None = None, settings: CheckSettings = CheckSettings()) -> dict:
@@ -277,11 +273,6 @@ def check(device: str | None = None, settings: CheckSettings = CheckSettings()) 
         report["compiled"] = _compiled(pair, prompt, config, settings.repeats)
     if settings.backend == "vllm":
         report["vllm"] = _on_vllm(target, draft, prompt, config, settings.repeats)
-    if settings.engine != "eager":
-        g = torch.Generator().manual_seed(1)
-        lengths = settings.static_prompts
-        prompts = {f"{n}": torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths}
-        report["static"] = static_report(target, draft, prompts, config, settings.repeats, settings.engine)
     report["peak_memory_bytes"] = _peak_memory(device)
     report["seconds"] = round(time.perf_counter() - start, 1)
     return report

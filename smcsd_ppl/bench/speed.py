@@ -17,6 +17,8 @@ HF_GENERATE = "hf_generate"  # Hugging Face generate(): the external reference, 
 SPEED_METHODS = (HF_GENERATE, "ar", "sd", "smcsd", "smcsd_paper")
 """The methods ``smcsd speed`` compares: the reference, then registered methods."""
 VLLM_SPEED_METHODS = ("ar", "sd", "smcsd", "smcsd_paper")
+BESIDE_METHODS = ("ar", "smcsd", "smcsd_paper")
+"""What ``smcsd speed --forward`` also times on the chosen forward, beside the reference rows."""
 """What it compares on the vLLM backend (beside the HF backend's AR)."""
 
 
@@ -97,7 +99,7 @@ def compare_speed(
     warm = dataclasses.replace(config, max_new_tokens=8)
     learn_draft(pair, prompts[0], warm)
     pair.generate(prompts[0], method="smcsd", config=warm)  # first calls pay for lazy set-up
-    for runner, method in (others or {}).values():  # a compiled row builds its graphs here, untimed
+    for runner, method in (others or {}).values():  # other pairs' first calls, untimed too
         runner.generate(prompts[0], method=method, config=config)
     for rep in range(repeats):
         for prompt in prompts:

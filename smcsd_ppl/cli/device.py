@@ -5,9 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..config import EXECUTION_ENGINES
-from .util import csv
-
 
 def add_parser(sub) -> None:
     """Add the ``device-check`` subcommand to the ``smcsd`` parser."""
@@ -18,17 +15,6 @@ def add_parser(sub) -> None:
     dc.add_argument("--device", default=None, help="cuda when there is one, else cpu (tiny shapes)")
     dc.add_argument("--tiny", action="store_true", help="tiny shapes (always on a CPU)")
     dc.add_argument("--compile", action="store_true", help="also time with torch.compile'd models")
-    dc.add_argument(
-        "--engine",
-        choices=EXECUTION_ENGINES,
-        default="eager",
-        help="compiled or auto: also time the static path (ar and smcsd_paper as graphs) beside eager",
-    )
-    dc.add_argument(
-        "--static-prompts",
-        default="256,1024",
-        help="prompt lengths the static path is timed at (comma-separated)",
-    )
     dc.add_argument("--max-new-tokens", type=int, default=128, help="tokens per timed run")
     dc.add_argument("--prompt-tokens", type=int, default=128, help="random prompt length")
     dc.add_argument("--repeats", type=int, default=3, help="timed runs per method (medians)")
@@ -51,8 +37,6 @@ def _device_check(args: argparse.Namespace) -> int:
         prompt_tokens=args.prompt_tokens,
         repeats=args.repeats,
         backend=args.backend,
-        engine=args.engine,
-        static_prompts=tuple(csv(args.static_prompts, int, "--static-prompts")),
     )
     report = check(args.device, settings)
     print(json.dumps(report))

@@ -11,7 +11,6 @@ from ..names import METHOD_SUMMARIES
 from .loading import load_pair
 from .options import (
     constraint_args,
-    engine_arg,
     model_args,
     read_constraint,
     smc_args,
@@ -40,7 +39,6 @@ def add_parser(sub) -> None:
         help="; ".join(f"{name}: {summary}" for name, summary in METHOD_SUMMARIES.items()),
     )
     model_args(gen)
-    engine_arg(gen)
     smc_args(gen)
     constraint_args(gen)
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -81,9 +79,6 @@ def run(args: argparse.Namespace) -> int:
         return 0
     _print_text(out, "" if stream is None else stream.text)
     _print_stats(out, config)
-    static = pair.core.built_static
-    if static is not None and static.compile_seconds:
-        err(f"[engine {args.forward_engine}] {static.mode}: graphs built in {static.compile_seconds:.1f} s")
     return 0
 
 

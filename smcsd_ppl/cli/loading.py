@@ -57,6 +57,8 @@ def pair_options(args: argparse.Namespace) -> dict:
         "backend": args.backend,
         "vllm_options": {"tensor_parallel_size": args.tensor_parallel} if args.tensor_parallel > 1 else {},
         "draft_record": draft_record(getattr(args, "draft_record", "shipped")),
+        "forward": args.forward,
+        "deterministic": args.deterministic,
     }
 
 
@@ -104,10 +106,7 @@ def load_pair(args: argparse.Namespace, *, torch_models: bool = False):
             f"--backend {args.backend}: this command runs the models in PyTorch (use --backend hf)"
         )
     set_threads(args)
-    options = pair_options(args) | {
-        "engine": getattr(args, "forward_engine", "eager"),
-        "deterministic": getattr(args, "deterministic", False),
-    }
+    options = pair_options(args)
     if args.backend == "vllm":  # its start-up notes run to hundreds of lines; errors still show
         logging.getLogger("vllm").setLevel(logging.ERROR)
     from ..models.loading import dtype_name

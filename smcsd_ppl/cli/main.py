@@ -29,7 +29,6 @@ from . import (
 )
 from .loading import load_pair, pair_options
 from .options import (
-    engine_arg,
     grid_args,
     model_args,
     prompt_args,
@@ -49,6 +48,7 @@ from .util import (
     err,
     progress,
     say_error,
+    status,
     user_error,
 )
 
@@ -86,7 +86,6 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_speed(sub) -> None:
     speed = sub.add_parser("speed", help="tokens/s of SMC-SD vs AR, exact SD and HF generate(), side by side")
     model_args(speed)
-    engine_arg(speed)
     smc_args(speed)
     speed.add_argument("--repeats", type=int, default=3, help="runs per prompt and method (medians reported)")
     speed.add_argument("--prompt", action="append", help="prompt to time (repeatable; default: 3 built-in)")
@@ -141,25 +140,30 @@ def _add_report(sub) -> None:
 
 def _speed(args: argparse.Namespace) -> int:
     from ..api import SMCSD
-    from ..bench.speed import SPEED_METHODS, VLLM_SPEED_METHODS, compare_speed
-    from ..engine.pair import STATIC_METHODS
+    from ..bench.speed import BESIDE_METHODS, SPEED_METHODS, VLLM_SPEED_METHODS, compare_speed
 
     config = smc_config(args)
     prompts = [check_prompt(p) for p in args.prompt or SPEED_PROMPTS]
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
-    engine, args.forward_engine = args.forward_engine, "eager"  # the eager rows are the baseline
+    forward, args.forward = args.forward, "reference"  # the reference rows are the baseline
     pair = load_pair(args)
     methods, others = SPEED_METHODS, {}
     if args.backend == "vllm":  # the HF backend's AR beside: the models built in PyTorch too, for it
         hf = SMCSD.load(**(pair_options(args) | {"backend": "hf", "vllm_options": None}))
         methods, others = VLLM_SPEED_METHODS, {"ar (HF backend)": (hf, "ar")}
-    fast = None
-    if engine != "eager":  # the static path's rows beside, on the same models
-        fast = SMCSD(
-            pair.target, pair.draft, chat=not args.no_chat, engine=engine, deterministic=args.deterministic
-        )
-        others |= {f"{m} ({engine})": (fast, m) for m in STATIC_METHODS}
+    if forward != "reference" and args.backend == "hf":  # our forward's rows beside, on the same models
+        with status(f"building the {forward} forward"):
+            ours = SMCSD(
+                pair.target,
+                pair.draft,
+                chat=not args.no_chat,
+                forward=forward,
+                deterministic=args.deterministic,
+            )
+        ours.draft_record = pair.draft_record
+        err(ours.core.forward_note())
+        others |= {f"{m} ({forward})": (ours, m) for m in BESIDE_METHODS}
     total = args.repeats * len(prompts) * (len(methods) + len(others))
     with progress(total, "runs") as bar:
         done = [0]
@@ -171,10 +175,6 @@ def _speed(args: argparse.Namespace) -> int:
         rows = compare_speed(
             pair, prompts, config, repeats=args.repeats, methods=methods, on_run=tick, others=others
         )
-    if fast is not None:
-        static = fast.core.built_static
-        if static is not None:
-            err(f"{engine}: {static.mode}, graphs built in {static.compile_seconds:.0f} s (untimed)")
     print(
         f"{config.max_new_tokens} tokens per run, N={config.n_particles}, K={config.block_size}, "
         f"T_d={config.draft_temperature}, T_t={config.target_temperature}, {args.dtype} on {args.device} "

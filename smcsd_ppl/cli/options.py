@@ -10,7 +10,7 @@ import dataclasses
 
 from ..config import (
     DIVERGENCE_NAMES,
-    EXECUTION_ENGINES,
+    FORWARDS,
     PROPOSAL_NAMES,
     RESAMPLING_SCHEMES,
     SELECTIONS,
@@ -73,23 +73,24 @@ def model_args(p: argparse.ArgumentParser, *, draft: bool = True) -> None:
         metavar="N",
         help="vLLM backend: GPUs each engine spreads over (tensor_parallel_size)",
     )
+    forward_args(g)
 
 
-def engine_arg(p: argparse.ArgumentParser) -> None:
-    """``--engine``: the backends' forwards or the static path's compiled graphs (``SMCSD(engine=)``)."""
-    p.add_argument(
-        "--engine",
-        dest="forward_engine",
-        choices=EXECUTION_ENGINES,
-        default="eager",
-        help="eager: the backends' forwards (default); compiled: ar and smcsd_paper as one compiled "
-        "graph per step (torch.compile on a CPU, CUDA graphs on CUDA); auto: compiled on CUDA only",
+def forward_args(g) -> None:
+    """``--forward`` and ``--deterministic``: how the models compute a forward (``SMCSD(forward=...)``)."""
+    g.add_argument(
+        "--forward",
+        choices=FORWARDS,
+        default="auto",
+        help="how the hf backend computes a forward: auto (default: ours for Llama-family models, its "
+        "parts compiled where already built on this machine, else the model's own), compiled (ours, "
+        "compiling its parts once per machine if missing), reference (transformers' own forward)",
     )
-    p.add_argument(
+    g.add_argument(
         "--deterministic",
         action="store_true",
-        help="with --engine compiled: a fixed row bucket, so a seeded request gives the same tokens "
-        "alone and among batch-mates",
+        help="a seeded request gives the same tokens alone and among batch-mates: every forward it "
+        "takes part in has the shapes it has alone (fixed rows and width; costs rows)",
     )
 
 

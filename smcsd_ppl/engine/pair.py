@@ -12,31 +12,25 @@ from dataclasses import dataclass
 from ..backends.base import BatchedLM
 from ..config import DraftRecord, SMCConfig
 from ..inference.rows import RowStore
-from ..inference.static_engine import DETERMINISTIC_ROWS, StaticEngine, graph_mode
 from ..models import LoadedModel
 from ..potentials.conditions import Conditions
 from ..potentials.constraints import special_ids
 from ..text import check_token_ids, encode_prompt, token_text, whole_characters
 
-STATIC_METHODS = ("ar", "smcsd_paper")
-"""The methods the static path runs (``--engine compiled``)."""
-
 
 @dataclass(frozen=True)
 class Execution:
-    """How a pair's calls run.
+    """How a pair's models run.
 
     Attributes:
         backend: what runs the models (``"hf"``, ``"vllm"``, or a test's name).
-        engine: ``"eager"`` (the backends' forwards, the reference), ``"compiled"`` (the static
-            path's graphs, ``inference.static_engine``, for the calls it runs: ``ar`` and
-            ``smcsd_paper``) or ``"auto"`` (compiled on CUDA where the static path runs the call).
-        deterministic: the static path runs SMC-SD in a fixed row bucket, so a seeded request's
-            tokens do not depend on its batch-mates (``StaticEngine.row_bucket``).
+        forward: how the HF backend computes a forward (``config.FORWARDS``).
+        deterministic: every forward a request takes part in has shapes of its own alone, so a
+            seeded request's tokens do not depend on its batch-mates.
     """
 
     backend: str = "hf"
-    engine: str = "eager"
+    forward: str = "auto"
     deterministic: bool = False
 
 
@@ -67,10 +61,7 @@ class PairCore:
         execution: Execution = Execution(),
     ) -> None:
         self.execution = execution
-        self.backend, self.engine = execution.backend, execution.engine
-        self.deterministic = execution.deterministic
-        graph_mode(self.engine, target_lm.device)  # checks the name
-        self._static: StaticEngine | None = None
+        self.backend, self.deterministic = execution.backend, execution.deterministic
         self.target_lm, self.draft_lm = target_lm, draft_lm
         self.store = RowStore(target_lm, draft_lm)  # the only one: every run's rows live here
         self.tokenizer, self.chat = tokenizer, chat
@@ -123,30 +114,29 @@ class PairCore:
         return core
 
     @property
-    def built_static(self) -> StaticEngine | None:
-        """The static path's engine if a call has used it (for its compile time), else None."""
-        return self._static
+    def forwards(self) -> list:
+        """Our forwards of the pair's models (``backends.llama.LlamaForward``), where they run ours."""
+        return [
+            f for lm in (self.target_lm, self.draft_lm) if (f := getattr(lm, "compiled", None)) is not None
+        ]
 
-    def static_engine(self, method: str) -> StaticEngine | None:
-        """The static path for a call of ``method``, or None where the eager backends run it.
+    def forward_note(self) -> str:
+        """One line on how the models compute a forward, and what of ours is compiled."""
+        if not self.forwards:
+            return f"forward: the models' own ({self.backend} backend)"
+        lms = (("target", self.target_lm), ("draft", self.draft_lm))
+        roles = [role for role, lm in lms if getattr(lm, "compiled", None) is not None]
+        f = self.forwards[0]
+        return f"forward: ours for the {' and '.join(roles)}; {f.parts.describe(f.shape, f.device)}"
 
-        ``compiled`` refuses, in one line, a call the static path does not run; ``auto`` runs
-        it eagerly. The engine, its arenas and graphs are kept across calls.
+    def build_forwards(self, *, background: bool = False) -> None:
+        """Compile the parts our forwards lack (kept on disk for later processes).
+
+        ``background``: in a thread of their own; the forwards run uncompiled meanwhile and take
+        each compiled part as it is ready (a server answers at once).
         """
-        mode = graph_mode(self.engine, self.target_lm.device)
-        runs = method in STATIC_METHODS and self.backend == "hf" and self.target is not None
-        if mode == "eager" or (self.engine == "auto" and not runs):
-            return None
-        if not runs:
-            raise ValueError(
-                f"the compiled engine runs {' and '.join(STATIC_METHODS)} on the HF backend, not {method}: "
-                "use --engine eager or auto"
-            )
-        if self._static is None:
-            stats = (self.target_lm.stats, self.draft_lm.stats)
-            bucket = DETERMINISTIC_ROWS if self.deterministic else None
-            self._static = StaticEngine(self.target.model, self.draft.model, mode, stats, bucket)
-        return self._static
+        for f in self.forwards:
+            f.parts.build(f.shape, f.device, background=background)
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of token ids (special tokens dropped), up to its last whole character.

@@ -220,6 +220,7 @@ def _engine_main(conn, spec, base: SMCConfig, max_rows: int) -> None:
         with warnings.catch_warnings(record=True) as caught:  # the parent says them, not our stderr
             warnings.simplefilter("always")
             pair = spec.load()
+        pair.core.build_forwards(background=True)  # answers at once; compiled parts as they come
         core = EngineCore(pair.core, base, max_rows=max_rows, keep_draft=True)  # requests come one by one
     except BaseException as err:  # noqa: BLE001 - the parent raises it
         conn.send(("error", err))

@@ -11,7 +11,6 @@ import torch
 
 from ..backends.base import BatchedLM, check_finite, to_device
 from ..ends import row_ends
-from ..inference.static_ar import static_autoregressive
 from ..results import Generation
 from ..verification import sample_tokens
 from .registry import RunContext, register
@@ -72,9 +71,8 @@ def autoregressive(
 @register("ar", uses_draft=False)
 def _ar(ctx: RunContext) -> list[Generation]:
     cfg = ctx.config
-    static = ctx.pair.static_engine("ar")  # None: the eager backend
-    tokens = (autoregressive if static is None else static_autoregressive)(
-        ctx.target_lm if static is None else static,
+    tokens = autoregressive(
+        ctx.target_lm,
         ctx.prompts,
         eos_token_ids=ctx.eos,
         max_new_tokens=cfg.max_new_tokens,

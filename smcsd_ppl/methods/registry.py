@@ -105,7 +105,7 @@ class Method:
     """A named generation method.
 
     Attributes:
-        run: the runner (SMC-SD's: None, or the static path's where it has one).
+        run: the runner (None for SMC-SD's methods, which the pair's engine runs).
         uses_draft: it feeds the draft model (and may draft past the budget by a block).
         particles: it holds ``n_particles`` rows per prompt.
         summary: one line for help texts.
@@ -157,11 +157,9 @@ def register(
     return add
 
 
-def register_smcsd(
-    name: str, settings: Callable[[SMCConfig], SMCConfig], static: Runner | None = None
-) -> None:
-    """Add an SMC-SD method: the engine runs it with ``settings``; ``static`` runs it on the static path."""
-    METHODS[name] = Method(name, static, True, True, METHOD_SUMMARIES[name], settings=settings)
+def register_smcsd(name: str, settings: Callable[[SMCConfig], SMCConfig]) -> None:
+    """Add an SMC-SD method: the pair's engine runs it with ``settings`` (no runner of its own)."""
+    METHODS[name] = Method(name, None, True, True, METHOD_SUMMARIES[name], settings=settings)
 
 
 def get(name: str) -> Method:

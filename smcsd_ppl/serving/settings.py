@@ -27,6 +27,8 @@ class PairSpec:
     backend: str = "hf"
     vllm_options: dict = field(default_factory=dict)
     draft_record: DraftRecord | None = None
+    forward: str = "auto"
+    deterministic: bool = False
     factory: Callable[[], object] | None = None
 
     def load(self):
@@ -36,7 +38,9 @@ class PairSpec:
         from ..api import SMCSD
 
         options = dict(chat=self.chat, backend=self.backend, vllm_options=self.vllm_options or None)
-        options["draft_record"] = self.draft_record
+        options |= dict(
+            draft_record=self.draft_record, forward=self.forward, deterministic=self.deterministic
+        )
         return SMCSD.load(
             self.target, self.draft, device=self.device, dtype=self.dtype, threads=self.threads, **options
         )
@@ -96,6 +100,7 @@ def build_server(settings: ServeSettings, pair=None):
     limits = dict(max_queue=settings.max_queue, max_rows=settings.max_rows)
     if pair is None and settings.engine == "thread":
         pair = settings.pair.load()
+        pair.core.build_forwards(background=True)  # answers at once; compiled parts as they come
     if pair is not None:
         engine = Engine(pair.core, settings.defaults, **limits, keep_draft=True)  # requests come one by one
         pair.use_engine(engine)  # the pair's own calls share the server's batch
