@@ -99,7 +99,7 @@ def test_drafted_q_is_the_drafts_q_given_the_targets_states(block_size):
             expect = scratch_logq(target, draft, seqs[b.row], b.tokens, t_d)
             torch.testing.assert_close(b.draft_logq, expect, atol=2e-4, rtol=1e-4)
         rows, tokens = [b.row for b in blocks], [b.tokens for b in blocks]
-        _, states = store.score(rows, tokens)
+        _, states = store.score(rows, torch.tensor(tokens))
         kept = [(cycle + r) % (block_size + 1) for r in range(store.n_rows)]
         nexts = torch.randint(1, 300, (store.n_rows,), generator=g).tolist()
         store.commit(rows, tokens, kept, nexts, [b.fed for b in blocks], states)

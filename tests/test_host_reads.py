@@ -9,11 +9,11 @@ counts are those of the accelerator path.
 Budgets (reads per cycle = between two target forwards):
 - AR: 1 (the sampled tokens), 2 on every 16th token (the NaN flag);
 - exact SD: 4 (drafted tokens, their log q, the accept verdicts, the NaN flags);
-- SMC-SD: 4 (drafted tokens and log q; the verdicts and the weights);
-- constrained SMC-SD: those 4, one for the bonus restriction, and 4 per drafting step
-  (the drafted tokens, mirrored on the host once per step for the constraint; the
-  per-row mass check; which rows still draft; the early stop), not one per row and
-  drafted token.
+- SMC-SD, the paper's and the default (its cut, adaptive length, the target alone): 1, the
+  drafted tokens read with the verdict (NaN logits show as NaN weights there);
+- constrained SMC-SD: 1, and 4 per drafting step (the drafted tokens, mirrored on the host
+  once per step for the constraint's next masks; the per-row mass check; which rows still
+  draft; the early stop), not one per row and drafted token.
 """
 
 from __future__ import annotations
@@ -26,21 +26,21 @@ import torch
 
 from smcsd_ppl.api import SMCSD
 from smcsd_ppl.backends.syncs import HostReads, reads_per_cycle
-from smcsd_ppl.config import SMCConfig
+from smcsd_ppl.config import DraftRecord, SMCConfig
 from smcsd_ppl.engine.worker import entered_on_torch_thread
 from smcsd_ppl.inference.program import SMCSDModel
 from smcsd_ppl.potentials import Constraint
 
 K = 4
 CFG = SMCConfig(n_particles=8, block_size=K, max_new_tokens=24, ignore_eos=True, seed=0)
-BUDGET = {"sd": 4, "smcsd": 4}
+BUDGET = {"sd": 4, "smcsd": 1, "smcsd_paper": 1}
 
 
 @pytest.fixture(scope="module")
 def smc():
     target, draft = tiny.pair()
     pair = SMCSD(target, draft)
-    pair.rows().early_stop_reads = False  # the pair's one store, read as on an accelerator
+    pair.rows().free_reads = False  # the pair's one store, read as on an accelerator
     pair.target_lm.shares_twins = pair.draft_lm.shares_twins = False  # so are the backends
     return pair
 
@@ -60,10 +60,21 @@ def test_autoregressive_reads_the_tokens_once_per_token(smc):
     assert sum(c > 1 for c in counts) <= len(counts) // 16 + 1, counts
 
 
-@pytest.mark.parametrize("method", ["sd", "smcsd"])
+@pytest.mark.parametrize("method", ["sd", "smcsd", "smcsd_paper"])
 def test_speculative_cycles_stay_within_budget(smc, method):
     counts = counted(smc, lambda: smc.generate("The quick brown fox", method=method, config=CFG))
     assert max(counts) <= BUDGET[method], counts
+
+
+@pytest.mark.parametrize("drafts", [True, False])
+def test_the_default_method_reads_once_per_cycle_drafting_or_alone(smc, drafts):
+    """The default method's cycles, drafting under a loose cut, or decoding with the target alone."""
+    cfg = dataclasses.replace(CFG, cut=0.99)
+    record = DraftRecord(1000, 1, row_cost=0.0) if drafts else DraftRecord(0, 1000, row_cost=0.0)
+    before = smc.draft_lm.stats.calls
+    counts = counted(smc, lambda: smc.engine.run([SMCSDModel([5, 6, 7])], cfg, record=record)[0].wait())
+    assert (smc.draft_lm.stats.calls > before) == drafts
+    assert max(counts) <= 1, counts
 
 
 class EvenTokens(Constraint):
@@ -79,7 +90,7 @@ def test_constrained_drafting_reads_once_per_step(smc):
     cfg = dataclasses.replace(CFG, n_particles=4)
     programs = [SMCSDModel([5, 6, 7], constraint=EvenTokens())]
     counts = counted(smc, lambda: smc.run(programs, cfg))
-    assert max(counts) <= BUDGET["smcsd"] + 1 + 4 * K, counts
+    assert max(counts) <= BUDGET["smcsd"] + 4 * K, counts
 
 
 def test_counter_sees_reads_of_model_outputs_only():

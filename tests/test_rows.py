@@ -15,7 +15,7 @@ def scored(read):
     store = RowStore(*mock_pair())
     store.start([[1, 2], [3], [2, 2, 1]], [0, 1, 2], draft=False)
     store.queue({0: [1], 1: [0], 2: [2]})
-    logits, _ = store.score([0, 1, 2], BLOCKS, read)
+    logits, _ = store.score([0, 1, 2], torch.tensor(BLOCKS), read)
     return store, logits
 
 

@@ -189,7 +189,7 @@ def host_reads(pair: SMCSD, method: str, prompt: list[int], config: SMCConfig) -
     counter = reads_per_cycle(pair.target_lm, [pair.target.model, pair.draft.model])
     # Counted as an accelerator pays them: the reads a CPU takes because they are free there are off.
     owners = [
-        (pair.rows(), "early_stop_reads"),
+        (pair.rows(), "free_reads"),
         (pair.target_lm, "shares_twins"),
         (pair.draft_lm, "shares_twins"),
     ]

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from ..ends import first_end
 from ..potentials.constraints import Constraint
 from ..proposals.blocks import RowProposal
 
@@ -97,27 +98,142 @@ class TokenRequest:
     temperature: float | None = None
 
 
+class DraftBatch:
+    """What one drafting call drew for every backend row, on the device until the host needs it.
+
+    A cycle without constraints reads the tokens with its verdict, in one read; where a step
+    needs them on the host before (a constraint's masks and factors, exact SD), ``host``
+    reads them then, once for the call.
+
+    Args:
+        tokens: ``[R, k]`` the tokens drawn per backend row (rows not asked hold unread values).
+        logq: ``[R, k]`` log q of each (masked q where a constraint restricts).
+        probs: ``[R, k, V]`` q at each position, where kept (the cut, a retrieval row).
+    """
+
+    def __init__(self, tokens: torch.Tensor, logq: torch.Tensor, probs: torch.Tensor | None = None) -> None:
+        self.tokens, self.logq, self.probs = tokens, logq, probs
+        self._host: list[list[int]] | None = None
+
+    @property
+    def k(self) -> int:
+        """Tokens drafted per row."""
+        return self.tokens.shape[1]
+
+    def host(self) -> list[list[int]]:
+        """The tokens per backend row on the host (read from the device at most once)."""
+        if self._host is None:
+            self._host = self.tokens.cpu().tolist()
+        return self._host
+
+    def known(self, rows: Sequence[int], tokens: Sequence[Sequence[int]]) -> None:
+        """The tokens of ``rows``, read with something else: no read of their own is needed."""
+        if self._host is None:
+            self._host = [[] for _ in range(len(self.tokens))]
+        for r, t in zip(rows, tokens):
+            self._host[r] = list(t)
+
+
 @dataclass
 class DraftedBlock:
-    """The tokens drafted for one row in a cycle, and how many of them may count."""
+    """One row's block of a drafting call: where it may end (on the host) and its tokens (in the batch).
+
+    The tokens, and where an EOS or the budget ends the block among them, live on the device
+    (``DraftBatch``; verification reads ``ending``); the fields below them read the host's copy.
+    """
 
     row: int
-    tokens: list[int]  # all drafted tokens: k, or fewer when every row of the call ended sooner
-    draft_logq: torch.Tensor  # [k] log q(d_j | .) at T_d (masked q where a constraint restricts)
-    limit: int  # tokens that may count: an EOS (included), the budget, the draft length or a dead end
-    stops: bool  # the block itself ends the particle (drafted EOS or budget): no bonus
+    batch: DraftBatch
+    reach: int  # drafted tokens that may count at most: the row's draft length, or where drafting ended it
     budget: int  # tokens the particle could still emit before this block
-    draft_probs: torch.Tensor | None = None  # [k, V] q at each drafted position, on request
     constraint: RowConstraint | None = None
-    dead: bool = False  # the constraint allowed nothing where the block ends: zero weight
+    dead_at: int | None = None  # the position where the constraint allowed nothing (the row dies there)
     fed: int = 0  # drafted tokens the draft model has read (k-1, fewer after forced tokens)
     allowed: list[torch.Tensor] = field(default_factory=list)  # [V] per position: a proposal mask
     checks: list[float] | None = None  # a retrieval row: the uniform the target checks each token with
+    eos: frozenset[int] = frozenset()  # the EOS ids in force
+
+    @property
+    def feed(self) -> int:
+        """Drafted tokens the target reads: all that may count (an EOS among them is found on the device)."""
+        dead_at = self.batch.k if self.dead_at is None else self.dead_at
+        return min(self.batch.k, self.reach, self.budget, dead_at)
+
+    @property
+    def tokens(self) -> list[int]:
+        """Every drafted token (on the host)."""
+        return self.batch.host()[self.row]
+
+    @property
+    def draft_logq(self) -> torch.Tensor:
+        """``[k]`` log q(d_j | .) at T_d (masked q where a constraint restricts)."""
+        return self.batch.logq[self.row]
+
+    @property
+    def draft_probs(self) -> torch.Tensor | None:
+        """``[k, V]`` q at each drafted position, where kept."""
+        return None if self.batch.probs is None else self.batch.probs[self.row]
+
+    @property
+    def limit(self) -> int:
+        """Tokens that may count: an EOS (included), the budget, the draft length or a dead end."""
+        return self.ending[0]
+
+    @property
+    def stops(self) -> bool:
+        """The block itself ends the particle (drafted EOS or budget): no bonus."""
+        return self.ending[1]
+
+    @property
+    def dead(self) -> bool:
+        """The constraint allowed nothing where the block ends: zero weight."""
+        return self.ending[2]
+
+    @property
+    def ending(self) -> tuple[int, bool, bool]:
+        """(limit, stops, dead) by ``block_ending`` over the host's tokens."""
+        return block_ending(self.tokens, self.reach, self.budget, self.dead_at, self.eos)
 
     @property
     def countable(self) -> list[int]:
         """The drafted tokens that may count (up to ``limit``)."""
         return self.tokens[: self.limit]
+
+
+def block_ending(
+    tokens: Sequence[int], reach: int, budget: int, dead_at: int | None, eos: Container[int]
+) -> tuple[int, bool, bool]:
+    """Where a block ends among its ``tokens``: (tokens that count, it ends the particle, it dies).
+
+    It ends at its ``reach`` (its draft length, or where drafting ended it), where its
+    constraint allowed nothing (``dead_at``: it dies there unless an EOS or the budget ended it
+    first), the first EOS (kept), or the budget. ``device_ending`` is the same rule on the device.
+    """
+    end = min(len(tokens), reach, len(tokens) if dead_at is None else dead_at)
+    stop = first_end(tokens[:end], 0, budget, eos)
+    counts, stops = (min(end, budget), False) if stop is None else (stop, True)
+    dead = not stops and dead_at is not None and counts == dead_at < min(len(tokens), reach)
+    return counts, stops, dead
+
+
+def device_ending(
+    tokens: torch.Tensor,  # [n, k]
+    reach: torch.Tensor,  # [n]
+    budget: torch.Tensor,  # [n]
+    dead_at: torch.Tensor,  # [n] k + 1 where the constraint allowed every position
+    eos: torch.Tensor,  # [E] (an id outside the vocabulary where none)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``block_ending`` for a batch, on the tokens' device: no host read."""
+    k = tokens.shape[1]
+    reach = reach.clamp(max=k)
+    end = torch.minimum(reach, dead_at)
+    position = torch.arange(1, k + 1, device=tokens.device)[None, :]
+    ends = (torch.isin(tokens, eos) | (position >= budget[:, None])) & (position <= end[:, None])
+    stops = ends.any(1)
+    before = (~ends).long().cumprod(1).sum(1)  # positions before the first end (any k, 0 included)
+    counts = torch.where(stops, before + 1, torch.minimum(end, budget))
+    dead = ~stops & (counts == dead_at) & (dead_at < reach)
+    return counts, stops, dead
 
 
 @dataclass(frozen=True)
@@ -169,7 +285,6 @@ CycleAnswer = ScoredBlock | torch.Tensor
 
 def block_length(blocks: Sequence[DraftedBlock]) -> int:
     """The common length of blocks drafted in one ``draft_blocks`` call."""
-    lengths = {len(b.tokens) for b in blocks}
-    if len(lengths) != 1:
-        raise ValueError(f"blocks verified together must be drafted together (lengths {sorted(lengths)})")
-    return lengths.pop()
+    if len({id(b.batch) for b in blocks}) != 1:
+        raise ValueError("blocks verified together must be drafted together, in one call")
+    return blocks[0].batch.k

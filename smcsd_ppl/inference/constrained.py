@@ -235,7 +235,7 @@ def critic_masks(blocks: Sequence, vocab_size: int, device: torch.device) -> tor
     ]
     if not rows:
         return None
-    k = len(blocks[0].tokens)
+    k = blocks[0].batch.k
     at = [(i, j) for i in rows if not blocks[i].stops for j in range(min(k, blocks[i].limit) + 1)]
     pairs = [
         (blocks[i].constraint.constraint, blocks[i].constraint.context + tuple(blocks[i].tokens[:j]))
@@ -283,7 +283,7 @@ def proposal_factors(blocks: Sequence, vocab_size: int, device: torch.device) ->
     ]
     if not rows:
         return None
-    k = len(blocks[0].tokens)
+    k = blocks[0].batch.k
     out = torch.zeros(len(blocks), k + 1, vocab_size)
     hard = [i for i in rows if not blocks[i].constraint.constraint.weighted]
     for i, masks in zip(hard, _hard_masks(blocks, hard)):
@@ -319,7 +319,7 @@ def proposal_tilts(blocks: Sequence, vocab_size: int, device: torch.device) -> t
     ]
     if not rows:
         return None
-    k = len(blocks[0].tokens)
+    k = blocks[0].batch.k
     out = torch.zeros(len(blocks), k + 1, vocab_size)
     for i in rows:
         tilts, tokens = blocks[i].constraint.tilt, blocks[i].tokens

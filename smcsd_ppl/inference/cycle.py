@@ -29,6 +29,7 @@ from .blocks import (
     ScoredBlock,
     TokenRequest,
     block_length,
+    device_ending,
 )
 from .drafting import draft_blocks
 from .rows import RowStore
@@ -204,7 +205,10 @@ def _then(proposal: RowProposal | None, unsent: Sequence[int], lead: Lead | None
 
 
 def _blocks(store, requests, lead_log_w, c: SMCConfig, eos, flush: Flush) -> list[ScoredBlock]:
-    """Draft, score in one fused forward, verify and commit the blocks of rows with a token queued."""
+    """Draft, score in one fused forward, verify and commit the blocks of rows with a token queued.
+
+    The drafted tokens stay on the device until the verdict: one host read brings back both.
+    """
     u = flush.uniforms.to(store.device)
     drafted = draft_blocks(
         store,
@@ -217,51 +221,96 @@ def _blocks(store, requests, lead_log_w, c: SMCConfig, eos, flush: Flush) -> lis
     )
     k = block_length(drafted)  # one length for all: they are verified together
     rows = [b.row for b in drafted]
-    logits, hidden = store.score(rows, [b.tokens for b in drafted], [min(b.limit, k) for b in drafted])
+    tokens = drafted[0].batch.tokens.index_select(0, to_device(torch.tensor(rows), store.device))  # [n, k]
+    logits, hidden = store.score(rows, tokens, [b.feed for b in drafted])
     logits = logits.div_(flush.target_t[rows, None, None].to(logits.device))  # [n, k+1, V]
-    batch = block_batch(drafted, lead_log_w, logits.shape[-1], logits.device, k > 0)
+    batch = block_batch(drafted, tokens, lead_log_w, logits.shape[-1], k > 0)
     verdict = verify_blocks(
-        logits, batch, u[rows, -1], alpha=c.alpha, cut=c.cut if k else None, divergence=c.cut_divergence
+        logits,
+        batch,
+        u[rows, -1],
+        alpha=c.alpha,
+        cut=c.cut if k else None,
+        divergence=c.cut_divergence,
+        padded=store.free_reads,
     )
-    kept, bonus, has_bonus, dead, diverged = torch.stack(
-        [verdict.kept, verdict.bonus, verdict.has_bonus, verdict.dead, verdict.diverged]
-    ).tolist()  # one host read for every decision
-    log_w = verdict.log_w.tolist()
-    if any(math.isnan(w) for w in log_w):  # NaN logits show here, already on the host
+    read = _read_verdict(tokens, verdict)  # the cycle's one host read
+    drafted[0].batch.known(rows, read.tokens)
+    if any(math.isnan(w) for w in read.log_w):  # NaN logits show here, already on the host
         store.check_finite()
     out, nexts = [], []
     for i, b in enumerate(drafted):
-        nxt = bonus[i] if has_bonus[i] else None
-        ends = bool(dead[i]) or row_ends(nxt, kept[i] + 1, b.budget, eos)
-        block = ScoredBlock(b.row, None, tuple(b.tokens), kept[i], nxt, log_w[i], ends, bool(dead[i]))
-        out.append(replace(block, diverged=bool(diverged[i])))
+        nxt = read.bonus[i] if read.has_bonus[i] else None
+        ends = read.dead[i] or row_ends(nxt, read.kept[i] + 1, b.budget, eos)
+        kept, w, dead = read.kept[i], read.log_w[i], read.dead[i]
+        block = ScoredBlock(b.row, None, tuple(read.tokens[i]), kept, nxt, w, ends, dead, read.diverged[i])
+        out.append(block)
         nexts.append(None if ends else nxt)  # an ending row queues nothing and leaves
-    store.commit(rows, [b.tokens for b in drafted], kept, nexts, [b.fed for b in drafted], hidden)
-    futures = lookahead.look_ahead(store, drafted, kept, nexts, flush.target_t, c.alpha)
+    store.commit(rows, read.tokens, read.kept, nexts, [b.fed for b in drafted], hidden)
+    futures = lookahead.look_ahead(store, drafted, read.kept, nexts, flush.target_t, c.alpha)
     return [replace(b, log_future=f, tilt=tilt) for b, (f, tilt) in zip(out, futures)]
+
+
+@dataclass(frozen=True)
+class VerdictRead:
+    """A verdict on the host: per row, its drafted tokens and every decision about them."""
+
+    tokens: list[list[int]]
+    kept: list[int]
+    bonus: list[int]
+    has_bonus: list[bool]
+    dead: list[bool]
+    diverged: list[bool]
+    log_w: list[float]
+
+
+def _read_verdict(tokens: torch.Tensor, verdict) -> VerdictRead:
+    """The drafted tokens ``[n, k]`` and the verdict, in one host read (float64 holds every token id)."""
+    k = tokens.shape[1]
+    v = verdict
+    decisions = torch.stack(
+        [d.double() for d in (v.kept, v.bonus, v.has_bonus, v.dead, v.diverged, v.log_w)], 1
+    )
+    rows = torch.cat([tokens.double(), decisions], 1).tolist()
+    kept, bonus, has_bonus, dead, diverged, log_w = zip(*(row[k:] for row in rows)) if rows else ([],) * 6
+    return VerdictRead(
+        [[int(t) for t in row[:k]] for row in rows],
+        [int(x) for x in kept],
+        [int(x) for x in bonus],
+        [bool(x) for x in has_bonus],
+        [bool(x) for x in dead],
+        [bool(x) for x in diverged],
+        list(log_w),
+    )
 
 
 def block_batch(
     drafted: Sequence[DraftedBlock],
+    tokens: torch.Tensor,  # [n, k] the drafted blocks' tokens, on the device
     lead_log_w: Sequence[float],
     vocab: int,
-    device: torch.device,
     drawn: bool,
 ) -> BlockBatch:
-    """The drafted blocks as verification reads them, on the logits' device (``drawn``: k > 0)."""
-    probs = drawn and drafted[0].draft_probs is not None  # kept for the cut or a retrieval row
-    n, k = len(drafted), len(drafted[0].tokens)
-    limit, stops, dead = torch.tensor([[b.limit, b.stops, b.dead] for b in drafted], dtype=torch.long).unbind(
-        1
-    )
+    """The drafted blocks as verification reads them, on the tokens' device (``drawn``: k > 0).
+
+    Where each block ends (an EOS, the budget) is found on the device: nothing is read.
+    """
+    device, batch = tokens.device, drafted[0].batch
+    index = to_device(torch.tensor([b.row for b in drafted]), device)
+    never = batch.k + 1  # the dead-end position of a block its constraint never ended
+    host = torch.tensor([[b.reach, b.budget, never if b.dead_at is None else b.dead_at] for b in drafted])
+    reach, budget, dead_at = to_device(host.view(len(drafted), 3), device).unbind(1)
+    eos = sorted(drafted[0].eos) or [-1]  # an id no token has, where EOS is not in force
+    limit, stops, dead = device_ending(tokens, reach, budget, dead_at, to_device(torch.tensor(eos), device))
+    probs = drawn and batch.probs is not None  # kept for the cut or a retrieval row
     return BlockBatch(
-        tokens=to_device(torch.tensor([b.tokens for b in drafted], dtype=torch.long).view(n, k), device),
-        draft_logq=to_device(torch.stack([b.draft_logq for b in drafted]).view(n, k), device),
-        limit=to_device(limit, device),
-        stops=to_device(stops.bool(), device),
-        dead=to_device(dead.bool(), device),
+        tokens=tokens,
+        draft_logq=batch.logq.index_select(0, index),
+        limit=limit,
+        stops=stops,
+        dead=dead,
         lead_log_w=to_device(torch.tensor(lead_log_w, dtype=torch.float32), device),
-        draft_probs=torch.stack([b.draft_probs for b in drafted]).to(device) if probs else None,
+        draft_probs=batch.probs.index_select(0, index) if probs else None,
         log_factor=constrained.proposal_factors(drafted, vocab, device),
         critic_allowed=constrained.critic_masks(drafted, vocab, device),
         log_tilt=constrained.proposal_tilts(drafted, vocab, device),
@@ -273,7 +322,7 @@ def _retrieval_fields(drafted: Sequence[DraftedBlock], device: torch.device) -> 
     """``retrieved`` and ``checks`` of the batch, when a row was drawn by retrieval."""
     if all(b.checks is None for b in drafted):
         return {}
-    k = len(drafted[0].tokens)
+    k = drafted[0].batch.k
     checks = torch.tensor([b.checks or [0.0] * k for b in drafted], dtype=torch.float64).view(len(drafted), k)
     retrieved = torch.tensor([b.checks is not None for b in drafted])
     return dict(retrieved=to_device(retrieved, device), checks=to_device(checks, device))

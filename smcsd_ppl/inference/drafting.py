@@ -11,17 +11,16 @@ first EOS, its budget, its draft length, or where its constraint ends it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from ..backends.base import BatchedLM
-from ..ends import first_end
 from ..proposals.blocks import Retrieval
 from ..verification import drawn_log_probs, inverse_cdf
 from . import constrained
-from .blocks import BlockRequest, DraftedBlock
+from .blocks import BlockRequest, DraftBatch, DraftedBlock
 from .rows import RowStore
 
 Draws = Callable[[int], torch.Tensor]  # draft position j -> a uniform per backend row [R]
@@ -53,7 +52,7 @@ def draft_blocks(
     stops early once every asked row has ended (an EOS, its budget, a constraint's dead
     end): no later token could count, so all blocks of the call are that much shorter.
     On an accelerator, unconstrained drafting stops early on budgets only: spotting EOS
-    tokens would cost a host sync per step (``store.early_stop_reads``).
+    tokens would cost a host sync per step (``store.free_reads``).
     Where a constraint leaves every drafting row one allowed token, q is a point mass
     whatever the draft says: that step skips its forward and the token is fed with the
     next one. Where every drafting row is constrained to a few tokens, the draft computes
@@ -64,7 +63,7 @@ def draft_blocks(
         block_size if r.limit is None or forces(r, store) else min(block_size, r.limit) for r in requests
     ]
     if not any(limits):  # nobody drafts: the target alone decodes this cycle
-        return _empty(requests, eos)
+        return _empty(store, requests, eos)
     settings = dict(block_size=block_size, temperature=temperature, eos=eos, draws=draws)
     run = _start(store, requests, limits, keep_probs=keep_probs, **settings)
     for j in range(block_size):
@@ -75,7 +74,7 @@ def draft_blocks(
         store.draft_read([r for r, a in enumerate(run.asked.tolist()) if a])
     blocks = _blocks(run, requests, limits, eos)
     if run.only_forcing and not any(b.limit for b in blocks):  # nothing was forced: the target alone
-        return _empty(requests, eos, run.masking.history)
+        return _empty(store, requests, eos, run.masking.history)
     return blocks
 
 
@@ -92,9 +91,12 @@ def forces(request: BlockRequest, store: RowStore) -> bool:
     return alone and c is not None and c.mode == "proposal" and not store.reads_hidden
 
 
-def _empty(requests, eos, history: dict | None = None) -> list[DraftedBlock]:
+def _empty(store: RowStore, requests, eos, history: dict | None = None) -> list[DraftedBlock]:
     """Blocks of no tokens (the target alone), keeping any mask drafting computed for the bonus."""
-    blocks = [_ended(r, [], torch.zeros(0), eos) for r in requests]
+    none = torch.zeros(store.n_rows, 0, dtype=torch.long, device=store.device)
+    batch = DraftBatch(none, none.float())
+    batch.known(range(store.n_rows), [[] for _ in range(store.n_rows)])
+    blocks = [DraftedBlock(r.row, batch, 0, r.budget, r.constraint, eos=frozenset(eos)) for r in requests]
     for i, b in enumerate(blocks):
         b.allowed = (history or {}).get(i, [])[:1]
     return blocks
@@ -135,59 +137,34 @@ def _start(store: RowStore, requests, limits, *, block_size, temperature, eos, d
         eos=torch.tensor(sorted(eos), dtype=torch.long, device=store.device),
         longest=max(caps),
         # Masks already bring every step to the host; on a CPU the check is free anyway.
-        host_checks=store.early_stop_reads or bool(masking.items),
+        host_checks=store.free_reads or bool(masking.items),
         temperature=temperature.to(store.device)[:, None] if torch.is_tensor(temperature) else temperature,
         keep_probs=keep_probs,
     )
 
 
 def _blocks(run: Drafting, requests, limits, eos) -> list[DraftedBlock]:
-    """Each request's block from the drawn tokens, ended by ``_ended``."""
-    tokens, logq, q_all = run.drawn()
+    """Each request's block over the call's drawn tokens (on the device: nothing is read here).
+
+    Where a critic constraint must check the tokens, they are read (once for the call).
+    """
+    batch = DraftBatch(*run.drawn())
     critic = constrained.Masking(run.rows, [r.constraint for r in requests], "critic")
-    dead_at = run.masking.dead_at | critic.first_impossible(tokens)  # request -> position
+    critic_dead = critic.first_impossible(torch.tensor(batch.host())) if critic.items else {}
+    dead_at = run.masking.dead_at | critic_dead  # request -> position
     ends = run.retrieval.ended_at if run.retrieval is not None else {}
     asked = run.asked.tolist()
     blocks = []
     for i, (req, n) in enumerate(zip(requests, limits)):
         r = req.row
-        block = _ended(
-            req,
-            tokens[r].tolist(),
-            logq[r],
-            eos,
-            limit=min(n, run.masking.cut_at.get(i, n), ends.get(i, n)),
-            dead_at=dead_at.get(i),
-            probs=q_all[r] if run.keep_probs else None,
-        )
+        reach = min(n, run.masking.cut_at.get(i, n), ends.get(i, n))
+        block = DraftedBlock(r, batch, reach, req.budget, req.constraint, dead_at.get(i), eos=frozenset(eos))
         block.fed, block.allowed = (run.fed if asked[r] else 0), run.masking.history.get(i, [])
         if run.retrieval is not None and run.retrieval.kinds.get(i) == "retrieval":
             checks = run.retrieval.checks.get(i, [])
-            block.checks = checks + [1.0] * (len(block.tokens) - len(checks))
+            block.checks = checks + [1.0] * (batch.k - len(checks))
         blocks.append(block)
     return blocks
-
-
-def _ended(
-    request: BlockRequest,
-    tokens: list[int],
-    logq: torch.Tensor,  # [k]
-    eos: Container[int],
-    *,
-    limit: int = 0,
-    dead_at: int | None = None,
-    probs: torch.Tensor | None = None,  # [k, V]
-) -> DraftedBlock:
-    """Where a request's block ends: its ``limit``, a constraint's dead end, the first EOS, the budget."""
-    budget = request.budget
-    end = min(len(tokens), limit, len(tokens) if dead_at is None else dead_at)
-    stop = first_end(tokens[:end], 0, budget, eos)
-    counts, stops = (min(end, budget), False) if stop is None else (stop, True)
-    # The constraint, not an EOS, the budget or the limit, ended the block: the particle dies.
-    dead = not stops and dead_at is not None and counts == dead_at < min(len(tokens), limit)
-    return DraftedBlock(
-        request.row, tokens, logq, counts, stops, budget, probs, request.constraint, dead=dead
-    )
 
 
 @dataclass
@@ -286,9 +263,9 @@ class Drafting:
         return j + 1 >= self.longest or (self.host_checks and bool(self.ended.all()))
 
     def drawn(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Tokens ``[R, k]`` and their log q ``[R, k]`` on the host, q ``[R, k, V]`` if kept."""
-        tokens = torch.stack(self.drafts, 1).cpu()
-        logq = torch.stack(self.logqs, 1).cpu()
+        """Tokens ``[R, k]`` and their log q ``[R, k]``, q ``[R, k, V]`` if kept (on the device)."""
+        tokens = torch.stack(self.drafts, 1)
+        logq = torch.stack(self.logqs, 1)
         return tokens, logq, torch.stack(self.probs, 1) if self.probs else None
 
     def _model_drafts(self) -> bool:

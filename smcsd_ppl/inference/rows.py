@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..backends.base import BatchedLM, check_finite, pad_left, pad_left_hidden
+from ..backends.base import BatchedLM, check_finite, pad_left, pad_left_hidden, to_device
 
 
 class RowStore:
@@ -36,9 +36,10 @@ class RowStore:
             raise ValueError(f"draft and target are on different devices {sorted(devices)}: use one device")
         self.target, self.draft = target, draft
         self.device = getattr(target, "device", torch.device("cpu"))
-        # Whether drafting may read the device each step to stop once every row has ended:
-        # free on a CPU, a sync on an accelerator (tests turn it off to count the latter's reads).
-        self.early_stop_reads = self.device.type == "cpu"
+        # Whether reading the device is free (a CPU): drafting may then stop once every row has
+        # ended, and verification read only each row's own positions. On an accelerator each
+        # would be a sync (tests turn it off to count the latter's reads).
+        self.free_reads = self.device.type == "cpu"
         self.reads_hidden = bool(getattr(draft, "reads_hidden", False))
         if self.reads_hidden:
             if not hasattr(target, "keep_hidden_states"):
@@ -223,23 +224,22 @@ class RowStore:
 
     @torch.inference_mode()
     def score(
-        self, rows: Sequence[int], blocks: Sequence[Sequence[int]], read: Sequence[int] | None = None
+        self, rows: Sequence[int], blocks: torch.Tensor, read: Sequence[int] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """ONE target forward over [pending, d_1..d_k] of ``rows`` (every other row a hole).
 
-        Returns the untempered logits ``[n, k+1, V]`` of the asked rows, in order (position j
-        scores d_{j+1}; position k is the bonus position), and for a feature draft the target's
-        states at the same positions ``[n, k+1, H]``, which ``commit`` takes back. ``read[i]``:
-        the drafted tokens row i's verification can reach (its block's limit): only those are
+        ``blocks [n, k]``: the rows' drafted tokens, wherever they are (the feed takes them on the
+        device, without reading them). Returns the untempered logits ``[n, k+1, V]`` of the asked
+        rows, in order (position j scores d_{j+1}; position k is the bonus position), and for a
+        feature draft the target's states at the same positions ``[n, k+1, H]``, which ``commit``
+        takes back. ``read[i]``: the drafted tokens row i's verification can reach: only those are
         fed, and its positions past ``read[i]`` are 0 (a batch's blocks share one length k).
         """
-        k = len(blocks[0]) if blocks else 0
+        k = blocks.shape[1]
         if read is None or self.reads_hidden:
             read = [k] * len(rows)
         self.scored = dict(zip(rows, read))
-        by_row = {r: list(b[:n]) for r, b, n in zip(rows, blocks, read)}
-        feed = [self.target_pending[r] + by_row[r] if r in by_row else [] for r in range(self.n_rows)]
-        ids, valid = pad_left(feed, self.device)
+        ids, valid = self._feed(rows, blocks, read)
         if min(read, default=k) < k:
             return _windows(self.target.extend(ids, valid), rows, read, k), None
         logits = self.target.extend(ids, valid)[:, -(k + 1) :]
@@ -249,6 +249,32 @@ class RowStore:
             logits = logits.index_select(0, index)
             hidden = hidden.index_select(0, index) if hidden is not None else None
         return logits, hidden
+
+    def _feed(
+        self, rows: Sequence[int], blocks: torch.Tensor, read: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The left-padded feed ``[R, W]`` of each asked row's queued tokens and first ``read`` drafted ones.
+
+        The queued tokens and the layout are the host's; the drafted tokens are gathered into
+        their places where they are, so the host never waits for them.
+        """
+        k = blocks.shape[1]
+        asked = dict(zip(rows, range(len(rows))))
+        feed = [
+            self.target_pending[r] + [0] * read[i] if (i := asked.get(r)) is not None else []
+            for r in range(self.n_rows)
+        ]
+        ids, valid = pad_left(feed)
+        take = torch.full(ids.shape, -1, dtype=torch.long)  # where a drafted token goes: its index in blocks
+        width = ids.shape[1]
+        for r, i in asked.items():
+            n = read[i]
+            take[r, width - n :] = i * k + torch.arange(n)
+        ids, take = to_device(ids, self.device), to_device(take, self.device)
+        drafted = blocks.to(self.device).reshape(-1)
+        if drafted.numel():
+            ids = torch.where(take >= 0, drafted[take.clamp(min=0)], ids)
+        return ids, to_device(valid, self.device)
 
     def commit(
         self,

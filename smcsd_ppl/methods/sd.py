@@ -122,7 +122,8 @@ class SpeculativeLoop:
     def verify(self) -> None:
         """Score the drafted blocks in one target forward, apply the rule, settle the rows."""
         blocks = self.blocks
-        logits, hidden = self.store.score([b.row for b in blocks], [b.tokens for b in blocks])
+        rows = [b.row for b in blocks]
+        logits, hidden = self.store.score(rows, torch.tensor([b.tokens for b in blocks]).view(len(rows), -1))
         target_probs = torch.softmax(logits.div_(self.config.target_temperature), -1)  # [R, K+1, V]
         draft_probs = torch.stack([b.draft_probs for b in blocks])  # [R, K, V]
         tokens = to_device(torch.tensor([b.tokens for b in blocks]), draft_probs.device)

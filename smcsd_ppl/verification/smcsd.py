@@ -227,7 +227,7 @@ def _read(logits: torch.Tensor, tokens: torch.Tensor, limit: torch.Tensor, padde
     dense = logits[:, :k].float()
     ri = torch.arange(r, device=logits.device).repeat_interleave(k)
     read = (ri, torch.arange(k, device=logits.device).repeat(r))
-    return token_log_probs(dense, tokens), torch.log_softmax(dense, -1).reshape(r * k, -1), read
+    return token_log_probs(dense, tokens), torch.log_softmax(dense, -1).reshape(r * k, logits.shape[-1]), read
 
 
 def _divergences(logits, log_p, read, batch: BlockBatch, alpha: float, name: str) -> torch.Tensor:
