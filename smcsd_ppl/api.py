@@ -85,6 +85,7 @@ class SMCSD:
             max_cache_bytes=max_cache_bytes,
             vllm_options=vllm_options,
             forward=forward,
+            deterministic=deterministic,
         )
         # vLLM's engines start on the calling thread (signal handlers); PyTorch's on the torch thread
         target_lm, draft_lm = build() if backend == "vllm" else torch_thread().run(build)

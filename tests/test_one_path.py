@@ -9,9 +9,12 @@ from __future__ import annotations
 import pytest
 from test_serve_http import served
 
+from smcsd_ppl.api import SMCSD
 from smcsd_ppl.batch import Prompt, run_batch
 from smcsd_ppl.config import SMCConfig
+from smcsd_ppl.engine.client import Engine
 from smcsd_ppl.inference.program import SMCSDModel
+from smcsd_ppl.inference.step import SMCSDKernel
 from smcsd_ppl.potentials.spec import ConstraintSpec
 
 PROMPT = "The quick brown fox"
@@ -69,3 +72,42 @@ def test_smcsd_from_inside_a_cycle_is_refused_in_one_line(tiny_smcsd):
     with pytest.raises(RuntimeError, match="cannot run from inside a cycle"):
         tiny_smcsd.run([SMCSDModel(tiny_smcsd.encode(PROMPT))], CONFIG, on_cycle=observe)
     assert tiny_smcsd.generate(PROMPT, config=CONFIG).token_ids  # the engine goes on
+
+
+@pytest.fixture
+def steps_in_calls(monkeypatch):
+    """For each SMC-SD step of the engine's kernel: whether it ran inside an ``Engine.call``."""
+    inside, seen = [], []
+    real_call, real_step = Engine.call, SMCSDKernel.step
+
+    def call(self, fn):
+        def marked():
+            inside.append(True)
+            try:
+                return fn()
+            finally:
+                inside.pop()
+
+        return real_call(self, marked)
+
+    async def step(self, state):
+        seen.append(bool(inside))
+        return await real_step(self, state)
+
+    monkeypatch.setattr(Engine, "call", call)
+    monkeypatch.setattr(SMCSDKernel, "step", step)
+    return seen
+
+
+@pytest.mark.parametrize("method", ["smcsd", "smcsd_paper"])
+def test_no_smcsd_method_runs_inside_a_call(tiny_smcsd, steps_in_calls, method):
+    """Every SMC-SD method is a request of the engine's one core: none has a driver of its own."""
+    tiny_smcsd.generate([PROMPT, "Once upon"], method=method, config=CONFIG)
+    assert steps_in_calls and not any(steps_in_calls)
+
+
+def test_the_mutant_that_runs_smcsd_as_a_call_fails_that_check(tiny_smcsd, steps_in_calls, monkeypatch):
+    real = SMCSD._generate
+    monkeypatch.setattr(SMCSD, "_generate", lambda self, *a: self.call(lambda: real(self, *a)))
+    tiny_smcsd.generate(PROMPT, config=CONFIG)
+    assert any(steps_in_calls)

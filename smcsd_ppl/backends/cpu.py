@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import platform
+from dataclasses import dataclass
 
 import torch
 
@@ -53,3 +54,28 @@ def native_matmul(dtype: torch.dtype) -> bool:
 def row_position_cost(dtype: torch.dtype) -> float | None:
     """A CPU backend's r for ``dtype`` when emulation makes rows dear; None: the CPU's usual figure."""
     return None if native_matmul(dtype) else EMULATED_HALF_ROW_POSITION_COST
+
+
+@dataclass(frozen=True)
+class CPUTricks:
+    """What a backend on a CPU does because a CPU pays for every row and position it computes.
+
+    Each changes how a forward is computed, never what it returns (beyond the rounding of its
+    products); each is on by default on a CPU and off on an accelerator, where rows come
+    almost free. ``--deterministic`` turns them off: each makes a forward's shapes depend on
+    what its batch-mates hold.
+
+    Attributes:
+        twins: rows holding the same tokens and fed the same compute once (``backends.twins``).
+        flatten: a feed of unlike counts runs its real tokens alone, in one forward
+            (``backends.ragged``).
+        few_rows: our forward's products of at most ``llama.FEW`` positions take the weight on
+            the left (``backends.products``; float32 on MKL).
+    """
+
+    twins: bool = True
+    flatten: bool = True
+    few_rows: bool = True
+
+
+NO_TRICKS = CPUTricks(twins=False, flatten=False, few_rows=False)

@@ -32,6 +32,8 @@ class HFBatchedLM(BatchedLM, TreeOps, TwinFeeds):
         name: used in error messages.
         compiled: our forward of a Llama model (``llama.LlamaForward``), run instead of the
             model's own; None: the model's own forward, the reference.
+        tricks: what it does because a CPU pays for every row (``cpu.CPUTricks``; default: all
+            of them on a CPU, none elsewhere).
     """
 
     def __init__(
@@ -41,6 +43,7 @@ class HFBatchedLM(BatchedLM, TreeOps, TwinFeeds):
         max_cache_bytes: int = DEFAULT_CACHE_BUDGET,
         name: str = "model",
         compiled: LlamaForward | None = None,
+        tricks: cpu.CPUTricks | None = None,
     ) -> None:
         self.model = model
         # What a forward runs: ours (``llama``) where given, else the model's own (the reference).
@@ -63,9 +66,11 @@ class HFBatchedLM(BatchedLM, TreeOps, TwinFeeds):
         self.tree_width = 0  # columns of an unsettled extend_tree (keep_path settles them)
         self.tree_fed: list[list[int]] | None = None  # its tokens, where they were read for free
         self.contents = RowContents()  # each row's tokens: rows holding the same compute once
-        self.shares_twins = self.device.type == "cpu"  # reading what is fed is free on a CPU only
-        # On a CPU a feed of unlike counts runs flattened, as one forward (``backends.ragged``).
-        self.flattens = self.device.type == "cpu" and getattr(self.model_forward, "flattens", True)
+        if tricks is None:
+            tricks = cpu.CPUTricks() if self.device.type == "cpu" else cpu.NO_TRICKS
+        self.shares_twins = tricks.twins  # reading what is fed is free on a CPU only
+        # A feed of unlike counts may run flattened, as one forward (``backends.ragged``).
+        self.flattens = tricks.flatten and self.model_forward.flattens
         # A feature draft reads the target's hidden states with its tokens; a target
         # serving one keeps the hidden states of its last forward (`keep_hidden_states`).
         self.reads_hidden = bool(getattr(model, "reads_hidden", False))
@@ -317,7 +322,7 @@ class HFBatchedLM(BatchedLM, TreeOps, TwinFeeds):
                 f"{self.name}: sequence would reach {max(bound)} tokens; "
                 f"the model's context is {self.max_length}"
             )
-        width = max((self.bound[row] for row in held), default=0) + t + self.tree_width
+        width = self._width(max((self.bound[row] for row in held), default=0) + t + self.tree_width)
         self.reserve(self.n_rows, width)
         if self.shares_twins:
             self.contents.fed(held, ids, valid)
@@ -327,7 +332,7 @@ class HFBatchedLM(BatchedLM, TreeOps, TwinFeeds):
         self.tree_width = 0
         index = None if rows is None else to_device(rows, self.device)
         lengths = self.lengths if index is None else self.lengths.index_select(0, index)
-        dest, positions, allowed = plan(lengths, valid, width)
+        dest, positions, allowed = plan(*self._shaped(lengths, valid), width)
         row_of = None
         if flat:  # the real tokens alone, each with its row; attention takes them back to rows
             ids, dest, positions, row_of = ragged.flattened(valid, index, ids, dest, positions)
@@ -340,7 +345,21 @@ class HFBatchedLM(BatchedLM, TreeOps, TwinFeeds):
         if hidden is not None:
             options["read"] = hidden
         feed = Feed(positions, allowed, self.cache, valid if flat else None)
+        ids = ids if flat else self._shaped_ids(ids)
         with Timer(self.stats, self.device, ids.numel()), torch.inference_mode():
             logits, self.hidden = self.model_forward(ids, feed, **options)
             self.nonfinite |= torch.isnan(logits).any()
-        return logits
+        return logits[:r] if not flat else logits
+
+    # What a backend of fixed shapes (``fixed.FixedShapeLM``) changes: as they are here.
+    def _width(self, needed: int) -> int:
+        """The columns a forward's attention reads: what it needs."""
+        return needed
+
+    def _shaped(self, lengths: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A forward's row lengths and feed mask, as its rows run: as they are."""
+        return lengths, valid
+
+    def _shaped_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """A forward's ids, as its rows run: as they are."""
+        return ids

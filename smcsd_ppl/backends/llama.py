@@ -171,11 +171,13 @@ class LlamaForward:
     Args:
         model: a ``LlamaForCausalLM`` in eval mode (``unsupported(model)`` is None).
         parts: what runs the position-wise parts (``EagerParts()`` by default).
+        few_rows: products of at most ``FEW`` positions take the weight on the left, where that
+            pays (float32 on MKL; ``cpu.CPUTricks.few_rows``).
     """
 
     flattens = True  # a feed of unlike counts may run its real tokens alone (``backends.ragged``)
 
-    def __init__(self, model: torch.nn.Module, parts=None) -> None:
+    def __init__(self, model: torch.nn.Module, parts=None, *, few_rows: bool = True) -> None:
         reason = unsupported(model)
         if reason is not None:
             raise ValueError(f"the compiled forward cannot run this model: {reason}")
@@ -187,7 +189,7 @@ class LlamaForward:
         self.parts = parts or EagerParts()
         self.weights = [_weights(layer) for layer in self.decoder.layers]
         self.scale = self.shape.head_dim**-0.5
-        self.few_ok = MKL and self.head.is_cpu and self.head.dtype == torch.float32
+        self.few_ok = few_rows and MKL and self.head.is_cpu and self.head.dtype == torch.float32
 
     def __call__(
         self,

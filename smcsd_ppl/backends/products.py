@@ -2,25 +2,16 @@
 
 ``x @ W.T`` (what ``nn.Linear`` computes) in float32 on an x86 CPU goes to MKL, whose path for 1
 to about 10 rows streams the weight at about half the speed it reaches for the same product
-written ``(W @ x.T).T``. Both orders sum the same products; only rounding differs. The static
-path (``backends.static``) takes that order by its graphs' shapes (``linear``); the eager
-engine's layers take it only where ``models.few_rows.MAX_ROWS`` says (off by default: there the
-order would change with a request's batch-mates).
+written ``(W @ x.T).T``. Both orders sum the same products; only rounding differs. Our forward
+(``backends.llama``) takes that order by its feed's shape (``llama.FEW`` positions or fewer);
+the model's own forward, the reference, keeps the usual one.
 """
 
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-FIXED_SHAPE_MAX_ROWS = 10  # the static path's: the most rows (positions, all rows' together) on the left
 MKL = torch.backends.mkl.is_available()  # the order pays on MKL's products only
-
-
-def takes_left(x: torch.Tensor, max_rows: int) -> bool:
-    """Whether ``x`` takes the weight on the left: at most ``max_rows`` float32 CPU rows, on MKL."""
-    rows = x.numel() // max(1, x.shape[-1])
-    return 1 <= rows <= max_rows and x.is_cpu and x.dtype == torch.float32 and MKL
 
 
 def left_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -33,8 +24,3 @@ def left_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if bias is not None:
         out = out + bias
     return out.contiguous().view(*x.shape[:-1], weight.shape[0])
-
-
-def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``layer(x)``, with the weight on the left where ``takes_left(x, FIXED_SHAPE_MAX_ROWS)``."""
-    return left_product(x, layer.weight, layer.bias) if takes_left(x, FIXED_SHAPE_MAX_ROWS) else layer(x)

@@ -31,7 +31,7 @@ class ReferenceForward:
         self.decoder_cache_kw = kv.cache_keyword(decoder) if decoder is not None else None
         # A feature draft's head is plain by construction; others are checked on first use.
         self.plain_head: bool | None = True if self.reads_hidden else None
-        # On a CPU a feed of unlike counts may run flattened: where attention can be routed.
+        # A feed of unlike counts may run flattened where attention can be routed (on a CPU).
         self.flattens = self.device.type == "cpu" and ragged.route_attention(model)
 
     def __call__(

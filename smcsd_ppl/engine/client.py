@@ -117,6 +117,7 @@ class Engine:
         max_rows: int = 512,
         keep_draft: bool = False,
     ) -> None:
+        max_rows = min(max_rows, pair.row_limit or max_rows)  # fixed shapes hold so many rows
         self.gate = Gate(max_queue, max_rows)
         self.pair, self.max_queue, self.max_rows = pair, max_queue, max_rows
         self.core = EngineCore(pair, base, max_rows=max_rows, keep_draft=keep_draft)

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..backends.base import BatchedLM
+from ..backends.fixed import FixedShapeLM
 from ..config import DraftRecord, SMCConfig
 from ..inference.rows import RowStore
 from ..models import LoadedModel
@@ -112,6 +113,12 @@ class PairCore:
         )
         core.draft_record = DraftRecord()  # the loaded draft's record says nothing of another
         return core
+
+    @property
+    def row_limit(self) -> int | None:
+        """The most rows a batch may hold, where the backends' forwards have fixed shapes (else None)."""
+        shapes = [lm.shape.rows for lm in (self.target_lm, self.draft_lm) if isinstance(lm, FixedShapeLM)]
+        return min(shapes, default=None)
 
     @property
     def forwards(self) -> list:

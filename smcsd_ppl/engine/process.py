@@ -21,6 +21,7 @@ import time
 import warnings
 from dataclasses import dataclass, replace
 
+from ..backends.fixed import FixedShape
 from ..config import SMCConfig
 from ..inference.step import request_seed
 from ..text import token_text
@@ -85,6 +86,8 @@ class EngineProcess:
         max_rows: int = 512,
         hang_seconds: float = DEFAULT_HANG_SECONDS,
     ) -> None:
+        if getattr(spec, "deterministic", False):  # fixed shapes hold so many rows
+            max_rows = min(max_rows, FixedShape().rows)
         self.gate = Gate(max_queue, max_rows)
         self.base, self.max_queue, self.max_rows = base or SMCConfig(), max_queue, max_rows
         context = multiprocessing.get_context("spawn")  # a fork would copy OpenMP's state

@@ -7,6 +7,7 @@ import pathlib
 
 import torch
 
+from ..backends.fixed import FixedShape, FixedShapeLM
 from ..backends.hf import HFBatchedLM
 from ..backends.llama import LlamaForward, unsupported
 from ..backends.packages import CompiledParts
@@ -23,14 +24,18 @@ def batched_pair(
     max_cache_bytes: int,
     vllm_options: dict | None,
     forward: str = "auto",
+    deterministic: bool = False,
 ) -> tuple:
     """The target's and the draft's ``BatchedLM`` on ``backend`` (``"hf"`` or ``"vllm"``).
 
     ``forward``: how the HF backend computes a forward (``config.FORWARDS``; ``forward_of``).
+    ``deterministic``: every forward has the shapes a request's rows have alone
+    (``backends.fixed``).
     """
     if backend == "vllm":
-        if forward == "compiled":
-            raise ValueError("--forward compiled runs on the hf backend; vLLM compiles its own forwards")
+        if forward == "compiled" or deterministic:
+            what = "--forward compiled" if forward == "compiled" else "--deterministic"
+            raise ValueError(f"{what} runs on the hf backend; vLLM runs its own forwards")
         options = dict(vllm_options or {})
         return _vllm_lm(target, "target", options), _vllm_lm(draft, "draft", options)
     if target.model is None or draft.model is None:
@@ -38,20 +43,26 @@ def batched_pair(
             f"the {backend} backend runs models built in PyTorch; these were loaded for vLLM only "
             "(SMCSD.load(..., backend='vllm'))"
         )
-    return tuple(
-        HFBatchedLM(
-            m.model, max_cache_bytes=max_cache_bytes, name=role, compiled=forward_of(m.model, forward, role)
+    lms = []
+    for m, role in ((target, "target"), (draft, "draft")):
+        options = dict(max_cache_bytes=max_cache_bytes, name=role)
+        options["compiled"] = forward_of(m.model, forward, role, few_rows=not deterministic)
+        lms.append(
+            FixedShapeLM(m.model, FixedShape(), **options)
+            if deterministic
+            else HFBatchedLM(m.model, **options)
         )
-        for m, role in ((target, "target"), (draft, "draft"))
-    )
+    return tuple(lms)
 
 
-def forward_of(model: torch.nn.Module, choice: str, role: str = "model") -> LlamaForward | None:
+def forward_of(
+    model: torch.nn.Module, choice: str, role: str = "model", *, few_rows: bool = True
+) -> LlamaForward | None:
     """Our forward of ``model`` under ``choice`` (one of ``FORWARDS``), or None for the model's own.
 
     ``compiled`` compiles the parts not yet built (once per machine: they are kept on disk) and
     refuses, in one line, a model our forward cannot run; ``auto`` loads the parts already built
-    and runs the model's own forward where ours cannot.
+    and runs the model's own forward where ours cannot. ``few_rows``: ``cpu.CPUTricks.few_rows``.
     """
     if choice not in FORWARDS:
         raise ValueError(f"forward must be one of {FORWARDS}, got {choice!r}")
@@ -62,7 +73,7 @@ def forward_of(model: torch.nn.Module, choice: str, role: str = "model") -> Llam
         if choice == "compiled":
             raise ValueError(f"the compiled forward cannot run the {role}: {reason} (use --forward auto)")
         return None
-    ours = LlamaForward(model, shared_parts(cache_root() / "graphs"))
+    ours = LlamaForward(model, shared_parts(cache_root() / "graphs"), few_rows=few_rows)
     device = next(model.parameters()).device
     if choice == "compiled":
         ours.parts.build(ours.shape, device)

@@ -23,7 +23,6 @@ from torch import nn
 
 from ..config import DraftRecord
 from .feature_draft import FeatureDraft, feature_student, own_modules
-from .few_rows import few_row_linears
 from .layers import assemble, decoder_layers, trainable_copy
 from .loading import DEFAULT_TARGET, LoadedModel, load_model
 
@@ -154,7 +153,7 @@ def load_draft(directory: str | os.PathLike, target: LoadedModel) -> LoadedModel
         state = {k.removeprefix(f"{prefix}."): v for k, v in tensors.items() if k.startswith(f"{prefix}.")}
         module.load_state_dict(state)  # strict: a missing or extra tensor is an error
         module.to(device=target.model.device, dtype=target.model.dtype)
-    few_row_linears(model.eval().requires_grad_(False))
+    model.eval().requires_grad_(False)
     try:
         record = DraftRecord.from_json(manifest["record"]) if "record" in manifest else None
     except ValueError as err:

@@ -27,7 +27,6 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ..config import DraftRecord
-from .few_rows import few_row_linears
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +150,7 @@ def _load(path, name: str, source: str, device: torch.device, dtype: torch.dtype
     tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
     with _no_progress_bars():
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
-    model = few_row_linears(model.to(device=device, dtype=dtype).eval().requires_grad_(False))
+    model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     return LoadedModel(model, tokenizer, name, source, path=str(path))
 
 
