@@ -11,6 +11,7 @@ from helpers import regex_contract, scratch_logits
 
 from smcsd_ppl.backends.base import BatchedLM, TreeLM
 from smcsd_ppl.backends.contract import BatchedLMContract, ContractError
+from smcsd_ppl.backends.fixed import Buckets, FixedShape, ShapedLM
 from smcsd_ppl.backends.hf import HFBatchedLM
 from smcsd_ppl.backends.llama import LlamaForward
 from smcsd_ppl.backends.mock import MockLM
@@ -41,6 +42,20 @@ def test_our_forward_keeps_the_contract_against_the_model_s_own(tiny_llama, seed
         reference=partial(scratch_logits, tiny_llama),
         seed=seed,
     ).check_all()
+
+
+@pytest.mark.parametrize("shape", [FixedShape(rows=8, width=128), Buckets(step=16)])
+def test_shaped_backends_keep_the_contract_but_trees(tiny_llama, shape):
+    """Forwards at set shapes (``--deterministic``, an accelerator's graphs) compute the same function."""
+    contract = BatchedLMContract(
+        lambda: ShapedLM(tiny_llama, shape, compiled=LlamaForward(tiny_llama)),
+        reference=partial(scratch_logits, tiny_llama),
+    )
+    for name in contract.CHECKS:
+        if name != "tree":
+            getattr(contract, f"check_{name}")()
+    with pytest.raises(ValueError, match="token trees"):
+        contract.check_tree()
 
 
 def mock():

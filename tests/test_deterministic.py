@@ -15,7 +15,7 @@ import torch
 
 from smcsd_ppl.api import SMCSD
 from smcsd_ppl.backends import hf
-from smcsd_ppl.backends.fixed import FixedShape, FixedShapeLM, bucket
+from smcsd_ppl.backends.fixed import Buckets, FixedShape, ShapedLM, bucket
 from smcsd_ppl.backends.hf import HFBatchedLM
 from smcsd_ppl.config import SMCConfig
 from smcsd_ppl.inference.program import SMCSDModel
@@ -54,9 +54,7 @@ def shapes(monkeypatch):
 @pytest.mark.parametrize("cut", [None, 0.3])
 def test_a_seeded_request_gives_the_same_output_alone_and_among_seven(long_context, cut):
     pair = SMCSD(*long_context, deterministic=True)
-    assert (
-        isinstance(pair.target_lm, FixedShapeLM) and pair.target.model.config.max_position_embeddings == 4096
-    )
+    assert isinstance(pair.target_lm, ShapedLM) and pair.target.model.config.max_position_embeddings == 4096
     cfg = dataclasses.replace(CONFIG, cut=cut)
     alone = pair.engine.run([SMCSDModel(PROMPTS[0])], cfg)[0].wait()
     together = [t.wait() for t in pair.engine.run([SMCSDModel(p) for p in PROMPTS], cfg)]
@@ -101,8 +99,8 @@ def test_a_row_computes_the_same_bits_whoever_its_batch_mates_are(long_context):
         valid[1:, :1] = False  # the batch-mates are fed two tokens, the row three
         return lm.extend(torch.cat([block] * (1 + len(mates))), valid)[0]
 
-    fixed_alone = row_logits(lambda: FixedShapeLM(model, fixed), [])
-    fixed_among = row_logits(lambda: FixedShapeLM(model, fixed), others)
+    fixed_alone = row_logits(lambda: ShapedLM(model, fixed), [])
+    fixed_among = row_logits(lambda: ShapedLM(model, fixed), others)
     assert torch.equal(fixed_alone, fixed_among)
     usual_alone = row_logits(lambda: HFBatchedLM(model), [])
     torch.testing.assert_close(usual_alone, fixed_alone, rtol=1e-4, atol=1e-4)  # the same function
@@ -112,6 +110,8 @@ def test_buckets_are_powers_of_two_and_shapes_are_checked():
     assert [bucket(c) for c in (1, 2, 3, 4, 5, 9)] == [1, 2, 4, 4, 8, 16]
     with pytest.raises(ValueError, match="fixed shape"):
         FixedShape(rows=0)
+    assert [Buckets().rows_for(n) for n in (1, 3, 8, 9)] == [1, 4, 8, 16]
+    assert [Buckets().width_for(n) for n in (1, 256, 257)] == [256, 256, 512]
 
 
 def test_what_it_cannot_honour_is_refused_in_one_line(long_context):

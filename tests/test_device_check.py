@@ -48,13 +48,13 @@ def test_equivalence_catches_a_backend_that_lets_holes_show(monkeypatch):
 
 
 @pytest.mark.slow
-def test_device_check_times_the_static_path_beside_the_eager_one(capsys):
+def test_device_check_times_our_forward_beside_the_models_own(capsys):
     argv = ["device-check", "--tiny", "--device", "cpu", "--repeats", "1", "--max-new-tokens", "16"]
-    code = main([*argv, "--engine", "compiled", "--static-prompts", "24"])
-    static = json.loads(capsys.readouterr().out)["static"]
-    assert code == 0 and static["mode"] == "compile" and static["compile_seconds"] > 0
-    assert static["equivalence_max_rel_err"] <= device_check.BF16_TOL
-    assert set(static["forward_ms"]) == {"1", "8", "72", "144"}
-    rows = {f"{m} ({e})" for m in ("ar", "smcsd_paper") for e in ("eager", "compiled")}
-    assert set(static["tokens_per_s"]["24"]) == rows
-    assert static["host_reads_per_cycle"] == 1.0
+    code = main(argv)
+    ours = json.loads(capsys.readouterr().out)["ours"]
+    assert code == 0 and ours["forward"] == "auto"
+    assert max(ours["equivalence_max_rel_err"].values()) <= device_check.BF16_TOL
+    assert set(ours["forward_ms"]) == {"1x1", "8x9"}
+    assert set(ours["methods"]) == set(device_check.OURS_TIMED)
+    assert ours["methods"]["smcsd"]["host_reads_per_cycle"] <= 1.0
+    assert set(ours["served"]) == {"ar x8", "smcsd x8"} and all(v > 0 for v in ours["served"].values())

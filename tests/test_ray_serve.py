@@ -66,7 +66,7 @@ def answers(url: str) -> list[dict]:
 def single_process_answers():
     args = build_parser().parse_args(["serve", *SETTINGS])
     pair = load_pair(args)
-    with BackgroundServer(build_server(serve_settings(args, engine="thread"), pair)) as server:
+    with BackgroundServer(build_server(serve_settings(args, core="thread"), pair)) as server:
         return answers(server.url)
 
 
@@ -75,7 +75,7 @@ def test_two_replicas_answer_each_request_once_as_one_process_does(single_proces
     args = build_parser().parse_args(["serve", "--ray", "--replicas", "2", "--port", str(port), *SETTINGS])
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        url = serve_ray.start(args, serve_settings(args, engine="thread"))
+        url = serve_ray.start(args, serve_settings(args, core="thread"))
         replicas = serve.status().applications["smcsd"].deployments["smcsd"].replica_states
         assert replicas.get("RUNNING") == 2, replicas
         got = answers(url)

@@ -1,90 +1,84 @@
-"""One graph per shape: a function of tensors compiled (CPU) or captured as a CUDA graph (CUDA).
+"""CUDA graphs of a backend's forwards: one capture per shape, replayed after.
 
-``Graphed(fn, mode)`` calls ``fn(*tensors)`` as:
-- ``"eager"``: itself, the reference every other mode is tested against;
-- ``"compile"``: ``torch.compile(fullgraph=True, dynamic=False)``, one graph per shape, which
-  fails loudly on a graph break (a host read inside ``fn``); torch caches it across processes;
-- ``"cuda-graph"``: captured once per shape, then replayed. A replay reads the tensors it
-  was captured with: later arguments are copied into them unless they are them (the KV
-  arena, written in place, is passed as itself every time). Outputs are the captured
-  buffers: read or copy them before the next replay.
+On an accelerator a small model's forward costs its kernel launches, not its arithmetic (an 8B
+forward took 27-50 ms on an H200 for 1 or 72 positions, 3.4 ms of them weight reads). A CUDA
+graph launches a whole forward at once. ``CudaGraphs.run(key, fn, inputs)`` captures
+``fn(*inputs)`` the first time it meets ``key`` and replays it after, copying each call's
+inputs into the captured ones. What the graph reads besides its inputs (the KV cache, the
+weights) is read where it was at the capture, so a key must change with any buffer that moves
+(``fixed.ShapedLM`` keys by the cache's generation).
 
-``fn`` must read nothing back to the host and give outputs whose shapes follow from its
-inputs' shapes only.
+Every graph draws from one memory pool; at most ``max_graphs`` are kept (the least recently
+used is dropped); a key captured again more than ``max_recaptures`` times (its buffers keep
+moving: shapes that do not settle) raises instead of falling back to launches in silence.
 """
 
 from __future__ import annotations
 
-import time
-import warnings
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
-MODES = ("eager", "compile", "cuda-graph")
+
+class RecaptureLimit(RuntimeError):
+    """A forward's graph kept being captured again: its shapes or buffers do not settle."""
 
 
-class Graphed:
-    """``fn`` run as ``mode`` says; ``seconds`` is the time spent compiling or capturing."""
+class CudaGraphs:
+    """Captured forwards by key, sharing one memory pool.
 
-    def __init__(self, fn: Callable[..., tuple[torch.Tensor, ...]], mode: str) -> None:
-        if mode not in MODES:
-            raise ValueError(f"graph mode must be one of {MODES}, got {mode!r}")
-        self.fn, self.mode, self.seconds = fn, mode, 0.0
-        self.compiled = None
-        if mode == "compile":
-            # Not frozen: freezing the weights into the graph measured no faster here (AR 1.16x eager
-            # against 1.20x, float32, embedded target) and keeps torch from caching the compiled
-            # graph across processes (44 s to compile again, against 5 s from the cache).
-            self.compiled = torch.compile(fn, fullgraph=True, dynamic=False)
-        self.captured: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple, tuple]] = {}
-        self.shapes: set[tuple] = set()
+    Args:
+        max_graphs: graphs kept at once (least recently used dropped first).
+        max_recaptures: captures of one key's shape past its first before ``RecaptureLimit``.
+    """
 
-    def __call__(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """``fn(*args)``: compiled or replayed after the first call at these shapes."""
-        if self.mode == "eager":
-            return self.fn(*args)
-        key = tuple((tuple(a.shape), a.dtype) for a in args)
-        if self.mode == "compile":
-            if key in self.shapes:
-                return self.compiled(*args)
-            start = time.perf_counter()
-            with warnings.catch_warnings():  # torch's compiler imports a module it has deprecated itself
-                warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch\.")
-                out = self.compiled(*args)  # the first call at a shape compiles it
-            self.shapes.add(key)
-            self.seconds += time.perf_counter() - start
-            return out
-        if key not in self.captured:
-            start = time.perf_counter()
-            self.captured[key] = _capture(self.fn, args)
-            self.seconds += time.perf_counter() - start
-        graph, inputs, outputs = self.captured[key]
-        for buffer, arg in zip(inputs, args):
-            if buffer.data_ptr() != arg.data_ptr():
-                buffer.copy_(arg)
+    def __init__(self, max_graphs: int = 64, max_recaptures: int = 8) -> None:
+        self.max_graphs, self.max_recaptures = max_graphs, max_recaptures
+        self.graphs: OrderedDict[Hashable, tuple] = OrderedDict()
+        self.captures: dict[Hashable, int] = {}
+        self.pool = None
+
+    def run(self, key: Hashable, shape: Hashable, fn: Callable, inputs: Sequence[torch.Tensor]):
+        """``fn(*inputs)``, from the graph of ``key`` (captured now if new).
+
+        ``shape``: what of the key is the forward's shape (its recaptures are counted apart from
+        the buffers' generation). Returns the graph's own output tensors: read or copy them
+        before the next run of the same key.
+        """
+        if key not in self.graphs:
+            self.captures[shape] = self.captures.get(shape, 0) + 1
+            if self.captures[shape] > self.max_recaptures + 1:
+                raise RecaptureLimit(
+                    f"the forward of shape {shape} was captured {self.captures[shape]} times: its buffers "
+                    "keep moving (use --forward reference to run it without graphs)"
+                )
+            self.graphs[key] = self._capture(fn, inputs)
+            while len(self.graphs) > self.max_graphs:
+                self.graphs.popitem(last=False)
+        self.graphs.move_to_end(key)
+        graph, captured, outputs = self.graphs[key]
+        for mine, given in zip(captured, inputs):
+            if mine.data_ptr() != given.data_ptr():
+                mine.copy_(given)
         graph.replay()
         return outputs
 
+    def _capture(self, fn: Callable, inputs: Sequence[torch.Tensor]) -> tuple:
+        """Warm ``fn`` up on a side stream, then capture it over copies of ``inputs``.
 
-def _capture(fn: Callable, args: tuple[torch.Tensor, ...]) -> tuple:
-    """Warm ``fn`` up on a side stream, then capture it over ``args`` themselves.
-
-    The warm-up runs ``fn`` for real, and ``fn`` writes its buffers in place (the arena, the
-    lengths): they are saved before and put back after, so the capture (which runs nothing)
-    starts from the caller's state and the first replay is the call itself.
-    """
-    saved = [a.clone() for a in args]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn(*args)
-    torch.cuda.current_stream().wait_stream(side)
-    for a, s in zip(args, saved):
-        a.copy_(s)
-    del saved
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = fn(*args)
-    return graph, args, tuple(outputs)
+        The warm-up runs ``fn`` for real and ``fn`` writes the cache: the capture runs nothing,
+        so the first replay (the call itself) writes what the call should.
+        """
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        captured = [t.clone() for t in inputs]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn(*captured)  # kernels chosen, workspaces allocated, before the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            outputs = fn(*captured)
+        return graph, captured, outputs

@@ -347,11 +347,15 @@ class HFBatchedLM(BatchedLM, TreeOps, TwinFeeds):
         feed = Feed(positions, allowed, self.cache, valid if flat else None)
         ids = ids if flat else self._shaped_ids(ids)
         with Timer(self.stats, self.device, ids.numel()), torch.inference_mode():
-            logits, self.hidden = self.model_forward(ids, feed, **options)
+            logits, self.hidden = self._run(ids, feed, options)
             self.nonfinite |= torch.isnan(logits).any()
         return logits[:r] if not flat else logits
 
-    # What a backend of fixed shapes (``fixed.FixedShapeLM``) changes: as they are here.
+    def _run(self, ids: torch.Tensor, feed: Feed, options: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The model's forward of a planned feed: logits and the kept states."""
+        return self.model_forward(ids, feed, **options)
+
+    # What a backend of set shapes (``fixed.ShapedLM``) changes: as they are here.
     def _width(self, needed: int) -> int:
         """The columns a forward's attention reads: what it needs."""
         return needed

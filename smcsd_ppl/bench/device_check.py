@@ -1,13 +1,14 @@
-"""One-shot device check: backend equivalence in bf16, then AR / SD / SMC-SD side by side.
+"""One-shot device check: backend equivalence in bf16, then the methods side by side, on both forwards.
 
-``smcsd device-check [--tiny] [--device cuda] [--compile]`` (``check`` here) builds
-random-weight Llamas of realistic shapes (an 8B target and a 1B draft; tiny ones with
-``--tiny`` or on a CPU), checks the batched backend against plain forwards on the
-device (left padding, holes, fork, drop_tail, a token tree), times ``model.generate()``,
-AR, exact SD and SMC-SD (N=8, K=8, 128 tokens, EOS ignored) and returns one report.
-SMC-SD's speed does not depend on how well random models agree, so no weights are needed;
-acceptance and quality figures of random models mean nothing and are not reported.
-On one H200 the full-size check is sized to finish in well under six minutes.
+``smcsd device-check [--tiny] [--device cuda]`` (``check`` here) builds random-weight Llamas
+of realistic shapes (an 8B target and a 1B draft; tiny ones with ``--tiny`` or on a CPU),
+checks the batched backend against plain forwards on the device (left padding, holes, fork,
+drop_tail, a token tree), times ``model.generate()``, AR, exact SD and SMC-SD (N=8, K=8,
+128 tokens, EOS ignored) on the models' own forwards, then AR, the paper's SMC-SD and the
+default method on ours (on CUDA each forward shape a replayed graph), alone and as 8
+requests at once, and returns one report. SMC-SD's speed does not depend on how well random
+models agree, so no weights are needed; acceptance and quality figures of random models mean
+nothing and are not reported. On one H200 the full-size check is sized to finish within 8 minutes.
 """
 
 from __future__ import annotations
@@ -16,16 +17,19 @@ import dataclasses
 import resource
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from ..api import SMCSD
+from ..backends.fixed import ShapedLM
 from ..backends.hf import HFBatchedLM
 from ..backends.syncs import reads_per_cycle
 from ..config import SMCConfig
 from ..engine.worker import entered_on_torch_thread
 from ..models import LoadedModel
+from ..models.batched import backend_of
 from .speed import HF_GENERATE, timed_run
 
 VOCAB_8B = 128256
@@ -43,6 +47,8 @@ TIMED = (
     "smcsd_paper",
 )  # the paper's SMC-SD: its speed does not depend on agreement
 VLLM_TIMED = ("ar", "sd", "smcsd_paper")  # on the vLLM backend (HF generate() has no place there)
+OURS_TIMED = ("ar", "smcsd_paper", "smcsd")  # on our forward: the default method too
+SERVED = 8  # requests at once, as a server batches them
 EOS = 2
 BF16_TOL = 0.05  # max |a - b| / max |b| allowed between batched and plain bf16 logits
 
@@ -100,11 +106,15 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float().cpu() - want.float().cpu()).abs().max() / want.float().abs().max().cpu())
 
 
-def equivalence(model, vocab: int, seed: int = 0) -> dict[str, float]:
-    """Max relative logit error of each backend operation against plain forwards."""
+def equivalence(model, vocab: int, seed: int = 0, lm: HFBatchedLM | None = None) -> dict[str, float]:
+    """Max relative logit error of each backend operation against plain forwards.
+
+    ``lm``: the backend to check (default: the model's own forward); a backend that reads no
+    token trees (``fixed.ShapedLM``) is checked without one.
+    """
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (9, 3, 6, 1)]
-    lm = HFBatchedLM(model)
+    lm = lm or HFBatchedLM(model)
     out = {"left_padding": 0.0}
     first = lm.prefill(prompts)
     for i, p in enumerate(prompts):
@@ -131,7 +141,8 @@ def equivalence(model, vocab: int, seed: int = 0) -> dict[str, float]:
         rel_err(got[i], scratch(model, s + tokens[i].tolist(), 2)) for i, s in enumerate(seqs)
     )
     seqs = [s + tokens[i].tolist() for i, s in enumerate(seqs)]
-    out["tree"] = _tree_error(lm, model, seqs, g, vocab)
+    if not isinstance(lm, ShapedLM):
+        out["tree"] = _tree_error(lm, model, seqs, g, vocab)
     return out
 
 
@@ -153,11 +164,16 @@ def _tree_error(lm: HFBatchedLM, model, seqs: list[list[int]], g: torch.Generato
     return err
 
 
-def forward_ms(model, device: torch.device, cache: int = 128, repeats: int = 5) -> dict[str, float]:
-    """Median ms of one target forward of 1 x 1 and 8 x 9 new positions after ``cache`` tokens."""
+def forward_ms(
+    model, device: torch.device, cache: int = 128, repeats: int = 5, make=HFBatchedLM
+) -> dict[str, float]:
+    """Median ms of one target forward of 1 x 1 and 8 x 9 new positions after ``cache`` tokens.
+
+    ``make``: the backend of ``model`` (default: its own forward).
+    """
     out = {}
     for rows, t in ((1, 1), (8, 9)):
-        lm = HFBatchedLM(model)
+        lm = make(model)
         lm.prefill([list(range(3, 3 + cache))])
         lm.fork(torch.zeros(rows, dtype=torch.long))
         times = []
@@ -205,6 +221,15 @@ def host_reads(pair: SMCSD, method: str, prompt: list[int], config: SMCConfig) -
     return float(statistics.median(counts[1:] or counts or [0]))
 
 
+def served(pair: SMCSD, method: str, prompt: list[int], config: SMCConfig) -> float:
+    """Tokens/s of ``SERVED`` requests of ``method`` sent at once from as many threads (one batch)."""
+    configs = [dataclasses.replace(config, seed=config.seed + i) for i in range(SERVED)]
+    start = time.perf_counter()
+    with ThreadPoolExecutor(SERVED) as pool:
+        outs = list(pool.map(lambda c: pair.generate_ids([prompt], method=method, config=c)[0], configs))
+    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
+
+
 def timings(
     pair: SMCSD, prompt: list[int], config: SMCConfig, repeats: int, methods: tuple[str, ...] = TIMED
 ) -> dict[str, dict]:
@@ -234,13 +259,11 @@ def timings(
 class CheckSettings:
     """What the device check runs.
 
-    ``tiny``: tiny shapes (always on a CPU); ``compile``: also time ``torch.compile``d
-    forwards; ``backend="vllm"``: also time AR, SD and SMC-SD on vLLM engines over the same
-    models.
+    ``tiny``: tiny shapes (always on a CPU); ``backend="vllm"``: also time AR, SD and SMC-SD
+    on vLLM engines over the same models.
     """
 
     tiny: bool = False
-    compile: bool = False
     max_new_tokens: int = 128
     prompt_tokens: int = 128
     repeats: int = 3
@@ -263,14 +286,13 @@ def check(device: str | None = None, settings: CheckSettings = CheckSettings()) 
     report["equivalence_max_rel_err"] = {k: round(v, 5) for k, v in errors.items()}
     report["equivalence_ok"] = all(v <= BF16_TOL for v in errors.values())
     report["forward_ms"] = forward_ms(target.model, device)
-    pair = SMCSD(target, draft, chat=False)
+    pair = SMCSD(target, draft, chat=False, forward="reference")
     n_new, g = settings.max_new_tokens, torch.Generator().manual_seed(0)
     prompt = torch.randint(3, vocab, (settings.prompt_tokens,), generator=g).tolist()
     config = SMCConfig(n_particles=8, block_size=8, max_new_tokens=n_new, ignore_eos=True)
     report["config"] = {"n": 8, "k": 8, "max_new_tokens": n_new, "prompt_tokens": len(prompt)}
     report["methods"] = timings(pair, prompt, config, settings.repeats)
-    if settings.compile:
-        report["compiled"] = _compiled(pair, prompt, config, settings.repeats)
+    report["ours"] = _ours(target, draft, prompt, config, settings.repeats)
     if settings.backend == "vllm":
         report["vllm"] = _on_vllm(target, draft, prompt, config, settings.repeats)
     report["peak_memory_bytes"] = _peak_memory(device)
@@ -301,14 +323,29 @@ def word_tokenizer(vocab: int):
     return PreTrainedTokenizerFast(tokenizer_object=core, eos_token=f"t{EOS}", unk_token="t0")
 
 
-def _compiled(pair: SMCSD, prompt: list[int], config: SMCConfig, repeats: int) -> dict:
-    """The same timings with ``torch.compile(dynamic=True)`` forwards, or the error that stopped it."""
-    for m in (pair.target.model, pair.draft.model):
-        m.forward = torch.compile(m.forward, dynamic=True)
-    try:
-        return timings(pair, prompt, config, repeats)
-    except Exception as err:  # report, not crash: the uncompiled figures stand
-        return {"error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
+def _ours(
+    target: LoadedModel, draft: LoadedModel, prompt: list[int], config: SMCConfig, repeats: int
+) -> dict:
+    """Our forward beside the models' own: equivalence, forward times, methods alone and served.
+
+    On CUDA it is ``compiled`` (each forward shape a replayed CUDA graph); on a CPU ``auto``,
+    whose parts run as they are unless built already (building them takes a minute).
+    """
+    device = next(target.model.parameters()).device
+    forward = "compiled" if device.type == "cuda" else "auto"
+    out = {"forward": forward}
+    vocab = target.model.config.vocab_size
+    errors = equivalence(target.model, vocab, lm=backend_of(target.model, forward))
+    out["equivalence_max_rel_err"] = {k: round(v, 5) for k, v in errors.items()}
+    out["forward_ms"] = forward_ms(target.model, device, make=lambda m: backend_of(m, forward))
+    pair = SMCSD(target, draft, chat=False, forward=forward)
+    out["methods"] = timings(pair, prompt, config, repeats, methods=OURS_TIMED)
+    for method in ("ar", "smcsd"):  # the served AR, one particle, runs as the engine's request too
+        rate = statistics.median(served(pair, method, prompt, config) for _ in range(repeats))
+        out.setdefault("served", {})[f"{method} x{SERVED}"] = round(rate, 2)
+    graphs = getattr(pair.target_lm, "graphs", None)
+    out["graphs_captured"] = 0 if graphs is None else len(graphs.graphs)
+    return out
 
 
 def _device_name(device: torch.device) -> str:

@@ -14,7 +14,6 @@ def add_parser(sub) -> None:
     )
     dc.add_argument("--device", default=None, help="cuda when there is one, else cpu (tiny shapes)")
     dc.add_argument("--tiny", action="store_true", help="tiny shapes (always on a CPU)")
-    dc.add_argument("--compile", action="store_true", help="also time with torch.compile'd models")
     dc.add_argument("--max-new-tokens", type=int, default=128, help="tokens per timed run")
     dc.add_argument("--prompt-tokens", type=int, default=128, help="random prompt length")
     dc.add_argument("--repeats", type=int, default=3, help="timed runs per method (medians)")
@@ -32,7 +31,6 @@ def _device_check(args: argparse.Namespace) -> int:
 
     settings = CheckSettings(
         tiny=args.tiny,
-        compile=args.compile,
         max_new_tokens=args.max_new_tokens,
         prompt_tokens=args.prompt_tokens,
         repeats=args.repeats,

@@ -29,10 +29,11 @@ def add_parser(sub) -> None:
     p.add_argument("--url", default=None, help="a running server's /v1 URL (default: serve in this process)")
     p.add_argument("--api-key", default=None, help="the server's bearer token (with --url)")
     p.add_argument(
-        "--engine",
+        "--core",
         choices=("process", "thread"),
         default="process",
-        help="without --url: the served engine in a process of its own (as smcsd serve runs it) or a thread",
+        help="without --url: the served engine's core in a process of its own (as smcsd serve runs it) "
+        "or a thread",
     )
     g = p.add_argument_group("faults (--faults): good requests mixed with broken ones, round after round")
     g.add_argument(
@@ -122,10 +123,8 @@ def _in_process(args: argparse.Namespace, config, requests: int):
 
     set_threads(args)
     limits = dict(max_queue=max(args.max_queue, requests), max_rows=args.max_rows)
-    settings = ServeSettings(
-        pair=PairSpec(**pair_options(args)), defaults=config, engine=args.engine, **limits
-    )
-    where = "in an engine process" if args.engine == "process" else "here"
+    settings = ServeSettings(pair=PairSpec(**pair_options(args)), defaults=config, core=args.core, **limits)
+    where = "in a process of its own" if args.core == "process" else "here"
     with status(f"loading models ({where})"), load_notes():
         app = build_server(settings)
     service = app.state.service

@@ -59,24 +59,24 @@ def server_args(p: argparse.ArgumentParser) -> None:
         "end with their text so far and finish_reason 'abort' (default: %(default)s)",
     )
     g.add_argument(
-        "--engine",
+        "--core",
         choices=("process", "thread"),
         default="process",
-        help="where the engine's cycles run: a process of their own (default; HTTP never waits on them) "
-        "or a thread of this one",
+        help="where the engine's core runs its cycles: a process of its own (default; HTTP never waits "
+        "on them) or a thread of this one",
     )
     g.add_argument(
-        "--engine-timeout",
+        "--core-timeout",
         type=float,
         default=300.0,
         metavar="SECONDS",
-        help="an engine process that ends no cycle for this long while requests run is killed as hung, "
-        "and the server exits 1 for its supervisor to restart it, as when the engine dies (0: never; "
+        help="a core process that ends no cycle for this long while requests run is killed as hung, "
+        "and the server exits 1 for its supervisor to restart it, as when it dies (0: never; "
         "default: %(default)s)",
     )
 
 
-def serve_settings(args: argparse.Namespace, *, engine: str | None = None):
+def serve_settings(args: argparse.Namespace, *, core: str | None = None):
     """The server's typed settings from the options (checked, before any model loads)."""
     from ..serving.settings import PairSpec, ServeSettings
 
@@ -99,8 +99,8 @@ def serve_settings(args: argparse.Namespace, *, engine: str | None = None):
         max_queue=args.max_queue,
         max_rows=args.max_rows,
         max_body_bytes=args.max_body_bytes,
-        engine=engine or args.engine,
-        engine_timeout=args.engine_timeout,
+        core=core or args.core,
+        core_timeout=args.core_timeout,
     )
 
 
@@ -110,13 +110,13 @@ def run(args: argparse.Namespace) -> int:
     from ..serving.settings import build_server
 
     check_threads(args.threads)
-    settings = serve_settings(args, engine="thread" if args.ray else None)
+    settings = serve_settings(args, core="thread" if args.ray else None)
     serve_ray.check_ray_args(args)
     if args.ray:
         return serve_ray.run(args, settings)
     sock = bind(args.host, args.port)  # a port in use fails before the models load
     set_threads(args)
-    where = "in an engine process" if settings.engine == "process" else "here"
+    where = "in a process of its own" if settings.core == "process" else "here"
     with status(f"loading models ({where})"), load_notes():
         app = build_server(settings)
     service = app.state.service

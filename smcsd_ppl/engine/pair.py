@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..backends.base import BatchedLM
-from ..backends.fixed import FixedShapeLM
+from ..backends.fixed import FixedShape
 from ..config import DraftRecord, SMCConfig
 from ..inference.rows import RowStore
 from ..models import LoadedModel
@@ -117,7 +117,8 @@ class PairCore:
     @property
     def row_limit(self) -> int | None:
         """The most rows a batch may hold, where the backends' forwards have fixed shapes (else None)."""
-        shapes = [lm.shape.rows for lm in (self.target_lm, self.draft_lm) if isinstance(lm, FixedShapeLM)]
+        lms = (self.target_lm, self.draft_lm)
+        shapes = [lm.shape.rows for lm in lms if isinstance(getattr(lm, "shape", None), FixedShape)]
         return min(shapes, default=None)
 
     @property

@@ -7,8 +7,9 @@ import pathlib
 
 import torch
 
-from ..backends.fixed import FixedShape, FixedShapeLM
-from ..backends.hf import HFBatchedLM
+from ..backends.fixed import Buckets, FixedShape, ShapedLM
+from ..backends.graphs import CudaGraphs
+from ..backends.hf import DEFAULT_CACHE_BUDGET, HFBatchedLM
 from ..backends.llama import LlamaForward, unsupported
 from ..backends.packages import CompiledParts
 from ..config import FORWARDS
@@ -30,7 +31,8 @@ def batched_pair(
 
     ``forward``: how the HF backend computes a forward (``config.FORWARDS``; ``forward_of``).
     ``deterministic``: every forward has the shapes a request's rows have alone
-    (``backends.fixed``).
+    (``backends.fixed``). On CUDA our forward runs at bucketed shapes, each replayed as a CUDA
+    graph (``backends.graphs``).
     """
     if backend == "vllm":
         if forward == "compiled" or deterministic:
@@ -43,16 +45,43 @@ def batched_pair(
             f"the {backend} backend runs models built in PyTorch; these were loaded for vLLM only "
             "(SMCSD.load(..., backend='vllm'))"
         )
-    lms = []
-    for m, role in ((target, "target"), (draft, "draft")):
-        options = dict(max_cache_bytes=max_cache_bytes, name=role)
-        options["compiled"] = forward_of(m.model, forward, role, few_rows=not deterministic)
-        lms.append(
-            FixedShapeLM(m.model, FixedShape(), **options)
-            if deterministic
-            else HFBatchedLM(m.model, **options)
+    graphs = CudaGraphs()  # one memory pool for both models' graphs
+    return tuple(
+        backend_of(
+            m.model,
+            forward,
+            role,
+            deterministic=deterministic,
+            graphs=graphs,
+            max_cache_bytes=max_cache_bytes,
         )
-    return tuple(lms)
+        for m, role in ((target, "target"), (draft, "draft"))
+    )
+
+
+def backend_of(
+    model: torch.nn.Module,
+    forward: str,
+    role: str = "model",
+    *,
+    deterministic: bool = False,
+    graphs: CudaGraphs | None = None,
+    max_cache_bytes: int = DEFAULT_CACHE_BUDGET,
+) -> HFBatchedLM:
+    """One model's HF backend under ``forward`` (``config.FORWARDS``).
+
+    ``deterministic``: fixed shapes (``fixed.FixedShape``); on CUDA our forward runs at
+    bucketed shapes, each replayed as a CUDA graph from ``graphs``.
+    """
+    options = dict(max_cache_bytes=max_cache_bytes, name=role)
+    options["compiled"] = ours = forward_of(model, forward, role, few_rows=not deterministic)
+    on_gpu = next(model.parameters()).device.type == "cuda" and ours is not None
+    graphs = (graphs or CudaGraphs()) if on_gpu else None
+    if deterministic:
+        return ShapedLM(model, FixedShape(), graphs=graphs, **options)
+    if on_gpu:  # launches are what a small forward costs there: replayed graphs
+        return ShapedLM(model, Buckets(), graphs=graphs, **options)
+    return HFBatchedLM(model, **options)
 
 
 def forward_of(

@@ -92,10 +92,18 @@ def auto_dtype(device: str | torch.device = "cpu") -> torch.dtype:
 
     dev = torch.device(device)
     if dev.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if _native_bf16_gpu() else torch.float16
     if dev.type == "mps":
         return torch.float16
     return torch.bfloat16 if native_matmul(torch.bfloat16) else torch.float32
+
+
+def _native_bf16_gpu() -> bool:
+    """Whether the GPU multiplies bf16 in hardware (an emulated bf16 runs slower than float16)."""
+    try:
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    except TypeError:  # torch before 2.3: no emulation to tell apart
+        return torch.cuda.is_bf16_supported()
 
 
 def dtype_name(dtype: str | torch.dtype, device: str | torch.device = "cpu") -> str:

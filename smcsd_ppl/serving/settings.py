@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from ..config import DraftRecord, SMCConfig
 
-ENGINE_MODES = ("process", "thread")
+CORE_PLACES = ("process", "thread")  # where the engine's core may run
 
 
 @dataclass(frozen=True)
@@ -59,10 +59,10 @@ class ServeSettings:
         max_queue: requests that may wait beyond the rows; more get 429.
         max_rows: KV-cache rows the running requests may hold (N per request).
         max_body_bytes: the largest request body; more get 413.
-        engine: ``"process"`` (the engine in a child process: HTTP and the cycles never share
-            an interpreter lock) or ``"thread"`` (in this process, on its torch thread).
-        engine_timeout: an engine process that ends no cycle for this long while requests are
-            in is killed as hung, and the server stops (0: never).
+        core: where the engine's core runs: ``"process"`` (a child process: HTTP and the cycles
+            never share an interpreter lock) or ``"thread"`` (in this process, on its torch thread).
+        core_timeout: a core process that ends no cycle for this long while requests are in is
+            killed as hung, and the server stops (0: never).
     """
 
     pair: PairSpec = field(default_factory=PairSpec)
@@ -72,19 +72,19 @@ class ServeSettings:
     max_queue: int = 64
     max_rows: int = 512
     max_body_bytes: int = 1 << 20
-    engine: str = "process"
-    engine_timeout: float = 300.0
+    core: str = "process"
+    core_timeout: float = 300.0
 
     def __post_init__(self) -> None:
-        if not self.engine_timeout >= 0:
-            raise ValueError(f"--engine-timeout must be at least 0, got {self.engine_timeout}")
+        if not self.core_timeout >= 0:
+            raise ValueError(f"--core-timeout must be at least 0, got {self.core_timeout}")
         for name in ("max_queue", "max_rows", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("--api-key is empty")
-        if self.engine not in ENGINE_MODES:
-            raise ValueError(f"engine must be one of {', '.join(ENGINE_MODES)}, got {self.engine!r}")
+        if self.core not in CORE_PLACES:
+            raise ValueError(f"core must be one of {', '.join(CORE_PLACES)}, got {self.core!r}")
 
 
 def build_server(settings: ServeSettings, pair=None):
@@ -98,16 +98,14 @@ def build_server(settings: ServeSettings, pair=None):
     from .app import build_app
 
     limits = dict(max_queue=settings.max_queue, max_rows=settings.max_rows)
-    if pair is None and settings.engine == "thread":
+    if pair is None and settings.core == "thread":
         pair = settings.pair.load()
         pair.core.build_forwards(background=True)  # answers at once; compiled parts as they come
     if pair is not None:
         engine = Engine(pair.core, settings.defaults, **limits, keep_draft=True)  # requests come one by one
         pair.use_engine(engine)  # the pair's own calls share the server's batch
     else:
-        engine = EngineProcess(
-            settings.pair, settings.defaults, **limits, hang_seconds=settings.engine_timeout
-        )
+        engine = EngineProcess(settings.pair, settings.defaults, **limits, hang_seconds=settings.core_timeout)
     # The grammar engine's view of the tokenizer, built now (seconds of work) rather than
     # inside the first constrained request, where it would hold up every other one.
     ConstraintSpec("regex", "a").build(engine.tokenizer, engine.pair.eos_for(settings.defaults))
