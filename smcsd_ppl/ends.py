@@ -28,8 +28,13 @@ class FinishReason(str, enum.Enum):
 
     @property
     def openai(self) -> str:
-        """The reason in OpenAI's words: ``"length"``, ``"abort"`` (cancelled, as vLLM), else ``"stop"``."""
-        return {FinishReason.LENGTH: "length", FinishReason.CANCELLED: "abort"}.get(self, "stop")
+        """The reason in OpenAI's words: ``length``, ``abort`` (cancelled, as vLLM), ``error``, else ``stop``.
+
+        A server answers a request that failed with an error (HTTP 500, or an error event), not
+        a choice: ``"error"`` is what one would read were it ever sent.
+        """
+        names = {FinishReason.LENGTH: "length", FinishReason.CANCELLED: "abort", FinishReason.ERROR: "error"}
+        return names.get(self, "stop")
 
 
 def row_ends(token: int | None, emitted: int, budget: int, eos: Container[int]) -> bool:

@@ -19,7 +19,7 @@ from tiny import MAX_POSITIONS, llama
 
 from smcsd_ppl import SMCConfig
 from smcsd_ppl.backends import hf, kv
-from smcsd_ppl.backends.base import length_groups
+from smcsd_ppl.backends.base import CacheExhausted, NonFiniteLogits, length_groups
 from smcsd_ppl.backends.hf import HFBatchedLM
 
 ATOL, RTOL = 1e-4, 1e-4
@@ -253,11 +253,11 @@ def test_kv_budget_raises_before_the_forward(tiny_llama):
     lm = HFBatchedLM(tiny_llama, max_cache_bytes=lm_bytes(tiny_llama, rows=2, positions=8), name="target")
     lm.prefill([[1, 2, 3], [4, 5, 6, 7]])
     calls = lm.stats.calls
-    with pytest.raises(ValueError, match="budget") as err:
+    with pytest.raises(CacheExhausted, match="budget") as err:
         lm.extend(torch.ones(2, 8, dtype=torch.long))
     assert "max_cache_bytes" in str(err.value) and "target" in str(err.value)
     assert lm.stats.calls == calls  # refused before running the tiny_llama
-    with pytest.raises(ValueError, match="budget"):
+    with pytest.raises(CacheExhausted, match="budget"):
         HFBatchedLM(tiny_llama, max_cache_bytes=1).prefill([[1, 2]])
 
 
@@ -270,7 +270,7 @@ def test_fork_to_more_rows_stays_within_the_budget(tiny_llama):
         assert lm.bytes_per_token * rows * lm.cache.capacity <= budget
     out = lm.extend(torch.tensor([[4]] * 4))
     torch.testing.assert_close(out[3], scratch_logits(tiny_llama, [1, 2, 3, 4], 1), atol=ATOL, rtol=RTOL)
-    with pytest.raises(ValueError, match="budget"):
+    with pytest.raises(CacheExhausted, match="budget"):
         lm.fork(torch.zeros(8, dtype=torch.long))  # 8 rows x 4 positions > 2 x 8
 
 
@@ -312,7 +312,7 @@ def test_nan_logits_raise_at_the_next_check():
     broken.lm_head.weight.fill_(float("nan"))
     lm = HFBatchedLM(broken, name="target")
     lm.prefill([[1, 2, 3]])  # no host read per forward: the flag waits for check_finite
-    with pytest.raises(ValueError, match="NaN") as err:
+    with pytest.raises(NonFiniteLogits, match="NaN") as err:
         lm.check_finite()
     assert "target" in str(err.value)
 
@@ -322,7 +322,7 @@ def test_nan_logits_raise_at_the_next_check():
     lm.check_finite()
     tiny_llama.lm_head.weight[7].fill_(float("nan"))  # breaks after prefill: the flag must catch it
     lm.extend(torch.ones(1, 2, dtype=torch.long))
-    with pytest.raises(ValueError, match="NaN"):
+    with pytest.raises(NonFiniteLogits, match="NaN"):
         lm.check_finite()
     lm.check_finite()  # the flag was reset by the check that raised
 

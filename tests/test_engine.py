@@ -18,6 +18,7 @@ from helpers import EOS, run_rows, smc
 import smcsd_ppl.inference.cycle as cycle_module
 import smcsd_ppl.methods.sd as sd_module
 from smcsd_ppl.api import SMCSD
+from smcsd_ppl.backends.base import NonFiniteLogits
 from smcsd_ppl.backends.mock import MockLM
 from smcsd_ppl.config import SMCConfig
 from smcsd_ppl.inference.blocks import BlockRequest, RowConstraint
@@ -311,7 +312,7 @@ def test_nan_logits_during_generation_raise(which, method, forward):
     target, draft = tiny.pair()  # fresh models: the hook must not leak into other tests
     pair = SMCSD(target, draft, forward=forward)
     handle = nan_after_prefill((target if which == "target" else draft).model)
-    with pytest.raises(ValueError, match="NaN") as err:
+    with pytest.raises(NonFiniteLogits, match="NaN") as err:
         pair.generate(PROMPTS, method=method, config=cfg())
     assert which in str(err.value)
     handle.remove()
@@ -322,7 +323,7 @@ def test_nan_logits_mid_run_with_the_mock_backend():
     table[2, 1] = float("nan")  # the context (..., 2, 1) breaks the target
     target = MockLM(table=table)
     programs = [SMCSDModel([2, 0]) for _ in range(8)]
-    with pytest.raises(ValueError, match="NaN"):
+    with pytest.raises(NonFiniteLogits, match="NaN"):
         smc(target, MockLM(4, seed=1), programs, n_particles=4, block_size=2, max_new_tokens=20, seed=0)
 
 
@@ -584,7 +585,7 @@ def test_nan_logits_during_autoregressive_sampling_raise():
     target, draft = tiny.pair()
     pair = SMCSD(target, draft)
     handle = nan_after_prefill(target.model)
-    with pytest.raises(ValueError, match="NaN") as err:
+    with pytest.raises(NonFiniteLogits, match="NaN") as err:
         pair.generate(PROMPTS, method="ar", config=cfg())
     assert "target" in str(err.value)
     handle.remove()

@@ -124,3 +124,26 @@ def test_health_and_new_requests_say_the_engine_is_dead_once_its_process_is_kill
             assert "the engine process ended (killed by signal 9)" in error["message"]
     finally:
         engine.close()
+
+
+def test_a_reader_that_fails_turns_health_to_503_and_fails_what_is_in(monkeypatch):
+    from fastapi.testclient import TestClient
+
+    from smcsd_ppl.engine.ticket import Ticket
+    from smcsd_ppl.serving.app import build_app
+
+    def broken(self, out):
+        raise RuntimeError("a reader bug")
+
+    engine = EngineProcess(PairSpec(factory=tiny.smcsd_pair), BASE)
+    client = TestClient(build_app(engine, model_name="tiny"))
+    try:
+        monkeypatch.setattr(Ticket, "apply", broken)
+        ticket = engine.submit(requests()[0])
+        assert engine.died.wait(5)
+        reply = client.get("/health")
+        assert reply.status_code == 503 and "reader of its outputs failed" in reply.json()["error"]["message"]
+        with pytest.raises(RequestCancelled):
+            ticket.wait(timeout=10)
+    finally:
+        engine.close()

@@ -65,6 +65,15 @@ def test_smcsd_inside_a_call_takes_the_engines_turns_and_answers_as_outside(tiny
     assert not tiny_smcsd.engine.busy
 
 
+def test_a_call_from_inside_a_cycle_is_refused_in_one_line(tiny_smcsd):
+    def observe(_info):
+        tiny_smcsd.generate("Hi", method="ar", config=CONFIG)  # AR runs as a call: it would move the rows
+
+    with pytest.raises(RuntimeError, match="cannot run from inside a cycle"):
+        tiny_smcsd.run([SMCSDModel(tiny_smcsd.encode(PROMPT))], CONFIG, on_cycle=observe)
+    assert tiny_smcsd.generate(PROMPT, config=CONFIG).token_ids  # the engine goes on
+
+
 def test_smcsd_from_inside_a_cycle_is_refused_in_one_line(tiny_smcsd):
     def observe(_info):
         tiny_smcsd.engine.run([SMCSDModel(tiny_smcsd.encode("Hi"))], CONFIG)
@@ -111,3 +120,31 @@ def test_the_mutant_that_runs_smcsd_as_a_call_fails_that_check(tiny_smcsd, steps
     monkeypatch.setattr(SMCSD, "_generate", lambda self, *a: self.call(lambda: real(self, *a)))
     tiny_smcsd.generate(PROMPT, config=CONFIG)
     assert any(steps_in_calls)
+
+
+class Plain(SMCSDModel):
+    """The tutorial's first program: a step that only extends."""
+
+    async def step(self):
+        await self.extend()
+
+
+class Conditioned(SMCSDModel):
+    async def step(self):
+        await self.extend()
+        self.condition(True)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_a_program_whose_step_is_the_default_s_runs_as_generate(tiny_smcsd, seed):
+    """Same tokens, same draft and target calls: it takes every decision the default takes."""
+    config = SMCConfig(n_particles=4, block_size=4, draft_temperature=0.7, target_temperature=0.7, seed=seed)
+    config = SMCConfig(**{**config.__dict__, "max_new_tokens": 24})
+    ran = tiny_smcsd.run([Plain(PROMPT)], config)[0]
+    made = tiny_smcsd.generate(PROMPT, config=config)
+    assert ran.token_ids == made.token_ids and ran.smc.log_z == made.smc.log_z
+    assert (ran.stats.target_calls, ran.stats.draft_calls) == (
+        made.stats.target_calls,
+        made.stats.draft_calls,
+    )
+    assert Plain(PROMPT).plain and not Conditioned(PROMPT).plain

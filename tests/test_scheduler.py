@@ -16,6 +16,7 @@ from helpers import EOS, config, exact_target, marginal_tv, mock_pair, total_var
 from smcsd_ppl.config import SMCConfig
 from smcsd_ppl.engine.client import Engine, EngineClosed, QueueFull, RequestCancelled, ServeRequest
 from smcsd_ppl.engine.pair import PairCore
+from smcsd_ppl.inference.program import SMCSDModel
 from smcsd_ppl.inference.rows import RowStore
 from smcsd_ppl.inference.streams import RowStreams
 
@@ -288,3 +289,52 @@ def test_returning_the_heaviest_particle_fails_that_check():
     target, _ = mock_pair(rare_eos=True)
     exact, _ = exact_target(target, [1, 2], 4)
     assert marginal_tv([gen.token_ids for _, gen in runs], exact, 4) >= 0.05
+
+
+def _finished_at(requests) -> list[int]:
+    """The engine's cycle count when each request finished, all submitted at once to one engine."""
+    done: dict[int, int] = {}
+    with Engine(MockPair(), settings(0)) as sched:
+        with sched.exclusive():  # held: every request is queued before the first cycle
+            tickets = [
+                sched.submit_program(
+                    SMCSDModel(r.prompt_ids),
+                    r.settings,
+                    seed=r.config.seed,
+                    on_done=lambda t, i=i: done.setdefault(i, sched.core.stats.cycles),
+                )
+                for i, r in enumerate(requests)
+            ]
+        [t.wait(timeout=60) for t in tickets]
+    return [done[i] for i in range(len(requests))]
+
+
+@pytest.mark.parametrize("odd", [{"block_size": 2}, {"ignore_eos": True}])
+def test_a_request_of_its_own_k_or_eos_ahead_of_seven_holds_none_back(odd):
+    """Counted in cycles: the seven finish when they would have without it."""
+    seven = [ServeRequest(PROMPTS[i % 4], settings(20 + i)) for i in range(7)]
+    ahead = ServeRequest([0, 1], settings(5, **odd, max_new_tokens=8))
+    without = _finished_at(seven)
+    with_it = _finished_at([ahead, *seven])
+    assert with_it[1:] == without
+
+
+def test_the_mutant_that_runs_other_k_in_a_batch_of_its_own_fails_that_check(monkeypatch):
+    from smcsd_ppl.engine import request as request_module
+
+    monkeypatch.setattr(request_module, "SHARED_SETTINGS", ("alpha", "block_size", "cut", "cut_divergence"))
+    seven = [ServeRequest(PROMPTS[i % 4], settings(20 + i)) for i in range(7)]
+    ahead = ServeRequest([0, 1], settings(5, block_size=2))
+    assert max(_finished_at([ahead, *seven])[1:]) > max(_finished_at(seven))
+
+
+@pytest.mark.parametrize("odd", [{"block_size": 2}, {"ignore_eos": True}, {"block_size": 5}])
+def test_a_request_of_its_own_k_or_eos_returns_among_others_what_it_returns_alone(odd):
+    mine = ServeRequest([0, 1], settings(5, **odd))
+    others = [ServeRequest(PROMPTS[i % 4], settings(30 + i)) for i in range(3)]
+    with Engine(MockPair(), settings(0)) as sched:
+        alone = sched.submit(mine).wait(timeout=60)
+    with Engine(MockPair(), settings(0)) as sched:
+        tickets = [sched.submit(r) for r in (*others, mine)]
+        together = [t.wait(timeout=60) for t in tickets][-1]
+    assert together.token_ids == alone.token_ids and together.smc.log_z == pytest.approx(alone.smc.log_z)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from smcsd_ppl.config import SMCConfig
 from smcsd_ppl.engine.request import Call, Request
-from smcsd_ppl.engine.scheduling import Capacity, Plan, schedule
+from smcsd_ppl.engine.scheduling import MAX_PASSED, Capacity, Plan, schedule
 from smcsd_ppl.inference.program import SMCSDModel
 
 
@@ -38,11 +38,24 @@ def test_a_call_waits_for_the_batch_to_drain_and_holds_later_requests_back():
     assert schedule([call, later], [], Capacity(max_rows=64)) == Plan(call=call)
 
 
-def test_requests_of_other_shared_settings_start_their_own_batch_once_this_one_drains():
+def test_a_request_of_other_settings_waits_for_the_batch_without_holding_back_those_behind():
     running, paper, same = request(2), request(2, cut=None), request(2)
-    assert schedule([paper, same], [running], Capacity(max_rows=64)).admit == ()
+    plan = schedule([paper, same], [running], Capacity(max_rows=64))
+    assert plan.admit == (same,) and plan.passed == (paper,)
     plan = schedule([paper, same], [], Capacity(max_rows=64))
     assert plan.admit == (paper,)  # the first's settings start the batch; the other waits its turn
+
+
+def test_a_request_passed_often_enough_has_the_batch_drain_for_it():
+    running, paper, same = request(2), request(2, cut=None), request(2)
+    paper.passed = MAX_PASSED
+    assert schedule([paper, same], [running], Capacity(max_rows=64)) == Plan()
+
+
+def test_other_k_and_eos_settings_share_the_batch():
+    running = request(2)
+    joining = [request(2, block_size=3), request(2, ignore_eos=True)]
+    assert schedule(joining, [running], Capacity(max_rows=64)).admit == tuple(joining)
 
 
 def test_a_drafting_request_waits_while_rows_without_the_draft_run():

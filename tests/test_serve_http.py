@@ -12,14 +12,18 @@ import json
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
+import tiny
 import torch
 
+from smcsd_ppl.api import SMCSD
 from smcsd_ppl.config import SMCConfig
 from smcsd_ppl.engine.client import Engine, EngineClosed, EngineStats, ServeRequest
+from smcsd_ppl.inference.program import SMCSDModel
 from smcsd_ppl.serving.app import DISCONNECT_POLL_SECONDS, build_app
 from smcsd_ppl.serving.schema import ChatCompletion, Completion
 from smcsd_ppl.serving.server import BackgroundServer
@@ -616,3 +620,65 @@ def test_retry_after_is_the_queue_s_expected_wait():
     assert queue_wait_seconds(stats(5, 0, 0.0)) == 1  # nothing finished yet: no rate to go by
     assert queue_wait_seconds(stats(5, 10, 20.0)) == 12  # 6 ahead at 2 s each
     assert queue_wait_seconds(stats(0, 100, 1.0)) == 1 and queue_wait_seconds(stats(500, 1, 10.0)) == 60
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_whose_particles_all_die_gets_an_error_not_a_stop(tiny_smcsd, stream, monkeypatch):
+    """Every block weighs zero (a program that rejects all it sees): an error, never a 200 "stop"."""
+    real = SMCSDModel.extend
+
+    async def rejected(self, *args, **kwargs):
+        block = await real(self, *args, **kwargs)
+        self.score(float("-inf"))
+        return block
+
+    monkeypatch.setattr(SMCSDModel, "extend", rejected)
+    ask = {"prompt": "Hi", "max_tokens": 8, "seed": 1, "stream": stream}
+    with served(tiny_smcsd) as client:
+        reply = client.post("/v1/completions", json=ask)
+    if not stream:
+        error = error_of(reply, 500)
+        assert error["code"] == "generation_failed" and "zero weight" in error["message"], error
+        return
+    events = [json.loads(line[6:]) for line in reply.text.splitlines() if line.startswith("data: {")]
+    assert reply.status_code == 200 and "[DONE]" not in reply.text  # the stream ends with the error
+    error = events[-1]["error"]
+    assert error["code"] == "generation_failed" and "zero weight" in error["message"], error
+    assert not any(c.get("finish_reason") == "stop" for e in events for c in e.get("choices", []))
+
+
+POISON = 77  # a token id whose embedding is NaN in the test below
+
+
+@pytest.fixture
+def poisoned():
+    """A pair whose target reads NaN at one token id (the rows holding it get NaN logits), served."""
+    target, draft = tiny.pair()
+    hook = target.model.get_input_embeddings().register_forward_hook(
+        lambda _m, args, out: out.masked_fill((args[0] == POISON)[..., None], float("nan"))
+    )
+    pair = SMCSD(target, draft)
+    try:
+        with served(pair) as client:
+            yield pair, client
+    finally:
+        hook.remove()
+
+
+def test_nan_logits_fail_their_own_request_with_a_5xx_and_not_its_batch_mate(poisoned):
+    pair, client = poisoned
+    clean = {"prompt": [5, 6, 7, 8], "max_tokens": 12, "seed": 3}
+    alone = client.post("/v1/completions", json=clean).json()["choices"][0]["text"]
+    hold = threading.Thread(target=pair.call, args=(lambda: time.sleep(1.0),))
+    hold.start()  # the engine runs a call meanwhile: both requests wait, then join one batch
+    time.sleep(0.2)
+    with ThreadPoolExecutor(2) as pool:
+        bad, good = pool.map(
+            lambda ask: client.post("/v1/completions", json=ask),
+            [{"prompt": [5, POISON, 7], "max_tokens": 12, "seed": 3}, clean],
+        )
+    hold.join()
+    error = error_of(bad, 500)
+    assert error["code"] == "engine_fault" and "NaN" in error["message"], error
+    assert good.status_code == 200 and good.json()["choices"][0]["text"] == alone
+    assert client.get("/health").status_code == 200  # the engine goes on

@@ -311,10 +311,27 @@ def check_prompts(prompts: Sequence[Sequence[int]], max_length: int) -> None:
             raise ValueError(f"prompt {i} has {len(p)} tokens; the model's context is {max_length}")
 
 
+class EngineFault(RuntimeError):
+    """The engine failed, not the request: a server answers 5xx (a user's mistake is a ValueError)."""
+
+
+class NonFiniteLogits(EngineFault):
+    """A model produced NaN logits: broken weights, or a dtype that overflows."""
+
+
+class CacheExhausted(EngineFault):
+    """The KV cache would pass its byte budget with what runs now."""
+
+
+def nan_logits(what: str) -> NonFiniteLogits:
+    """The error of NaN logits from ``what`` (the model, or the rows that saw them)."""
+    return NonFiniteLogits(f"{what} produced NaN logits (try dtype=float32, or check the weights)")
+
+
 def check_logits(logits: torch.Tensor, what: str) -> torch.Tensor:
     """NaN logits mean a broken model or dtype overflow: fail loudly, not deep in sampling."""
     if torch.isnan(logits).any():
-        raise ValueError(f"{what} produced NaN logits (try dtype=float32, or check the weights)")
+        raise nan_logits(what)
     return logits
 
 

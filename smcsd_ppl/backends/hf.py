@@ -8,7 +8,17 @@ import torch
 from transformers import PreTrainedModel
 
 from . import cpu, kv, ragged
-from .base import BatchedLM, ForwardStats, Timer, length_groups, pad_left, pad_left_hidden, to_device
+from .base import (
+    BatchedLM,
+    CacheExhausted,
+    ForwardStats,
+    Timer,
+    length_groups,
+    nan_logits,
+    pad_left,
+    pad_left_hidden,
+    to_device,
+)
 from .kv import Feed, RowCache, plan
 from .llama import LlamaForward
 from .reference import ReferenceForward
@@ -270,7 +280,7 @@ class HFBatchedLM(BatchedLM, TreeOps, TwinFeeds):
         """Raise if any forward since the last check produced NaN logits (one host read)."""
         bad, self.nonfinite = bool(self.nonfinite), torch.zeros_like(self.nonfinite)
         if bad:
-            raise ValueError(f"{self.name} produced NaN logits (try dtype=float32, or check the weights)")
+            raise nan_logits(self.name)
 
     def reserve(self, rows: int, width: int) -> None:
         """Make room for ``width`` columns: double the capacity (within the byte budget) or refuse."""
@@ -285,7 +295,7 @@ class HFBatchedLM(BatchedLM, TreeOps, TwinFeeds):
 
     def _check_budget(self, rows: int, width: int) -> None:
         if width > self._budget_columns(rows):
-            raise ValueError(
+            raise CacheExhausted(
                 f"{self.name}: KV cache would need {self.bytes_per_token * rows * width / 2**30:.2f} GiB for "
                 f"{rows} rows x {width} positions, over the budget of "
                 f"{self.max_cache_bytes / 2**30:.2f} GiB; "

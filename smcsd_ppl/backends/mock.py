@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .base import ForwardStats, RowMask, Timer, check_logits, check_prompts, pad_left
+from .base import ForwardStats, RowMask, Timer, check_prompts, nan_logits, pad_left
 from .tree import TreeOps, kept_first
 
 
@@ -47,6 +47,7 @@ class MockLM(TreeOps):
         self.max_length = max_length
         self.name = name
         self.stats = ForwardStats()
+        self.nonfinite = torch.zeros((), dtype=torch.bool)  # NaN logits seen since the last check
         self.device = torch.device("cpu")
         self.n_params = None  # unknown: the engine prices a mock draft step as a third of the target
         self.row_position_cost = 0.0  # a table lookup: more rows cost nothing
@@ -77,7 +78,10 @@ class MockLM(TreeOps):
         raise ValueError(f"{self.name} has no hidden states: a feature draft needs an HF target")
 
     def check_finite(self) -> None:
-        """Nothing to do: every forward checks its logits itself."""
+        """Raise if a forward since the last check produced NaN logits (as the HF backend, later)."""
+        bad, self.nonfinite = bool(self.nonfinite), torch.zeros((), dtype=torch.bool)
+        if bad:
+            raise nan_logits(self.name)
 
     def prefill(self, prompts: Sequence[Sequence[int]], hidden: None = None) -> torch.Tensor:
         """Start afresh with one row per prompt; next-token logits ``[B, V]``."""
@@ -164,7 +168,8 @@ class MockLM(TreeOps):
         r, t = ids.shape
         with Timer(self.stats, self.device, r * t):
             out = self._logits_of_last(t)
-        return check_logits(out, "mock model")
+        self.nonfinite = self.nonfinite | torch.isnan(out).any()  # read by ``check_finite``, not now
+        return out
 
     def _logits_of_last(self, t: int) -> torch.Tensor:
         """Logits after each of the last ``t`` physical positions, vectorized over rows."""

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import BatchedLM, ForwardStats, Timer
+from .base import BatchedLM, ForwardStats, Timer, nan_logits
 from .vllm_engine import (
     CPU_BLOCK,
     INSTALL_HINT,
@@ -146,7 +146,7 @@ class VLLMBatchedLM(BatchedLM):
         """Raise if a forward since the last check produced NaN logits."""
         bad, self.nonfinite = self.nonfinite, False
         if bad:
-            raise ValueError(f"{self.name} produced NaN logits (try dtype=float32, or check the weights)")
+            raise nan_logits(self.name)
 
     def _states(self, new: list[int]) -> torch.Tensor:
         """Final hidden states of each row's last ``new[r] + 1`` positions ``[R, 1 + max(new), H]``.

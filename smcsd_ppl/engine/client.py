@@ -249,9 +249,13 @@ class Engine:
     def call(self, fn: Callable[[], object]) -> object:
         """``fn()`` on the torch thread once the batch has drained, with the pair's rows to itself.
 
-        On the torch thread itself, or in the thread holding ``exclusive``, it runs at once.
+        On the torch thread itself, or in the thread holding ``exclusive``, it runs at once; from
+        inside a cycle (an observer, a reshape) it is refused: its work would move the rows the
+        cycle holds.
         """
         if self._thread.here or self._owner == threading.get_ident():
+            if self.core.in_cycle:
+                raise RuntimeError("a call cannot run from inside a cycle (an observer or a reshape)")
             return fn()
         future: Future = Future()
         self._enqueue([Call(fn)], [future])

@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from ..backends.base import NonFiniteLogits
 from ..config import SMCConfig
 from ..ends import FinishReason
 from ..inference.outcome import result_of
@@ -177,6 +178,8 @@ class EngineCore:
         return outputs
 
     def _apply(self, plan: Plan) -> list[Output]:
+        for work in plan.passed:
+            work.passed += 1
         leaving = {w.id for w in (*plan.cancel, *plan.admit)} | ({plan.call.id} if plan.call else set())
         self.waiting = deque(w for w in self.waiting if w.id not in leaving)
         self._publish()  # a call may run long: it no longer waits
@@ -236,7 +239,10 @@ class EngineCore:
     def _kernel(self, config: SMCConfig) -> SMCSDKernel:
         """The kernel of a batch of ``config``'s shared settings (the base's own, when it shares them)."""
         c = self.base if shared_key(config) == shared_key(self.base) else config
-        return SMCSDKernel(self.pair.store, c, self.pair.eos_for(c), self.pair.decode, self.pair.conditions)
+        # The model's EOS ids: each request ends at them unless it ignores EOS (``SMCSDKernel.eos_of``).
+        return SMCSDKernel(
+            self.pair.store, c, self.pair.eos_token_ids, self.pair.decode, self.pair.conditions
+        )
 
     # A cycle, and what it tells.
     async def _cycle(self) -> list[Output]:
@@ -291,7 +297,9 @@ class EngineCore:
         outputs, staying = [], []
         for pop in self.state.populations:
             request = by_id[pop.request_id]
-            if pop.stepping:
+            if pop.fault:  # the engine failed this request alone: its batch-mates go on
+                outputs.append(self._ended(request, FinishReason.ERROR, NonFiniteLogits(pop.fault)))
+            elif pop.stepping:
                 staying.append(pop)
                 settled, told = settled_tokens(pop), self._told.get(request.id, 0)
                 if len(settled) > told:

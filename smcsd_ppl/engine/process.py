@@ -108,6 +108,7 @@ class EngineProcess:
         self._stats = CoreStats()
         self.died = threading.Event()  # the child ended without being told to (killed, crashed)
         self.hang_seconds, self._hung, self._heard = hang_seconds, False, time.monotonic()
+        self.reader_failure = ""  # why the thread reading the child's outputs failed, if it did
         if hang_seconds > 0:
             threading.Thread(target=self._watch, daemon=True, name="smcsd-engine-watch").start()
         self._reader = threading.Thread(target=self._read, daemon=True, name="smcsd-engine-reader")
@@ -128,6 +129,8 @@ class EngineProcess:
     def exit_note(self) -> str:
         """How the child ended, in a few words (its exit code, the signal that killed it, a hang)."""
         code = self._process.exitcode
+        if self.reader_failure:
+            return f"the server's reader of its outputs failed ({self.reader_failure}): stopped"
         if self._hung:
             return f"no cycle ended in {self.hang_seconds:g} s with requests in: killed as hung"
         if code is None:
@@ -193,7 +196,11 @@ class EngineProcess:
             self._conn.send(message)
 
     def _read(self) -> None:
-        """The child's outputs to their tickets, until it exits (then whatever is left fails)."""
+        """The child's outputs to their tickets, until it exits (then whatever is left fails).
+
+        If this thread itself fails, no output can reach a ticket any more: the engine is as
+        good as dead, and says so (the child is stopped, ``alive`` turns False).
+        """
         try:
             while True:
                 outputs, self._stats = self._conn.recv()
@@ -204,6 +211,9 @@ class EngineProcess:
                         ticket.apply(out)
         except (EOFError, OSError):
             pass
+        except BaseException as err:  # noqa: BLE001 - a reader that dies must not leave requests hanging
+            self.reader_failure = f"{type(err).__name__}: {err}"
+            self._process.kill()
         if not self.gate.closing:  # nobody asked it to end
             self._process.join(timeout=5)
             self.died.set()

@@ -20,8 +20,8 @@ from ..inference.program import SMCSDModel
 from ..inference.state import Population
 
 # Settings every row of one cycle shares: requests that differ in them run in separate batches.
-# The block size is one: a cycle drafts every row to the kernel's width.
-SHARED_SETTINGS = ("alpha", "block_size", "cut", "cut_divergence", "ignore_eos")
+# (A request's K and ``ignore_eos`` are its own: requests of other K and EOS share cycles.)
+SHARED_SETTINGS = ("alpha", "cut", "cut_divergence")
 
 _ids = itertools.count()
 
@@ -77,6 +77,7 @@ class Request:
         status: waiting, running or finished.
         cancelled: an abort reached the engine; it leaves at the next boundary.
         reason: why it finished (set once, by ``finish``).
+        passed: times requests behind it joined a batch of other settings while it waited.
     """
 
     program: SMCSDModel
@@ -94,6 +95,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     cancelled: bool = False
     reason: FinishReason | None = None
+    passed: int = 0
 
     @property
     def rows(self) -> int:

@@ -3,8 +3,10 @@
 The engine applies the plan at a cycle boundary and nothing else decides. Requests are taken
 in arrival order (one that does not fit holds those behind it back, so none starves); a
 request joins the running batch only if it shares the batch's settings (``SHARED_SETTINGS``)
-and its rows fit; a call, or a request of other settings, waits for the batch to drain and
-then runs (a call alone; a request as the first of a new batch).
+and its rows fit. A request of other settings waits for the batch to drain and then starts
+its own; meanwhile those behind it that share the batch's settings still join, until it has
+been passed ``MAX_PASSED`` times (then the batch drains for it). A call waits for the batch to
+drain and runs alone; nothing passes it.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .request import Call, Request, Work
+
+MAX_PASSED = 16  # admissions behind a request of other settings before the batch drains for it
 
 
 @dataclass(frozen=True)
@@ -39,12 +43,14 @@ class Plan:
         cancel: waiting requests or calls that end without running (cancelled).
         admit: waiting requests that join the batch now, in order.
         call: a call to run now (the batch is empty and stays so while it runs).
+        passed: waiting requests of other settings that requests behind them passed now.
     """
 
     drop: tuple[Request, ...] = ()
     cancel: tuple[Work, ...] = ()
     admit: tuple[Request, ...] = ()
     call: Call | None = None
+    passed: tuple[Request, ...] = ()
 
 
 def schedule(waiting: Sequence[Work], running: Sequence[Request], capacity: Capacity) -> Plan:
@@ -57,7 +63,7 @@ def schedule(waiting: Sequence[Work], running: Sequence[Request], capacity: Capa
     staying = [r for r in running if not r.cancelled]
     rows = sum(r.rows for r in staying)
     group = staying[0].group if staying else None
-    cancel, admit, call = [], [], None
+    cancel, admit, call, passed = [], [], None, []
     for work in waiting:
         if work.cancelled:
             cancel.append(work)
@@ -67,13 +73,16 @@ def schedule(waiting: Sequence[Work], running: Sequence[Request], capacity: Capa
                 call = work
             break
         if group is not None and work.group != group:
-            break
+            if work.passed >= MAX_PASSED:  # its turn: nothing more joins, the batch drains for it
+                break
+            passed.append(work)  # its batch starts once this one drains; those behind still join
+            continue
         if rows + work.rows > capacity.max_rows or _drafts_too_late(work, staying, capacity):
             break
         admit.append(work)
         rows += work.rows
         group = work.group
-    return Plan(drop, tuple(cancel), tuple(admit), call)
+    return Plan(drop, tuple(cancel), tuple(admit), call, tuple(passed) if admit else ())
 
 
 def _drafts_too_late(request: Request, staying: list[Request], capacity: Capacity) -> bool:

@@ -72,6 +72,8 @@ class BlockRequest:
         limit: how many drafted tokens may count (0: the row does not draft; None: the
             call's block size).
         proposal: what draws the block (None: the draft model).
+        block_size: its request's K, the most it drafts (0: the call's).
+        stops_at_eos: an EOS ends it (False: its request ignores EOS).
     """
 
     row: int
@@ -81,6 +83,8 @@ class BlockRequest:
     mask: torch.Tensor | None = None
     limit: int | None = None
     proposal: RowProposal | None = None
+    block_size: int = 0
+    stops_at_eos: bool = True
 
 
 @dataclass(frozen=True)
@@ -222,13 +226,15 @@ def device_ending(
     budget: torch.Tensor,  # [n]
     dead_at: torch.Tensor,  # [n] k + 1 where the constraint allowed every position
     eos: torch.Tensor,  # [E] (an id outside the vocabulary where none)
+    stops_at_eos: torch.Tensor,  # [n] bool: the row's request ends at EOS
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``block_ending`` for a batch, on the tokens' device: no host read."""
     k = tokens.shape[1]
     reach = reach.clamp(max=k)
     end = torch.minimum(reach, dead_at)
     position = torch.arange(1, k + 1, device=tokens.device)[None, :]
-    ends = (torch.isin(tokens, eos) | (position >= budget[:, None])) & (position <= end[:, None])
+    eos_at = torch.isin(tokens, eos) & stops_at_eos[:, None]
+    ends = (eos_at | (position >= budget[:, None])) & (position <= end[:, None])
     stops = ends.any(1)
     before = (~ends).long().cumprod(1).sum(1)  # positions before the first end (any k, 0 included)
     counts = torch.where(stops, before + 1, torch.minimum(end, budget))
@@ -255,6 +261,8 @@ class ScoredBlock:
             for it (``RowConstraint.lookahead``) and the particle goes on.
         tilt: the structure read's tilts from the block's end (``structure.Tilts``;
             ``RowConstraint.tilt`` of the particle's next block; None: not read).
+        fault: what the engine did wrong on this row (NaN logits), where it did: the request
+            fails with ``backends.base.NonFiniteLogits``; its batch-mates go on.
     """
 
     row: int
@@ -268,6 +276,7 @@ class ScoredBlock:
     diverged: bool = False
     log_future: float | None = None
     tilt: dict | None = None
+    fault: str = ""
 
     @property
     def tokens(self) -> list[int]:

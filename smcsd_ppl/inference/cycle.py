@@ -33,7 +33,7 @@ from .blocks import (
 )
 from .drafting import draft_blocks
 from .rows import RowStore
-from .streams import RowStreams
+from .streams import RowPlan, RowStreams
 
 
 def serve(
@@ -102,9 +102,8 @@ def run_blocks(
         # A row's retrieval reads what it sent and its lead too.
         asked = [
             replace(
-                _after_lead(requests[i], leads.get(i)),
-                limit=flush.limits[i],
-                proposal=_then(flush.proposals[i], requests[i].unsent, leads.get(i)),
+                flush.request(i, _after_lead(requests[i], leads.get(i))),
+                proposal=_then(flush.plans[i].proposal, requests[i].unsent, leads.get(i)),
             )
             for i in go
         ]
@@ -129,25 +128,36 @@ class Lead:
 
 @dataclass(frozen=True)
 class Flush:
-    """A block flush's per-row numbers: uniforms ``[R, K+2]`` and temperatures ``[R]`` by backend row."""
+    """A block flush's per-row numbers: uniforms ``[R, K+2]`` and temperatures ``[R]`` by backend row.
+
+    ``k``: the most any row drafts (each request's own K: requests of other K share the flush).
+    """
 
     uniforms: torch.Tensor
     target_t: torch.Tensor
     draft_t: torch.Tensor
-    limits: list[int]  # by request
-    proposals: list[RowProposal | None]  # by request: what draws its block (None: the draft)
+    plans: list[RowPlan]  # by request
+    k: int
 
     @classmethod
     def of(cls, store: RowStore, requests: Sequence[BlockRequest], k: int, streams: RowStreams) -> Flush:
-        """The numbers of a flush of ``requests`` drafting up to ``k`` tokens."""
+        """The numbers of a flush of ``requests``, each drafting up to its K (``k`` where it has none)."""
         rows = [r.row for r in requests]
         temps = torch.ones(2, store.n_rows, dtype=torch.float32)
         for r in rows:
             plan = streams.plans[r]
             temps[0, r], temps[1, r] = plan.target_temperature, plan.draft_temperature
-        u = streams.table(store.n_rows, rows, k + 2)
         plans = [streams.plans[r] for r in rows]
-        return cls(u, temps[0], temps[1], [p.limit for p in plans], [p.proposal for p in plans])
+        k = max((p.block_size or k for p in plans), default=k)
+        # A row's draws are hashes of their purpose, whatever the width: K's of others change none.
+        u = streams.table(store.n_rows, rows, k + 2)
+        return cls(u, temps[0], temps[1], plans, k)
+
+    def request(self, i: int, request: BlockRequest) -> BlockRequest:
+        """Request ``i`` as its plan says: its draft length, proposal, K and EOS."""
+        plan = self.plans[i]
+        size = plan.block_size or self.k
+        return replace(request, limit=plan.limit, block_size=size, stops_at_eos=plan.stops_at_eos)
 
 
 def _leads(store, requests, c: SMCConfig, eos, flush: Flush) -> dict[int, Lead]:
@@ -180,10 +190,11 @@ def _leads(store, requests, c: SMCConfig, eos, flush: Flush) -> dict[int, Lead]:
     for j, i in enumerate(todo):
         # A tilted lead weighs p / q = Phi-hat(x) / Phi-hat(x t): the tilt is no part of the target.
         r, t, w = requests[i], tokens[j], log_z[j] - dict(tilts[j]).get(tokens[j], 0.0)
+        stops = eos if flush.plans[i].stops_at_eos else ()
         if w == -math.inf and r.constraint is not None and not r.constraint.context:
             raise ValueError("the constraint allows no first token: no output can satisfy it")
         ended = None
-        if row_ends(None if w == -math.inf else t, 1, r.budget, eos):
+        if row_ends(None if w == -math.inf else t, 1, r.budget, stops):
             ended = ScoredBlock(r.row, t, (), 0, None, w, True, dead=w == -math.inf)
         out[i] = Lead(t, w, ended, structure.past(read[j], t) if read[j] else None)
     return out
@@ -213,7 +224,7 @@ def _blocks(store, requests, lead_log_w, c: SMCConfig, eos, flush: Flush) -> lis
     drafted = draft_blocks(
         store,
         requests,
-        block_size=c.block_size,
+        block_size=flush.k,
         temperature=flush.draft_t,
         eos=eos,
         draws=lambda j: u[:, 1 + j],
@@ -236,15 +247,15 @@ def _blocks(store, requests, lead_log_w, c: SMCConfig, eos, flush: Flush) -> lis
     )
     read = _read_verdict(tokens, verdict)  # the cycle's one host read
     drafted[0].batch.known(rows, read.tokens)
-    if any(math.isnan(w) for w in read.log_w):  # NaN logits show here, already on the host
-        store.check_finite()
+    faulty = {i for i, w in enumerate(read.log_w) if math.isnan(w)}  # NaN logits show here, on the host
+    fault = f"{store.nonfinite() or 'a model'} produced NaN logits on this request's rows" if faulty else ""
     out, nexts = [], []
     for i, b in enumerate(drafted):
         nxt = read.bonus[i] if read.has_bonus[i] else None
-        ends = read.dead[i] or row_ends(nxt, read.kept[i] + 1, b.budget, eos)
+        ends = read.dead[i] or i in faulty or row_ends(nxt, read.kept[i] + 1, b.budget, b.eos)
         kept, w, dead = read.kept[i], read.log_w[i], read.dead[i]
         block = ScoredBlock(b.row, None, tuple(read.tokens[i]), kept, nxt, w, ends, dead, read.diverged[i])
-        out.append(block)
+        out.append(replace(block, fault=fault) if i in faulty else block)
         nexts.append(None if ends else nxt)  # an ending row queues nothing and leaves
     store.commit(rows, read.tokens, read.kept, nexts, [b.fed for b in drafted], hidden)
     futures = lookahead.look_ahead(store, drafted, read.kept, nexts, flush.target_t, c.alpha)
@@ -298,10 +309,11 @@ def block_batch(
     device, batch = tokens.device, drafted[0].batch
     index = to_device(torch.tensor([b.row for b in drafted]), device)
     never = batch.k + 1  # the dead-end position of a block its constraint never ended
-    host = torch.tensor([[b.reach, b.budget, never if b.dead_at is None else b.dead_at] for b in drafted])
-    reach, budget, dead_at = to_device(host.view(len(drafted), 3), device).unbind(1)
-    eos = sorted(drafted[0].eos) or [-1]  # an id no token has, where EOS is not in force
-    limit, stops, dead = device_ending(tokens, reach, budget, dead_at, to_device(torch.tensor(eos), device))
+    rows = [[b.reach, b.budget, never if b.dead_at is None else b.dead_at, bool(b.eos)] for b in drafted]
+    reach, budget, dead_at, stops_at = to_device(torch.tensor(rows).view(len(drafted), 4), device).unbind(1)
+    eos = sorted({e for b in drafted for e in b.eos}) or [-1]  # an id no token has, where none is in force
+    eos = to_device(torch.tensor(eos), device)
+    limit, stops, dead = device_ending(tokens, reach, budget, dead_at, eos, stops_at.bool())
     probs = drawn and batch.probs is not None  # kept for the cut or a retrieval row
     return BlockBatch(
         tokens=tokens,

@@ -11,12 +11,12 @@ first EOS, its budget, its draft length, or where its constraint ends it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from ..backends.base import BatchedLM
+from ..backends.base import BatchedLM, to_device
 from ..proposals.blocks import Retrieval
 from ..verification import drawn_log_probs, inverse_cdf
 from . import constrained
@@ -59,9 +59,8 @@ def draft_blocks(
     the logits of those tokens only. Retrieval rows run no draft forward and leave their
     queued tokens for the draft to read when it next drafts them.
     """
-    limits = [
-        block_size if r.limit is None or forces(r, store) else min(block_size, r.limit) for r in requests
-    ]
+    sizes = [min(block_size, r.block_size or block_size) for r in requests]  # each request's own K
+    limits = [k if r.limit is None or forces(r, store) else min(k, r.limit) for r, k in zip(requests, sizes)]
     if not any(limits):  # nobody drafts: the target alone decodes this cycle
         return _empty(store, requests, eos)
     settings = dict(block_size=block_size, temperature=temperature, eos=eos, draws=draws)
@@ -96,10 +95,15 @@ def _empty(store: RowStore, requests, eos, history: dict | None = None) -> list[
     none = torch.zeros(store.n_rows, 0, dtype=torch.long, device=store.device)
     batch = DraftBatch(none, none.float())
     batch.known(range(store.n_rows), [[] for _ in range(store.n_rows)])
-    blocks = [DraftedBlock(r.row, batch, 0, r.budget, r.constraint, eos=frozenset(eos)) for r in requests]
+    blocks = [DraftedBlock(r.row, batch, 0, r.budget, r.constraint, eos=_eos(r, eos)) for r in requests]
     for i, b in enumerate(blocks):
         b.allowed = (history or {}).get(i, [])[:1]
     return blocks
+
+
+def _eos(request: BlockRequest, eos: Container[int]) -> frozenset[int]:
+    """The EOS ids that end a request's block (none where it ignores EOS)."""
+    return frozenset(eos) if request.stops_at_eos else frozenset()
 
 
 def _start(store: RowStore, requests, limits, *, block_size, temperature, eos, draws, keep_probs) -> Drafting:
@@ -121,6 +125,7 @@ def _start(store: RowStore, requests, limits, *, block_size, temperature, eos, d
     budget = torch.full((store.n_rows,), block_size, device=store.device)
     budget[rows] = torch.tensor(caps, device=store.device)
     masking = constrained.Masking(rows, [r.constraint for r in requests], "proposal")
+    stops = {r.row: r.stops_at_eos for r in requests}
     return Drafting(
         draft=store.draft,
         draws=draws,
@@ -135,6 +140,7 @@ def _start(store: RowStore, requests, limits, *, block_size, temperature, eos, d
         retrieval=retrieval,
         budget=budget,
         eos=torch.tensor(sorted(eos), dtype=torch.long, device=store.device),
+        stops_at_eos=to_device(torch.tensor([stops.get(r, True) for r in range(store.n_rows)]), store.device),
         longest=max(caps),
         # Masks already bring every step to the host; on a CPU the check is free anyway.
         host_checks=store.free_reads or bool(masking.items),
@@ -158,7 +164,7 @@ def _blocks(run: Drafting, requests, limits, eos) -> list[DraftedBlock]:
     for i, (req, n) in enumerate(zip(requests, limits)):
         r = req.row
         reach = min(n, run.masking.cut_at.get(i, n), ends.get(i, n))
-        block = DraftedBlock(r, batch, reach, req.budget, req.constraint, dead_at.get(i), eos=frozenset(eos))
+        block = DraftedBlock(r, batch, reach, req.budget, req.constraint, dead_at.get(i), eos=_eos(req, eos))
         block.fed, block.allowed = (run.fed if asked[r] else 0), run.masking.history.get(i, [])
         if run.retrieval is not None and run.retrieval.kinds.get(i) == "retrieval":
             checks = run.retrieval.checks.get(i, [])
@@ -184,6 +190,7 @@ class Drafting:
         retrieval: the walks of the retrieval and mixture rows (None: none).
         budget: ``[R]`` tokens each row may still draft in this block.
         eos: the end-of-sequence token ids.
+        stops_at_eos: ``[R]`` whether a row's request ends at EOS (not ``ignore_eos``).
         longest: the most tokens any row may draft: drafting stops there.
         host_checks: whether each step may read the device to stop once every row has ended.
         temperature: the draft temperature T_d, or one per row ``[R, 1]``.
@@ -203,6 +210,7 @@ class Drafting:
     retrieval: Retrieval | None
     budget: torch.Tensor
     eos: torch.Tensor
+    stops_at_eos: torch.Tensor
     longest: int
     host_checks: bool
     temperature: float | torch.Tensor
@@ -255,7 +263,7 @@ class Drafting:
         self.drafts.append(d)
         if self.keep_probs:
             self.probs.append(q)
-        self.ended |= torch.isin(d, self.eos) | (self.budget <= j + 1)
+        self.ended |= (torch.isin(d, self.eos) & self.stops_at_eos) | (self.budget <= j + 1)
         self._end_dead_rows()
 
     def finished(self, j: int) -> bool:

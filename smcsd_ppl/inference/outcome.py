@@ -59,7 +59,7 @@ def result_of(pop: Population, kernel: SMCSDKernel, record: DraftRecord) -> Gene
     best, particle = info.particles[info.chosen], pop.particles[info.chosen]
     constrained = getattr(particle, "constraint", None) is not None
     budget = kernel.settings(pop).max_new_tokens
-    reason = finish_reason(best.token_ids, budget, kernel.eos, constrained=constrained)
+    reason = finish_reason(best.token_ids, budget, kernel.eos_of(pop), constrained=constrained)
     return generation(
         "smcsd", best.text, best.token_ids, None, reason, _cut_short(pop, particle, kernel), info
     )
@@ -87,7 +87,7 @@ def _cut_short(pop: Population, p: SMCSDModel, kernel: SMCSDKernel) -> str:
     c, ids, budget = p.constraint, p.token_ids, kernel.settings(pop).max_new_tokens
     if c is None or len(ids) < budget:
         return ""
-    eos = kernel.eos
+    eos = kernel.eos_of(pop)
     if ids and ids[-1] in eos:
         return ""
     # Could it end here? Then the output satisfies the constraint. A run without EOS ids asks

@@ -17,6 +17,7 @@ light: each context's KV state lives in a row of the batched backends.
 from __future__ import annotations
 
 import asyncio
+import dis
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -264,8 +265,15 @@ class SMCSDModel(Model):
 
     @property
     def plain(self) -> bool:
-        """Whether this is the plain program: unconstrained generation, no user ``step``."""
-        return type(self).step is SMCSDModel.step and self.constraint is None
+        """Whether this is the plain program: unconstrained, and its ``step`` the default's.
+
+        A subclass whose ``step`` only awaits ``self.extend()`` (and that starts as LLaMPPL's
+        ``Model`` does) is the default program, and takes every decision the default takes:
+        it decodes alone where the draft does not pay, retrieves, and cuts as ``generate`` does.
+        A program that wants its N particles throughout sets ``plain = False`` on its class.
+        """
+        cls = type(self)
+        return self.constraint is None and cls.start is Model.start and _same_code(cls.step, SMCSDModel.step)
 
     @property
     def budget(self) -> int:
@@ -279,6 +287,17 @@ class SMCSDModel(Model):
 
     def __str__(self) -> str:
         return self.text if self.runtime else f"{type(self).__name__}({self.prompt!r})"
+
+
+def _same_code(f, g) -> bool:
+    """Whether two functions run the same instructions on the same names and constants."""
+    if f is g:
+        return True
+
+    def code(fn) -> list[tuple]:
+        return [(i.opname, i.argval) for i in dis.get_instructions(fn) if i.opname not in ("RESUME", "NOP")]
+
+    return code(f) == code(g)
 
 
 class _Primitive:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..backends.base import BatchedLM, check_finite, pad_left, pad_left_hidden, to_device
+from ..backends.base import BatchedLM, NonFiniteLogits, check_finite, pad_left, pad_left_hidden, to_device
 
 
 class RowStore:
@@ -354,6 +354,16 @@ class RowStore:
     def check_finite(self) -> None:
         """Raise if either backend produced NaN logits since the last check (one host read)."""
         check_finite(self.target, self.draft)
+
+    def nonfinite(self) -> str:
+        """Which models produced NaN logits since the last check ("" for none), the check reset."""
+        named = []
+        for lm in (self.target, self.draft):
+            try:
+                lm.check_finite()
+            except NonFiniteLogits:
+                named.append(lm.name)
+        return " and ".join(named)
 
 
 def _windows(logits: torch.Tensor, rows: Sequence[int], read: Sequence[int], k: int) -> torch.Tensor:

@@ -48,6 +48,7 @@ class Population:
         retrieval: the request's retrieval index (None: no proposal retrieves); like the row
             store, a step feeds it.
         request_id: the id of the request it is (empty for runs that name none).
+        fault: what the engine did wrong on its rows (NaN logits): the request fails with it.
     """
 
     particles: tuple[SMCSDModel, ...]
@@ -63,6 +64,7 @@ class Population:
     config: SMCConfig | None = None
     retrieval: RequestIndex | None = None
     request_id: str = ""
+    fault: str = ""
 
     def __post_init__(self) -> None:
         assert len(self.particles) == len(self.weights) == len(self.rows), "one weight and row set a particle"

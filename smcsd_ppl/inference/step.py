@@ -70,7 +70,7 @@ class SMCSDKernel:
     Args:
         store: the rows of the draft and the target.
         config: the run's settings (an admitted request may bring its own).
-        eos: EOS ids in force.
+        eos: the model's EOS ids (a request of ``ignore_eos`` ends at none).
         decode: token ids -> text, for the particles' ``text``.
         conditions: the vocabulary's per-token conditions (``extend(condition=...)``; None: refused).
     """
@@ -94,6 +94,10 @@ class SMCSDKernel:
     def settings(self, pop: Population) -> SMCConfig:
         """A request's own settings (the run's unless it was admitted with others)."""
         return pop.config or self.config
+
+    def eos_of(self, pop: Population) -> frozenset[int]:
+        """The EOS ids a request ends at (none with ``ignore_eos``)."""
+        return frozenset() if self.settings(pop).ignore_eos else self.eos
 
     def plain(self, program: SMCSDModel, config: SMCConfig) -> bool:
         """The request may decode alone with one particle: the plain program at alpha = 1."""
@@ -232,6 +236,8 @@ class SMCSDKernel:
             proposing.fed(pop, old)
             plans = [(streams.plans[r], b) for rs in pop.rows for r in rs for b in blocks.get(r, [])]
             pop = proposing.observed(pop, [((plan.kind, plan.limit), b) for plan, b in plans])
+            faults = [b.fault for _, b in plans if b.fault]
+            pop = replace(pop, fault=pop.fault or (faults[0] if faults else ""))
             before.append(pop)
             g = generator(derive(pop.seed, "resample", pop.cycles + 1))
             pop, e, r = self._maybe_resample(pop, g)
@@ -250,7 +256,7 @@ class SMCSDKernel:
         g = generator(derive(pop.seed, "tokens", pop.cycles + 1))
         c = self.settings(pop)
         twists = partial(self._twister, c)
-        return Runtime(barrier, c.max_new_tokens, self.decode, self.eos, g, twists, self.conditions)
+        return Runtime(barrier, c.max_new_tokens, self.decode, self.eos_of(pop), g, twists, self.conditions)
 
     def _twister(self, c: SMCConfig, constraint: Constraint) -> Twister | None:
         """The twist settings ``c`` give ``constraint`` (one per setting: its dynamic programmes are kept)."""
@@ -268,7 +274,8 @@ class SMCSDKernel:
         key = row_key(pop.seed, pop.cycles + 1, slot, context)
         kind, length = proposing.particle_plan(pop, slot, c)
         proposal = proposing.row_proposal(pop, kind, ctx)
-        return RowPlan(length, key, c.target_temperature, c.draft_temperature, kind, proposal)
+        temps = c.target_temperature, c.draft_temperature
+        return RowPlan(length, key, *temps, kind, proposal, c.block_size, not c.ignore_eos)
 
     def _settle(self, live: list[tuple[SMCSDModel, int]]) -> None:
         """After the programs stepped (with their budgets): nothing left un-awaited; out of budget ends."""

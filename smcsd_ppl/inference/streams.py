@@ -47,7 +47,9 @@ class RowPlan:
     """What a step decided for one row: its draft length, its draws' key, its temperatures, its proposal.
 
     ``kind``: what the row's particle drafts from this cycle (``"target"``: nothing);
-    ``proposal``: a retrieval or mixture row's ``RowProposal`` (None: the draft model's).
+    ``proposal``: a retrieval or mixture row's ``RowProposal`` (None: the draft model's);
+    ``block_size``: its request's K (0: the run's); ``stops_at_eos``: its request ends at EOS
+    (not ``ignore_eos``). Rows of requests of other K and EOS settings share a cycle.
     """
 
     limit: int
@@ -56,6 +58,8 @@ class RowPlan:
     draft_temperature: float
     kind: str = "draft"
     proposal: RowProposal | None = None
+    block_size: int = 0
+    stops_at_eos: bool = True
 
 
 class RowStreams:

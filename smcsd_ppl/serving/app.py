@@ -23,9 +23,10 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
+from ..backends.base import CacheExhausted, EngineFault
 from ..config import SMCConfig
 from ..engine.client import EngineClosed, QueueFull, RequestCancelled
-from .errors import APIError
+from .errors import APIError, GenerationFailed, failed
 from .metrics import metrics_text
 from .protocol import parse_chat, parse_completion
 from .responses import Answer, diagnostics, logprobs_field, request_usage
@@ -160,6 +161,12 @@ def refusal(err: BaseException, stats=None) -> APIError:
         return APIError(429, message, code="queue_full", retry_after=wait)
     if isinstance(err, (EngineClosed, RequestCancelled)):
         return APIError(503, f"the server is shutting down: {err}", code="shutting_down")
+    if isinstance(err, GenerationFailed):
+        return failed(str(err))
+    if isinstance(err, CacheExhausted):  # what runs now holds the cache: later, it may fit
+        return APIError(503, str(err), code="cache_exhausted", retry_after=1)
+    if isinstance(err, EngineFault):
+        return APIError(500, str(err), code="engine_fault")
     if isinstance(err, ValueError):
         return APIError(400, str(err), code="invalid_request")
     return APIError(500, f"generation failed: {type(err).__name__}: {err}")
@@ -303,6 +310,9 @@ async def complete(service: Service, request: Request, kind: str):
         streams = ChoiceStreams(answer, tickets, call.n, requests, call.include_usage, fields, refusal)
         return EventStream(streams.events(), streams.close, told)
     gens = await results_unless_gone(request, tickets)
+    for i, gen in enumerate(gens):  # a request that failed gets an error, never a 200 "stop"
+        if gen.finish_reason == "error":
+            raise failed(f"choice {i}: {gen.message}" if len(gens) > 1 else gen.message)
     choices = [
         answer.choice(i, g.text, t.finish_reason.openai, **fields(g, r))
         for i, (g, t, r) in enumerate(zip(gens, tickets, requests))

@@ -53,3 +53,12 @@ class APIError(Exception):
 def invalid(message: str, param: str | None = None) -> APIError:
     """400: a setting the server cannot honour."""
     return APIError(400, message, param=param, code="invalid_value" if param else None)
+
+
+class GenerationFailed(RuntimeError):
+    """A request ran and failed: every particle died, or its program ended it in error."""
+
+
+def failed(message: str) -> APIError:
+    """500: the request ran and produced no output (its message says why)."""
+    return APIError(500, message or "generation failed", code="generation_failed")

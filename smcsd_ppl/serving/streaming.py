@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Callable
 
 from starlette.responses import StreamingResponse
 
+from .errors import GenerationFailed
 from .responses import Answer, request_usage
 
 DONE = "data: [DONE]\n\n"
@@ -104,7 +105,10 @@ class ChoiceStreams:
             async for piece in ticket.stream():
                 if piece:
                     await queue.put((index, piece))
-            await queue.put((index, await ticket.result()))
+            gen = await ticket.result()
+            if gen.finish_reason == "error":  # it ran and failed: an error event, never a "stop"
+                raise GenerationFailed(gen.message)
+            await queue.put((index, gen))
         except Exception as err:  # a failed or cancelled request: the stream reports it
             await queue.put((index, err))
 

@@ -78,6 +78,8 @@ def smcsd_plain(
 class EveryParticle(SMCSDModel):
     """The plain program, kept at N particles even where it decodes alone (filtering needs all N)."""
 
+    plain = False  # never decode alone with one particle, as the plain program may
+
     async def step(self) -> None:
         """One block, as the plain program."""
         await self.extend()
