@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import re
 import socket
 import threading
 import time
@@ -25,6 +26,7 @@ from smcsd_ppl.config import SMCConfig
 from smcsd_ppl.engine.client import Engine, EngineClosed, EngineStats, ServeRequest
 from smcsd_ppl.inference.program import SMCSDModel
 from smcsd_ppl.serving.app import DISCONNECT_POLL_SECONDS, build_app
+from smcsd_ppl.serving.protocol import UNSUPPORTED
 from smcsd_ppl.serving.schema import ChatCompletion, Completion
 from smcsd_ppl.serving.server import BackgroundServer
 
@@ -155,18 +157,85 @@ def test_openapi_lists_the_smcsd_fields_and_types_are_checked_by_the_models(tiny
         assert error["type"] == "invalid_request_error" and error["message"].startswith(f"{field}: ")
 
 
-def test_an_unknown_field_is_ignored_and_named_back(tiny_server):
-    ask = {"prompt": "Hi", "max_tokens": 2, "seed": 1, "guided_decoding_backend": "x", "priority": 0}
+def test_an_unknown_field_is_refused_by_name(tiny_server):
     for stream in (False, True):
-        reply = tiny_server.post("/v1/completions", json=ask | {"stream": stream})
-        assert (
-            reply.status_code == 200
-            and reply.headers["x-smcsd-ignored-fields"] == "guided_decoding_backend, priority"
-        )
-    assert (
-        "x-smcsd-ignored-fields"
-        not in tiny_server.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).headers
-    )
+        ask = {"prompt": "Hi", "max_tokens": 2, "priority": 0, "stream": stream}
+        error = error_of(tiny_server.post("/v1/completions", json=ask), 400)
+        assert error["param"] == "priority" and "not a field this server knows" in error["message"]
+
+
+# A value of each field the server honours (besides model, prompt or messages), by endpoint.
+HONOURED = {
+    "max_tokens": 3,
+    "max_completion_tokens": 3,
+    "temperature": 0.7,
+    "seed": 5,
+    "n": 2,
+    "stop": ["zz"],
+    "stream": False,
+    "stream_options": {"include_usage": True},
+    "response_format": {"type": "text"},
+    "user": "u",
+    "safety_identifier": "s",
+    "prompt_cache_key": "k",
+    "n_particles": 2,
+    "block_size": 2,
+    "draft_temperature": 0.5,
+    "ignore_eos": True,
+    "proposal": "draft",
+    "twist": "off",
+    "method": "ar",
+    "return_tokens_as_token_ids": True,
+}
+# A value that uses each refused field (its unused values are accepted).
+USED = {
+    "top_p": 0.9,
+    "top_k": 40,
+    "min_p": 0.1,
+    "frequency_penalty": 0.5,
+    "presence_penalty": 0.5,
+    "repetition_penalty": 1.2,
+    "logit_bias": {"5": 3},
+    "min_tokens": 2,
+    "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+    "tool_choice": "required",
+    "parallel_tool_calls": True,
+    "functions": [{"name": "f", "parameters": {}}],
+    "function_call": "auto",
+    "echo": True,
+    "suffix": "x",
+    "best_of": 2,
+    "prompt_logprobs": 1,
+    "audio": {"voice": "x"},
+    "modalities": ["text", "audio"],
+    "prediction": {"type": "content", "content": "x"},
+    "reasoning_effort": "low",
+    "verbosity": "low",
+    "web_search_options": {},
+    "store": True,
+    "metadata": {"a": "b"},
+    "service_tier": "flex",
+    "include_stop_str_in_output": True,
+    "skip_special_tokens": False,
+    "spaces_between_special_tokens": False,
+    "guided_json": {"type": "object"},
+    "guided_regex": "a",
+    "guided_grammar": "start: a",
+    "guided_choice": ["a"],
+}
+
+
+def test_every_field_the_protocol_knows_is_honoured_or_refused_by_name(tiny_server):
+    assert set(USED) == set(UNSUPPORTED)  # every refused field is tried here
+    for field, value in HONOURED.items():
+        reply = tiny_server.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, field: value})
+        assert reply.status_code == 200, (field, reply.text)
+    for field, value in USED.items():
+        error = error_of(tiny_server.post("/v1/completions", json={"prompt": "Hi", field: value}), 400)
+        assert error["param"] == field and field in error["message"], error
+        for unused in UNSUPPORTED[field]:
+            ask = {"prompt": "Hi", "max_tokens": 2, field: unused}
+            assert tiny_server.post("/v1/completions", json=ask).status_code == 200, (field, unused)
 
 
 def test_a_completion_carries_text_usage_and_smc_diagnostics(tiny_server):
@@ -682,3 +751,34 @@ def test_nan_logits_fail_their_own_request_with_a_5xx_and_not_its_batch_mate(poi
     assert error["code"] == "engine_fault" and "NaN" in error["message"], error
     assert good.status_code == 200 and good.json()["choices"][0]["text"] == alone
     assert client.get("/health").status_code == 200  # the engine goes on
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"regex": "(19|20[0-9"},
+        {"grammar": "start: (("},
+        {"grammar": 'start: "a" b'},
+        {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "objectx"}}}},
+        {"response_format": {"type": "json_schema", "json_schema": {"schema": {"$ref": "#/nope"}}}},
+    ],
+)
+def test_a_bad_constraint_gets_a_4xx_json_error_and_the_server_goes_on(tiny_smcsd, bad):
+    with served(tiny_smcsd) as client:
+        reply = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4, **bad})
+        assert 400 <= reply.status_code < 500, reply.text
+        error = reply.json()["error"]
+        assert error["param"] == next(iter(bad)) and error["code"] in ("invalid_constraint", "invalid_schema")
+        assert "cannot compile" in error["message"] or "JSON schema" in error["message"], error
+        assert client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
+
+
+def test_the_docs_page_loads_nothing_from_elsewhere(tiny_server):
+    """``/docs`` renders offline: every script, style and icon it names is served here."""
+    page = tiny_server.get("/docs")
+    assert page.status_code == 200 and "swagger" in page.text.lower()
+    urls = re.findall(r"""(?:src|href)=["']([^"']+)["']|url: *["']([^"']+)["']""", page.text)
+    urls = [a or b for a, b in urls]
+    assert urls and all(u.startswith("/") and not u.startswith("//") for u in urls), urls
+    for url in urls:
+        assert tiny_server.get(url).status_code == 200, url

@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException
 from ..backends.base import CacheExhausted, EngineFault
 from ..config import SMCConfig
 from ..engine.client import EngineClosed, QueueFull, RequestCancelled
+from .docs_page import add_docs_page
 from .errors import APIError, GenerationFailed, failed
 from .metrics import metrics_text
 from .protocol import parse_chat, parse_completion
@@ -35,7 +36,6 @@ from .streaming import ChoiceStreams, EventStream
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 DISCONNECT_POLL_SECONDS = 0.25  # how often a waiting non-streamed request checks its client is there
-IGNORED_HEADER = "X-SMCSD-Ignored-Fields"  # body fields no model knows: read by nobody, named back
 
 
 class Service:
@@ -198,9 +198,10 @@ def build_app(
         service.closing = True  # requests still arriving get 503
         await asyncio.to_thread(engine.close, cancel=True)
 
-    app = FastAPI(title="smcsd_ppl", lifespan=lifespan, redoc_url=None)
+    app = FastAPI(title="smcsd_ppl", lifespan=lifespan, redoc_url=None, docs_url=None)
     app.openapi = partial(openapi_schema, app)
     app.state.service = service
+    add_docs_page(app)
 
     @app.exception_handler(APIError)
     async def api_error(_request, err: APIError):
@@ -209,6 +210,11 @@ def build_app(
     @app.exception_handler(HTTPException)
     async def http_error(_request, err: HTTPException):  # unknown routes and methods
         return JSONResponse(APIError(err.status_code, str(err.detail)).body(), status_code=err.status_code)
+
+    @app.exception_handler(Exception)
+    async def server_error(_request, err: Exception):  # a bug of ours: still an error body, never bare text
+        fault = refusal(err)
+        return JSONResponse(fault.body(), status_code=fault.status, headers=fault.headers())
 
     @app.post(
         "/v1/chat/completions",
@@ -305,10 +311,9 @@ async def complete(service: Service, request: Request, kind: str):
     def fields(gen, req) -> dict:  # what a finished choice carries beside its text
         return {"smcsd": diagnostics(gen, req), "logprobs": _logprobs(kind, tokenizer, gen)}
 
-    told = {IGNORED_HEADER: ", ".join(call.ignored)} if call.ignored else {}
     if call.stream:
         streams = ChoiceStreams(answer, tickets, call.n, requests, call.include_usage, fields, refusal)
-        return EventStream(streams.events(), streams.close, told)
+        return EventStream(streams.events(), streams.close)
     gens = await results_unless_gone(request, tickets)
     for i, gen in enumerate(gens):  # a request that failed gets an error, never a 200 "stop"
         if gen.finish_reason == "error":
@@ -317,7 +322,7 @@ async def complete(service: Service, request: Request, kind: str):
         answer.choice(i, g.text, t.finish_reason.openai, **fields(g, r))
         for i, (g, t, r) in enumerate(zip(gens, tickets, requests))
     ]
-    return JSONResponse(answer.response(choices, request_usage(tickets, call.n)), headers=told)
+    return JSONResponse(answer.response(choices, request_usage(tickets, call.n)))
 
 
 def _logprobs(kind: str, tokenizer, gen) -> dict | None:

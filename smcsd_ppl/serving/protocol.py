@@ -18,7 +18,7 @@ from ..engine.scoring import MAX_TOP_LOGPROBS
 from ..keys import derive
 from ..potentials.spec import ConstraintSpec
 from .errors import APIError, invalid
-from .schema import ChatCompletionRequest, CompletionRequest, ignored_fields, validated
+from .schema import ChatCompletionRequest, CompletionRequest, validated
 
 # Body fields beyond OpenAI's, each the SMCConfig field (or request setting) it sets.
 EXTRA_FIELDS = {
@@ -32,17 +32,48 @@ EXTRA_FIELDS = {
 CONSTRAINT_FIELDS = ("regex", "grammar")  # extra fields: the constraint's text
 MAX_CHOICES = 32  # prompts x n of one HTTP request
 MAX_STOPS = 4  # OpenAI's limit on stop strings
-# OpenAI settings this server cannot honour, and the value that means "not used".
+# Fields of OpenAI's API (and vLLM's) this server cannot honour, with the values that mean "not
+# used" (null always does): a body that uses one is refused in one line naming it.
 UNSUPPORTED = {
-    "top_p": 1,
-    "frequency_penalty": 0,
-    "presence_penalty": 0,
-    "logit_bias": None,
-    "tools": None,
-    "functions": None,
-    "echo": False,
-    "suffix": None,
-    "best_of": 1,
+    "top_p": (1,),
+    "top_k": (-1, 0),
+    "min_p": (0,),
+    "frequency_penalty": (0,),
+    "presence_penalty": (0,),
+    "repetition_penalty": (1,),
+    "logit_bias": ({},),
+    "min_tokens": (0,),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "parallel_tool_calls": (False,),
+    "functions": ([],),
+    "function_call": ("none",),
+    "echo": (False,),
+    "suffix": ("",),
+    "best_of": (1,),
+    "prompt_logprobs": (),
+    "audio": (),
+    "modalities": (["text"],),
+    "prediction": (),
+    "reasoning_effort": (),
+    "verbosity": (),
+    "web_search_options": (),
+    "store": (False,),
+    "metadata": ({},),
+    "service_tier": ("auto", "default"),
+    "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_grammar": (),
+    "guided_choice": (),
+}
+HINTS = {  # where a refused field has a way here
+    "guided_json": "response_format",
+    "guided_regex": "regex",
+    "guided_grammar": "grammar",
+    "guided_choice": "regex",
 }
 # A JSON object of any shape: what response_format json_object asks for.
 ANY_JSON_OBJECT = '{"type": "object"}'
@@ -65,7 +96,6 @@ class Call:
             token (None: not asked).
         tokens_as_ids: name each token of ``logprobs`` as ``token_id:N`` rather than by its text
             (vLLM's ``return_tokens_as_token_ids``).
-        ignored: the body's fields no model knows (told back in a response header).
     """
 
     prompts: tuple
@@ -78,7 +108,6 @@ class Call:
     stop: tuple[str, ...]
     logprobs: int | None = None
     tokens_as_ids: bool = False
-    ignored: tuple[str, ...] = ()
 
     def requests(self, prompt_ids: list[list[int]]) -> list[ServeRequest]:
         """One request per choice, prompt-major: choice ``k`` is prompt ``k // n``, seeded by ``choice_seed``.
@@ -112,21 +141,29 @@ def choice_seed(seed: int, index: int) -> int:
 
 def parse_chat(body: dict, base: SMCConfig) -> Call:
     """A ``/v1/chat/completions`` body."""
-    ignored = ignored_fields(validated(ChatCompletionRequest, body))
-    return _call(body, base, (_messages(body.get("messages")),), _chat_logprobs(body), ignored)
+    _refuse_unhonoured(validated(ChatCompletionRequest, body), body)
+    return _call(body, base, (_messages(body.get("messages")),), _chat_logprobs(body))
 
 
 def parse_completion(body: dict, base: SMCConfig) -> Call:
     """A ``/v1/completions`` body (``prompt``: a text, a list of texts, token ids or lists of them)."""
-    ignored = ignored_fields(validated(CompletionRequest, body))
-    return _call(body, base, _prompts(body.get("prompt")), _completion_logprobs(body), ignored)
+    _refuse_unhonoured(validated(CompletionRequest, body), body)
+    return _call(body, base, _prompts(body.get("prompt")), _completion_logprobs(body))
 
 
-def _call(body: dict, base: SMCConfig, prompts: tuple, logprobs: int | None, ignored: tuple) -> Call:
+def _refuse_unhonoured(request, body: dict) -> None:
+    """Refuse, naming it, a field this server would not honour: a used ``UNSUPPORTED`` one, or one unknown."""
+    for name in request.model_extra or {}:
+        if name not in UNSUPPORTED:
+            raise invalid(f"{name} is not a field this server knows", name)
     for name, unused in UNSUPPORTED.items():
         value = body.get(name)
-        if value is not None and value != unused and value not in ([], {}):
-            raise invalid(f"{name} is not supported by this server", name)
+        if value is not None and value not in unused:
+            hint = f"; use {HINTS[name]}" if name in HINTS else ""
+            raise invalid(f"{name} is not supported by this server{hint}", name)
+
+
+def _call(body: dict, base: SMCConfig, prompts: tuple, logprobs: int | None) -> Call:
     n = _int(body, "n", 1)
     if n < 1 or n * len(prompts) > MAX_CHOICES:
         raise invalid(f"n must be at least 1, and prompts x n at most {MAX_CHOICES}", "n")
@@ -149,7 +186,6 @@ def _call(body: dict, base: SMCConfig, prompts: tuple, logprobs: int | None, ign
         _stops(body.get("stop")),
         logprobs,
         _bool(body, "return_tokens_as_token_ids"),
-        ignored,
     )
 
 
@@ -203,13 +239,21 @@ def _config(body: dict, base: SMCConfig) -> SMCConfig:
 
 def _constraint(body: dict) -> ConstraintSpec | None:
     """The one constraint the body asks for: ``response_format`` (JSON), ``regex`` or ``grammar``."""
-    found = [ConstraintSpec(kind, body[kind]) for kind in CONSTRAINT_FIELDS if _text(body, kind)]
+    found = [_spec(kind, body[kind]) for kind in CONSTRAINT_FIELDS if _text(body, kind)]
     schema = _response_schema(body.get("response_format"))
     if schema is not None:
         found.append(schema)
     if len(found) > 1:
         raise invalid("give at most one of response_format (JSON), regex and grammar", "response_format")
     return found[0] if found else None
+
+
+def _spec(kind: str, text: str) -> ConstraintSpec:
+    """A regex's or grammar's spec, compiled now: a mistake in it is the caller's (400, naming the field)."""
+    try:
+        return ConstraintSpec(kind, text)
+    except ValueError as err:
+        raise APIError(400, str(err), param=kind, code="invalid_constraint") from None
 
 
 def _response_schema(fmt) -> ConstraintSpec | None:
@@ -232,7 +276,8 @@ def _response_schema(fmt) -> ConstraintSpec | None:
     try:
         return ConstraintSpec("schema", json.dumps(schema))  # checked against its meta-schema
     except ValueError as err:
-        raise APIError(422, f"invalid {err}", param="response_format", code="invalid_schema") from None
+        message = str(err) if str(err).startswith("cannot") else f"invalid {err}"
+        raise APIError(422, message, param="response_format", code="invalid_schema") from None
 
 
 def _messages(messages) -> list[dict]:

@@ -1,9 +1,9 @@
 """The request bodies as pydantic models: each field's type, checked, and described in ``/openapi.json``.
 
 The models hold what a body may say; ``protocol`` then checks what it means (ranges, one
-constraint at most, settings SMC-SD can honour) and turns it into requests. Fields a client
-sends that no model knows are kept aside and named back (clients send newer fields than any
-server knows, as vLLM's do).
+constraint at most, settings SMC-SD can honour) and turns it into requests. A field no model
+knows is kept aside for ``protocol``, which refuses it by name: nothing a client sends is
+ignored in silence.
 """
 
 from __future__ import annotations
@@ -60,7 +60,9 @@ class Sampling(BaseModel):
     response_format: dict[str, Any] | None = Field(
         None, description="text, json_object, or json_schema with its schema (compiled by llguidance)"
     )
-    user: StrictStr | None = None
+    user: StrictStr | None = Field(None, description="who asks (it changes nothing in the output)")
+    safety_identifier: StrictStr | None = Field(None, description="who asks, hashed (changes nothing)")
+    prompt_cache_key: StrictStr | None = Field(None, description="a caching hint (changes nothing)")
     # SMC-SD's own fields
     n_particles: StrictInt | None = Field(None, description="N, particles of the request")
     block_size: StrictInt | None = Field(
@@ -76,11 +78,6 @@ class Sampling(BaseModel):
     regex: StrictStr | None = Field(None, description="the output matches this regex in full")
     grammar: StrictStr | None = Field(None, description="the output is a sentence of this Lark grammar")
     return_tokens_as_token_ids: StrictBool | None = Field(None, description="logprobs name tokens token_id:N")
-    # OpenAI's, refused unless they say "not used" (protocol.UNSUPPORTED)
-    top_p: Any = None
-    frequency_penalty: Any = None
-    presence_penalty: Any = None
-    logit_bias: Any = None
 
 
 class ChatCompletionRequest(Sampling):
@@ -91,8 +88,6 @@ class ChatCompletionRequest(Sampling):
     top_logprobs: StrictInt | None = Field(
         None, description="0-20 likeliest tokens at each place, with logprobs"
     )
-    tools: Any = None
-    functions: Any = None
 
 
 class CompletionRequest(Sampling):
@@ -102,9 +97,6 @@ class CompletionRequest(Sampling):
         description="a text, token ids, or a list of them"
     )
     logprobs: StrictInt | StrictBool | None = Field(None, description="0-20 likeliest tokens at each place")
-    echo: Any = None
-    suffix: Any = None
-    best_of: Any = None
 
 
 def validated(model: type[Sampling], body: dict) -> Sampling:
@@ -116,11 +108,6 @@ def validated(model: type[Sampling], body: dict) -> Sampling:
         where = ".".join(str(part) for part in first["loc"])
         param = str(first["loc"][0]) if first["loc"] else None
         raise APIError(400, f"{where}: {first['msg']}", param=param, code="invalid_type") from None
-
-
-def ignored_fields(request: Sampling) -> tuple[str, ...]:
-    """The body's fields no model knows: read by nobody, named back to the client."""
-    return tuple(sorted(request.model_extra or {}))
 
 
 class Usage(BaseModel):
