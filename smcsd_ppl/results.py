@@ -70,6 +70,9 @@ class SMCInfo:
         collapsed: the ESS averaged under ``inference.outcome.COLLAPSE_ESS_FRACTION`` of the
             particles, so the output follows the draft more than the target.
         draft_lengths: with a quality cut, the draft length of each cycle (0: the target alone).
+        proposals: what proposed each of those cycles' blocks: ``draft`` (draft forwards),
+            ``retrieval`` (copied from the prompt or the output: no forward), ``mixture``, or
+            ``target`` (decoding alone); ``+`` joins those of particle groups that differ.
         draft_record: the record the request started from, with its own evidence added:
             pass it on (``SMCSD.draft_record``) to let later requests learn from this one.
         chosen: the index in ``particles`` of the one returned, drawn by weight (-1: none had
@@ -84,6 +87,7 @@ class SMCInfo:
     n_resamples: int
     collapsed: bool = False
     draft_lengths: list[int] = field(default_factory=list)
+    proposals: list[str] = field(default_factory=list)
     draft_record: DraftRecord = field(default_factory=DraftRecord)
     chosen: int = -1
 
@@ -159,6 +163,7 @@ class Generation:
         if smc is not None:
             record |= {"n_resamples": smc.n_resamples, "mean_ess": smc.mean_ess, "log_z": smc.log_z}
             record |= {"collapsed": smc.collapsed, "draft_lengths": smc.draft_lengths}
+            record |= {"proposals": smc.proposals}
         if spec is not None:
             record["acceptance"] = round(spec.acceptance, 3)
         return record

@@ -173,7 +173,7 @@ def test_the_batch_command_runs_resumes_and_sums_up(model_dir, capsys, tmp_path,
 def test_to_record_holds_the_text_cost_and_report_of_each_method_family(tiny_smcsd):
     common = {"text", "method", "new_tokens", "seconds", "tokens_per_second", "tokens_per_target_call"}
     common |= {"target_calls", "draft_calls", "overhead_fraction", "message", "finish_reason"}
-    smc = {"n_resamples", "mean_ess", "log_z", "collapsed", "draft_lengths"}
+    smc = {"n_resamples", "mean_ess", "log_z", "collapsed", "draft_lengths", "proposals"}
     for method, extra in [("smcsd", smc), ("sd", {"acceptance"}), ("ar", set())]:
         out = tiny_smcsd.generate("The quick brown fox", method=method, config=CONFIG)
         record = out.to_record()

@@ -7,6 +7,8 @@
 * A ``--8<-- "path"`` line in a block (pymdownx.snippets) runs the file it includes.
 * Every ``smcsd ...`` command of a ```bash block must parse with the real argument parser,
   and every ``python path.py`` command must name an existing file.
+* A ``print(...)`` whose comment begins ``# prints `` states its output: the line must print
+  exactly that (the rest of the comment after `` — `` is prose). Seeds make it deterministic.
 * Blocks that call ``smcsd serve`` at ``SERVE_URL`` call a live server of the embedded pair
   instead, started once on a free port.
 * Pages that load the real model (``SMCSD.load``) or call the server are slow tests. ``SMCSD.load`` is cached
@@ -16,9 +18,12 @@
 from __future__ import annotations
 
 import ast
+import builtins
 import functools
 import re
 import shlex
+import sys
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -32,6 +37,7 @@ NO_RUN = "<!-- no-run -->"
 SERVE_URL = "http://127.0.0.1:8000/v1"  # where the docs' snippets find `smcsd serve`
 FENCE = re.compile(r"^(?P<indent> *)(?P<fence>```+|~~~+)(?P<info>.*)$")
 SNIPPET = re.compile(r"""^\s*--8<--\s+["']?(?P<path>[^"']+)["']?\s*$""")
+STATED = re.compile(r"^\s*print\(.*\)\s*#\s*prints (?P<output>.+?)(\s+—\s.*)?$")
 
 
 def code_blocks(text: str) -> list[tuple[str, int, str, bool]]:
@@ -110,6 +116,34 @@ def served_url():
         yield server.url + "/v1"
 
 
+class Printed:
+    """``print`` for a snippet's namespace: prints, and keeps what each line of the snippet printed."""
+
+    def __init__(self, filename: str):
+        self.filename, self.lines = filename, defaultdict(list)
+
+    def __call__(self, *args, sep=" ", end="\n", file=None, flush=False):
+        frame = sys._getframe(1)
+        if file is None and frame.f_code.co_filename == self.filename:
+            self.lines[frame.f_lineno].append(sep.join(map(str, args)))
+        builtins.print(*args, sep=sep, end=end, file=file, flush=flush)
+
+
+def run_block(code: str, where: str, namespace: dict) -> None:
+    """Run one block; each ``print`` stating its output (``# prints ...``) must print exactly that."""
+    namespace["print"] = printed = Printed(where)
+    try:
+        exec(compile(code, where, "exec"), namespace)
+    except Exception as err:
+        raise AssertionError(f"the python block at {where} failed: {err!r}") from err
+    for number, text in enumerate(code.splitlines(), 1):
+        if m := STATED.match(text):
+            out = "\n".join(printed.lines[number])
+            assert out == m["output"], (
+                f"{where} (line {number}) prints {out!r}; its comment says {m['output']!r}"
+            )
+
+
 @pytest.mark.parametrize("page", _python_pages())
 def test_python_snippets_run(page, shared_models, tmp_path, monkeypatch, capsys, request):
     monkeypatch.chdir(tmp_path)  # snippets that write files write them here
@@ -119,10 +153,17 @@ def test_python_snippets_run(page, shared_models, tmp_path, monkeypatch, capsys,
             continue
         if SERVE_URL in code:
             code = code.replace(SERVE_URL, request.getfixturevalue("served_url"))
-        try:
-            exec(compile(code, f"{page}:{line}", "exec"), namespace)
-        except Exception as err:
-            raise AssertionError(f"the python block at {page}:{line} failed: {err!r}") from err
+        run_block(code, f"{page}:{line}", namespace)
+
+
+def test_a_stated_output_that_differs_fails_the_page():
+    # The mutant the check exists for: an example's printed date changed under its comment.
+    code = 'date = "1969-07-20"\nprint(date)  # prints 1969-07-20 — as the prompt says\n'
+    run_block(code, "page.md:1", {})
+    with pytest.raises(AssertionError, match="prints '2019-07-20'; its comment says '1969-07-20'"):
+        run_block(code.replace('"1969', '"2019'), "page.md:1", {})
+    assert STATED.match("print(x)  # prints {'a': 1}")["output"] == "{'a': 1}"
+    assert not STATED.match("print(x)  # the log Z")
 
 
 def _commands(code: str) -> list[list[str]]:

@@ -148,3 +148,18 @@ def test_a_program_whose_step_is_the_default_s_runs_as_generate(tiny_smcsd, seed
         made.stats.draft_calls,
     )
     assert Plain(PROMPT).plain and not Conditioned(PROMPT).plain
+
+
+@pytest.mark.parametrize("method", ["smcsd", "smcsd_paper"])
+def test_a_request_alone_counts_every_draft_forward_and_names_its_proposals(tiny_smcsd, method):
+    draft = tiny_smcsd.core.draft_lm
+    config = SMCConfig(n_particles=4, block_size=4, max_new_tokens=24, seed=1)
+    before = draft.stats.calls
+    out = tiny_smcsd.generate(PROMPT, method=method, config=config)
+    assert out.stats.draft_calls == draft.stats.calls - before > 0
+    lengths, proposals = out.smc.draft_lengths, out.smc.proposals
+    assert len(proposals) == len(lengths) and all(
+        (n == 0) == (p == "target") for n, p in zip(lengths, proposals)
+    )
+    assert out.to_record()["draft_calls"] == out.stats.draft_calls
+    assert out.stats.target_seconds > 0 and out.stats.draft_seconds > 0 and out.stats.overhead_fraction < 1

@@ -91,13 +91,13 @@ def test_ctrl_c_keeps_the_settled_text_and_says_where_it_stopped(models, capsys,
         raise KeyboardInterrupt
 
     monkeypatch.setattr(batch, "generate_one", interrupted)
-    monkeypatch.setattr(sys, "argv", ["smcsd", "generate", *models, "Hi"])
+    monkeypatch.setattr(sys, "argv", ["smcsd", "generate", *models, "--max-new-tokens", "8", "Hi"])
     assert main() == 130  # as the console script runs it
     captured = capsys.readouterr()
     assert captured.out == tiny_smcsd.decode(ids) + "\n"
     assert f"interrupted after {len(ids)} settled tokens" in captured.err
     with pytest.raises(KeyboardInterrupt):  # called from Python, the Ctrl-C is the caller's
-        main(["generate", *models, "Hi"])
+        main(["generate", *models, "--max-new-tokens", "8", "Hi"])
     assert capsys.readouterr().out == tiny_smcsd.decode(ids) + "\n"  # once the text was kept
 
 

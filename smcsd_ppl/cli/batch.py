@@ -144,6 +144,7 @@ def _in_process(args: argparse.Namespace):
     from ..batch.run import run_batch
 
     pair = load_pair(args)
+    pair.core.build_forwards(background=True)  # a batch is long work: compiled parts as they come
     return functools.partial(run_batch, pair)
 
 

@@ -8,7 +8,7 @@ import sys
 import threading
 
 from ..names import METHOD_SUMMARIES
-from .loading import load_pair
+from .loading import check_before_loading, load_pair
 from .options import (
     constraint_args,
     model_args,
@@ -52,12 +52,14 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Generate, print the text (streamed for SMC-SD) and the statistics; 130 on Ctrl-C."""
+    from ..methods.registry import get as get_method
     from ..text import TextStream
 
     check_threads(args.threads)
     wanted = read_constraint(args)
     config = smc_config(args)
     prompt = read_prompt(args.prompt)
+    check_before_loading(args, [prompt], config, get_method(args.method).uses_draft)
     pair = load_pair(args)
     constraint = None if wanted is None else wanted.build(pair.tokenizer, pair.eos_token_ids)
     stream = None if args.json or args.method != "smcsd" else TextStream(pair.core.decode_bytes)
@@ -122,7 +124,7 @@ def _print_stats(out, config) -> None:
     if smc is not None:
         ess = f"{smc.mean_ess:.2f}/{config.n_particles}"
         line += f", {smc.n_resamples} resamples, {_ess(smc, ess)}, log Z {smc.log_z:.2f}"
-        line += _drafting(smc.draft_lengths)
+        line += _drafting(smc.draft_lengths, smc.proposals)
     if spec is not None:
         line += f", acceptance (accepted/drafted tokens) {spec.acceptance:.2f}"
     err(line)
@@ -144,12 +146,17 @@ def _ess(smc, ess: str) -> str:
     return f"mean ESS {ess} over {several} cycle(s){tail}"
 
 
-def _drafting(lengths: list[int]) -> str:
-    """How the quality cut's schedule drafted, in a few words ('' for the paper's algorithm)."""
+def _drafting(lengths: list[int], proposals: list[str]) -> str:
+    """How the quality cut's schedule proposed, in a few words ('' for the paper's algorithm)."""
     if not lengths:
         return ""
     if not any(lengths):
         return ", target alone (the draft does not pay here)"
+    used = [(n, kind) for n, kind in zip(lengths, proposals) if n]
+    kinds = ", ".join(
+        f"{sum(k == kind for _, k in used)} {kind}" for kind in dict.fromkeys(k for _, k in used)
+    )
+    blocks = f"blocks of {min(n for n, _ in used)}-{max(n for n, _ in used)} tokens ({kinds})"
     if lengths[-1] == 0:
-        return f", target alone besides {sum(1 for n in lengths if n)} cycle(s) that drafted or retrieved"
-    return f", draft lengths {min(lengths)}-{max(lengths)}"
+        return f", target alone besides {len(used)} cycle(s) that proposed {blocks}"
+    return f", proposed {blocks}"

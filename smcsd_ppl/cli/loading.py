@@ -62,6 +62,36 @@ def pair_options(args: argparse.Namespace) -> dict:
     }
 
 
+def check_before_loading(args: argparse.Namespace, prompts: list[str], config, uses_draft: bool) -> None:
+    """Refuse, before any weights load, a target that cannot be found or a prompt past its context.
+
+    The tokenizer and the config decide both; the pair's own check after loading stays (it
+    knows the draft's context too).
+    """
+    if args.backend != "hf":
+        return
+    from transformers import AutoConfig, AutoTokenizer
+
+    from ..models.loading import local_files
+    from ..text import encode_prompt
+
+    files = local_files(args.target)
+    if files is None:  # only the hub has it: loading fetches it
+        return
+    context = getattr(AutoConfig.from_pretrained(files), "max_position_embeddings", None)
+    if context is None:
+        return
+    tokenizer = AutoTokenizer.from_pretrained(files)
+    extra = config.block_size + 1 if uses_draft else -1  # a drafted block past the budget, then the bonus
+    for prompt in prompts:
+        length = len(encode_prompt(tokenizer, prompt, chat=not args.no_chat))
+        if length + config.max_new_tokens + extra > context:
+            raise ValueError(
+                f"the prompt is {length} tokens: with max_new_tokens ({config.max_new_tokens}) it "
+                f"exceeds the target's context of {context} tokens"
+            )
+
+
 def draft_record(spec: str):
     """``--draft-record``: None for the draft's shipped record, an empty record, or one read from a file."""
     from ..config import DraftRecord

@@ -27,7 +27,7 @@ from ..ends import FinishReason
 from ..inference.outcome import result_of
 from ..inference.state import Population, SMCState, settled_tokens
 from ..inference.step import Admission, SMCSDKernel
-from ..results import RunStats, generation
+from ..results import generation
 from .pair import PairCore
 from .request import Call, Request, RequestStatus, Work, finish, shared_key
 from .scheduling import Capacity, Plan, schedule
@@ -207,7 +207,7 @@ class EngineCore:
         """A cancelled request's ``Generation``: its settled tokens (what it streamed), ``cancelled``."""
         ids = list(settled_tokens(pop))
         text = self.pair.decode(ids)
-        stats = _cost(request, pop, len(ids))
+        stats = request.cost(pop, len(ids), self._forward_seconds())
         gen = generation("smcsd", text, ids, stats, FinishReason.CANCELLED, "cancelled before it finished")
         out = self._ended(request, FinishReason.CANCELLED)
         return replace(out, result=gen, error=None)
@@ -225,16 +225,21 @@ class EngineCore:
         if not self.running:  # a new batch: its kernel runs its settings
             self.kernel = self._kernel(requests[0].config)
         joining = [Admission(r.program, r.config, r.seed, r.id, r.record) for r in requests]
+        clock = self._forward_seconds()  # its prefill is its own: counted from here
         try:
             record, encode = self.pair.draft_record, self.pair.encode
             self.state = self.kernel.admit(self.state, joining, record, encode, draft=self.keep_draft)
         except Exception as err:  # noqa: BLE001 - those requests fail, the batch goes on
             return [self._ended(r, FinishReason.ERROR, err) for r in requests]
         for r in requests:
-            r.status = RequestStatus.RUNNING
+            r.status, r.forwards_from = RequestStatus.RUNNING, clock
             self._records[r.id] = r.record or self.pair.draft_record
         self.running += requests
         return []
+
+    def _forward_seconds(self) -> tuple[float, float]:
+        """The target's and the draft's forward time so far (on CUDA, a wait for their events)."""
+        return self.pair.target_lm.stats.seconds, self.pair.draft_lm.stats.seconds
 
     def _kernel(self, config: SMCConfig) -> SMCSDKernel:
         """The kernel of a batch of ``config``'s shared settings (the base's own, when it shares them)."""
@@ -316,7 +321,7 @@ class EngineCore:
         """A finished request's ``Generation`` and cost (its text whole: the ticket cuts at a stop string)."""
         gen = result_of(pop, self.kernel, self._records.pop(request.id, self.pair.draft_record))
         reason = FinishReason(gen.finish_reason)
-        gen = replace(gen, stats=_cost(request, pop, len(gen.token_ids)))
+        gen = replace(gen, stats=request.cost(pop, len(gen.token_ids), self._forward_seconds()))
         if request.logprobs is not None:
             scores = token_logprobs(
                 self.pair.target.model,
@@ -364,11 +369,6 @@ class EngineCore:
         kv = sum(getattr(lm, "cache_bytes", 0) for lm in (self.pair.target_lm, self.pair.draft_lm))
         counts = dict(waiting=len(self.waiting), running=len(self.running), rows_in_use=rows, kv_bytes=kv)
         self.stats = replace(self.stats, **counts)
-
-
-def _cost(request: Request, pop: Population, tokens: int) -> RunStats:
-    """A request's own cost: its tokens, the time since it arrived, a target call per cycle it ran."""
-    return RunStats("smcsd", tokens, time.perf_counter() - request.arrival, max(1, pop.cycles), 0, 0.0, 0.0)
 
 
 def _cycle_loop() -> asyncio.AbstractEventLoop:

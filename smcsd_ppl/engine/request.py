@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -18,6 +19,7 @@ from ..config import DraftRecord, SMCConfig
 from ..ends import FinishReason
 from ..inference.program import SMCSDModel
 from ..inference.state import Population
+from ..results import RunStats
 
 # Settings every row of one cycle shares: requests that differ in them run in separate batches.
 # (A request's K and ``ignore_eos`` are its own: requests of other K and EOS share cycles.)
@@ -78,6 +80,7 @@ class Request:
         cancelled: an abort reached the engine; it leaves at the next boundary.
         reason: why it finished (set once, by ``finish``).
         passed: times requests behind it joined a batch of other settings while it waited.
+        forwards_from: the target's and the draft's forward seconds when it was admitted.
     """
 
     program: SMCSDModel
@@ -96,6 +99,7 @@ class Request:
     cancelled: bool = False
     reason: FinishReason | None = None
     passed: int = 0
+    forwards_from: tuple[float, float] = (0.0, 0.0)
 
     @property
     def rows(self) -> int:
@@ -106,6 +110,16 @@ class Request:
     def group(self) -> tuple:
         """The batch it can join: requests sharing ``SHARED_SETTINGS``."""
         return shared_key(self.config)
+
+    def cost(self, pop: Population, tokens: int, forwards: tuple[float, float]) -> RunStats:
+        """Its own cost: tokens, time since arrival, cycles, draft forwards and forward time.
+
+        ``forwards``: the models' forward seconds now; its own are those since its admission.
+        A cycle is one target call; its batch-mates share that call, the draft forwards and their time.
+        """
+        seconds = time.perf_counter() - self.arrival
+        target, draft = (now - then for now, then in zip(forwards, self.forwards_from))
+        return RunStats("smcsd", tokens, seconds, max(1, pop.cycles), pop.draft_calls, target, draft)
 
 
 @dataclass(eq=False)

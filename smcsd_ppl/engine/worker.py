@@ -82,8 +82,9 @@ class TorchThread:
             self._start()
 
     def wake(self) -> None:
-        """An attached engine may have become ready."""
+        """An attached engine may have become ready (the thread starts again if it was stopped)."""
         with self._cond:
+            self._start()
             self._cond.notify()
 
     def _start(self) -> None:

@@ -156,6 +156,7 @@ class DraftedBlock:
     allowed: list[torch.Tensor] = field(default_factory=list)  # [V] per position: a proposal mask
     checks: list[float] | None = None  # a retrieval row: the uniform the target checks each token with
     eos: frozenset[int] = frozenset()  # the EOS ids in force
+    forwards: int = 0  # draft forwards that drew this row's tokens (0: retrieved, forced or none)
 
     @property
     def feed(self) -> int:
@@ -263,6 +264,7 @@ class ScoredBlock:
             ``RowConstraint.tilt`` of the particle's next block; None: not read).
         fault: what the engine did wrong on this row (NaN logits), where it did: the request
             fails with ``backends.base.NonFiniteLogits``; its batch-mates go on.
+        draft_forwards: the draft forwards that drew the block (the request's cost).
     """
 
     row: int
@@ -277,6 +279,7 @@ class ScoredBlock:
     log_future: float | None = None
     tilt: dict | None = None
     fault: str = ""
+    draft_forwards: int = 0
 
     @property
     def tokens(self) -> list[int]:

@@ -254,7 +254,18 @@ def _blocks(store, requests, lead_log_w, c: SMCConfig, eos, flush: Flush) -> lis
         nxt = read.bonus[i] if read.has_bonus[i] else None
         ends = read.dead[i] or i in faulty or row_ends(nxt, read.kept[i] + 1, b.budget, b.eos)
         kept, w, dead = read.kept[i], read.log_w[i], read.dead[i]
-        block = ScoredBlock(b.row, None, tuple(read.tokens[i]), kept, nxt, w, ends, dead, read.diverged[i])
+        block = ScoredBlock(
+            b.row,
+            None,
+            tuple(read.tokens[i]),
+            kept,
+            nxt,
+            w,
+            ends,
+            dead,
+            read.diverged[i],
+            draft_forwards=b.forwards,
+        )
         out.append(replace(block, fault=fault) if i in faulty else block)
         nexts.append(None if ends else nxt)  # an ending row queues nothing and leaves
     store.commit(rows, read.tokens, read.kept, nexts, [b.fed for b in drafted], hidden)

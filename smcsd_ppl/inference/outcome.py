@@ -38,6 +38,7 @@ def smc_info(pop: Population, record: DraftRecord) -> SMCInfo:
         n_resamples=pop.n_resamples,
         collapsed=bool(pop.ess_fractions) and statistics.fmean(pop.ess_fractions) < COLLAPSE_ESS_FRACTION,
         draft_lengths=list(pop.schedule.lengths) if pop.schedule else [],
+        proposals=["+".join(dict.fromkeys(k)) for k in pop.schedule.kinds] if pop.schedule else [],
         draft_record=learned(record, pop.schedule) if pop.schedule else record,
     )
 

@@ -49,6 +49,7 @@ class Population:
             store, a step feeds it.
         request_id: the id of the request it is (empty for runs that name none).
         fault: what the engine did wrong on its rows (NaN logits): the request fails with it.
+        draft_calls: the draft forwards that drew its particles' blocks.
     """
 
     particles: tuple[SMCSDModel, ...]
@@ -65,6 +66,7 @@ class Population:
     retrieval: RequestIndex | None = None
     request_id: str = ""
     fault: str = ""
+    draft_calls: int = 0
 
     def __post_init__(self) -> None:
         assert len(self.particles) == len(self.weights) == len(self.rows), "one weight and row set a particle"

@@ -237,7 +237,13 @@ class SMCSDKernel:
             plans = [(streams.plans[r], b) for rs in pop.rows for r in rs for b in blocks.get(r, [])]
             pop = proposing.observed(pop, [((plan.kind, plan.limit), b) for plan, b in plans])
             faults = [b.fault for _, b in plans if b.fault]
-            pop = replace(pop, fault=pop.fault or (faults[0] if faults else ""))
+            # Its rows share each forward: a row's sum over the cycle's flushes, the most of any row.
+            drafted = max(
+                (sum(b.draft_forwards for b in blocks.get(r, [])) for rs in pop.rows for r in rs), default=0
+            )
+            pop = replace(
+                pop, fault=pop.fault or (faults[0] if faults else ""), draft_calls=pop.draft_calls + drafted
+            )
             before.append(pop)
             g = generator(derive(pop.seed, "resample", pop.cycles + 1))
             pop, e, r = self._maybe_resample(pop, g)

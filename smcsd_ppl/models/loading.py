@@ -268,10 +268,7 @@ def load_model(
     local = pathlib.Path(name).expanduser()
     if local.is_dir():
         if not (local / "config.json").is_file():
-            raise ValueError(
-                f"{name!r} is a directory but holds no model (no config.json): give a directory written "
-                "by save_pretrained, a draft made by `smcsd distill`, or a hub id"
-            )
+            raise ValueError(_no_model(name))
         try:
             return _load(local, name, f"local path {local}", dev, dt)
         except Exception as err:  # transformers raises many types; never fall back to random weights.
@@ -281,14 +278,55 @@ def load_model(
         return _load(name, name, "hub", dev, dt, **({"local_files_only": True} if offline else {}))
     except Exception as err:
         if offline:
-            raise ValueError(
-                f"could not load model {name!r}: it is no local directory, it is not in the local hub "
-                "cache, and the model hub is not reachable (or HF_HUB_OFFLINE is set); pass a local "
-                "path or omit it for the embedded default"
-            ) from err
+            raise ValueError(_unreachable(name)) from err
         raise ValueError(
             f"could not load model {name!r} from the hub: {err}; check the id or pass a local path"
         ) from err
+
+
+def _no_model(name: str) -> str:
+    return (
+        f"{name!r} is a directory but holds no model (no config.json): give a directory written "
+        "by save_pretrained, a draft made by `smcsd distill`, or a hub id"
+    )
+
+
+def _unreachable(name: str) -> str:
+    return (
+        f"could not load model {name!r}: it is no local directory, it is not in the local hub "
+        "cache, and the model hub is not reachable (or HF_HUB_OFFLINE is set); pass a local "
+        "path or omit it for the embedded default"
+    )
+
+
+def local_files(name: str | None) -> pathlib.Path | None:
+    """The directory of ``name``'s config and tokenizer, found without reading weights.
+
+    ``None`` where only the hub has it. What ``load_model`` would refuse for want of files
+    (a directory without a model; an id neither cached nor reachable) is refused here, at once.
+    """
+    if not name or name in ("default", DEFAULT_TARGET):
+        return _hub_snapshot(DEFAULT_TARGET) or embedded_default_dir()
+    local = pathlib.Path(name).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").is_file():
+            raise ValueError(_no_model(name))
+        return local
+    cached = _hub_snapshot(name)
+    if cached is None and not hub_reachable():
+        raise ValueError(_unreachable(name))
+    return cached
+
+
+def _hub_snapshot(name: str) -> pathlib.Path | None:
+    """The hub cache's snapshot directory of ``name`` where it holds the config, else None."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        found = try_to_load_from_cache(name, "config.json")
+    except ValueError:  # not a valid repository id
+        return None
+    return pathlib.Path(found).parent if isinstance(found, str) else None
 
 
 def hub_reachable(timeout: float = 3.0) -> bool:

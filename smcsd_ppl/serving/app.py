@@ -202,19 +202,7 @@ def build_app(
     app.openapi = partial(openapi_schema, app)
     app.state.service = service
     add_docs_page(app)
-
-    @app.exception_handler(APIError)
-    async def api_error(_request, err: APIError):
-        return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
-
-    @app.exception_handler(HTTPException)
-    async def http_error(_request, err: HTTPException):  # unknown routes and methods
-        return JSONResponse(APIError(err.status_code, str(err.detail)).body(), status_code=err.status_code)
-
-    @app.exception_handler(Exception)
-    async def server_error(_request, err: Exception):  # a bug of ours: still an error body, never bare text
-        fault = refusal(err)
-        return JSONResponse(fault.body(), status_code=fault.status, headers=fault.headers())
+    add_error_bodies(app)
 
     @app.post(
         "/v1/chat/completions",
@@ -236,6 +224,23 @@ def build_app(
 
     add_info_routes(app, service)
     return app
+
+
+def add_error_bodies(app: FastAPI) -> None:
+    """Every failure answers with OpenAI's error body, never bare text."""
+
+    @app.exception_handler(APIError)
+    async def api_error(_request, err: APIError):
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_request, err: HTTPException):  # unknown routes and methods
+        return JSONResponse(APIError(err.status_code, str(err.detail)).body(), status_code=err.status_code)
+
+    @app.exception_handler(Exception)
+    async def server_error(_request, err: Exception):  # a bug of ours
+        fault = refusal(err)
+        return JSONResponse(fault.body(), status_code=fault.status, headers=fault.headers())
 
 
 def request_body(model) -> dict:
