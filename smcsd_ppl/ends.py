@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Container, Sequence
+from collections.abc import Callable, Container, Sequence
 
 
 class FinishReason(str, enum.Enum):
@@ -61,6 +61,21 @@ def before_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
     """``text`` up to the first stop string (excluded), and whether one was found."""
     cuts = [i for i in (text.find(s) for s in stop) if i >= 0]
     return (text[: min(cuts)], True) if cuts else (text, False)
+
+
+def tokens_reaching(text_of: Callable[[Sequence[int]], str], ids: Sequence[int], length: int) -> int:
+    """The fewest of ``ids`` whose text holds ``length`` characters: where a text cut there ends.
+
+    A token whose text crosses the cut is kept (it carries the text's last characters).
+    """
+    lo, hi = 0, len(ids)
+    while lo < hi:  # a prefix's text grows with it
+        mid = (lo + hi) // 2
+        if len(text_of(ids[:mid])) >= length:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 def finish_reason(

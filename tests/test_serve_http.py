@@ -349,6 +349,22 @@ def test_a_stop_string_ends_the_output_before_it(tiny_server):
     assert cut["text"] == text[: text.index(stop)] and cut["finish_reason"] == "stop"
 
 
+def test_a_stop_string_ends_the_tokens_usage_and_logprobs_where_the_text_ends(tiny_smcsd, tiny_server):
+    ask = {"prompt": "The quick brown fox", "seed": 3, "max_tokens": 12, "logprobs": 1}
+    ask |= {"return_tokens_as_token_ids": True}
+    whole = tiny_server.post("/v1/completions", json=ask).json()["choices"][0]
+    ids = ids_of(whole["logprobs"]["tokens"])
+    if len(ids) < 4:
+        pytest.skip("too short an output to cut")
+    kept = ids[:2]  # a stop string starting where the third token's text starts
+    stop = whole["text"][len(tiny_smcsd.decode(kept)) :][:2]
+    reply = tiny_server.post("/v1/completions", json=ask | {"stop": [stop]}).json()
+    cut = reply["choices"][0]
+    assert cut["text"] == tiny_smcsd.decode(kept) and cut["finish_reason"] == "stop"
+    assert ids_of(cut["logprobs"]["tokens"]) == kept and len(cut["logprobs"]["token_logprobs"]) == 2
+    assert reply["usage"]["completion_tokens"] == 2
+
+
 def plain_logprobs(model, prompt_ids, out_ids, temperature: float) -> torch.Tensor:
     """The target's log-probabilities at each output position, from one plain forward."""
     ids = torch.tensor([list(prompt_ids) + list(out_ids)])

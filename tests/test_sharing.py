@@ -49,8 +49,11 @@ def test_two_threads_on_one_pair_get_what_they_get_alone(default_smcsd_f32, meth
             futures = [pool.submit(outputs, pair, p, method, s) for p, s in calls]
         together = [f.result() for f in futures]  # result() raises a thread's error
         assert [tokens for tokens, _ in together] == [tokens for tokens, _ in alone], trial
-        for (_, a), (_, b) in zip(together, alone):  # the weights up to float32 rounding
-            assert (a is None) == (b is None) and (a is None or a.log_z == pytest.approx(b.log_z, rel=1e-4))
+        # The weights up to float32 rounding, which other batch shapes round differently: log Z is
+        # a sum of log-ratios of size about 1, so near 0 (here -0.0017) its rounding is absolute.
+        for (_, a), (_, b) in zip(together, alone):
+            assert (a is None) == (b is None)
+            assert a is None or a.log_z == pytest.approx(b.log_z, rel=1e-4, abs=1e-5)
 
 
 @pytest.mark.slow

@@ -13,9 +13,10 @@ from smcsd_ppl import SMCConfig, SMCSDModel
 from smcsd_ppl.batch import run as batch
 from smcsd_ppl.batch.run import generate_one
 from smcsd_ppl.cli import main
+from smcsd_ppl.ends import tokens_reaching
 from smcsd_ppl.engine.client import ServeRequest
 from smcsd_ppl.potentials import Constraint
-from smcsd_ppl.text import IncrementalText, TextStream
+from smcsd_ppl.text import IncrementalText, TextStream, whole_characters
 
 CONFIG = SMCConfig(
     n_particles=4, block_size=3, max_new_tokens=12, draft_temperature=1.0, target_temperature=1.0
@@ -171,3 +172,17 @@ def test_decoding_per_cycle_does_not_grow_with_the_output(tiny_smcsd, monkeypatc
     out = tiny_smcsd.engine.submit(ServeRequest([5, 6, 7], config)).wait(timeout=300)
     late = [n for length, n in per_cycle if length > 60]
     assert len(out.token_ids) == 110 and late and max(late) < 40, per_cycle
+
+
+def test_a_stop_cut_keeps_the_tokens_its_text_needs_and_no_more():
+    # One character per token, but "€" takes two tokens whose first decodes to U+FFFD alone.
+    pieces = ["a", "b", "\ufffd", "\u20ac", "c", "d"]
+
+    def decode(ids):
+        text = "".join(pieces[i] for i in ids)
+        return text.replace("\ufffd\u20ac", "\u20ac")  # the two halves make one character
+
+    ids = list(range(6))
+    assert whole_characters(decode(ids)) == "ab\u20accd"
+    text_of = lambda prefix: whole_characters(decode(prefix))  # noqa: E731 - as the ticket reads it
+    assert [tokens_reaching(text_of, ids, n) for n in range(6)] == [0, 1, 2, 4, 5, 6]

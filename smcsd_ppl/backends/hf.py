@@ -26,7 +26,7 @@ from .tree import TreeOps, kept_first
 from .twins import RowContents, TwinFeeds, feed_groups, tree_counts
 
 DEFAULT_CACHE_BUDGET = 8 * 2**30  # bytes of KV cache one backend may hold
-HEADROOM = 256  # columns allocated past the first forward's need (a typical generation)
+HEADROOM = 32  # columns past a forward's need: a few cycles' worth (rows x columns is the memory)
 
 
 class HFBatchedLM(BatchedLM, TreeOps, TwinFeeds):
@@ -286,7 +286,8 @@ class HFBatchedLM(BatchedLM, TreeOps, TwinFeeds):
         """Make room for ``width`` columns: double the capacity (within the byte budget) or refuse."""
         self._check_budget(rows, width)
         if width > self.cache.capacity:
-            # Room for a typical generation after the prompt, then doubling: growth copies are amortised.
+            # A few cycles' room, then doubling: growth copies stay amortised, and a short answer
+            # does not hold columns for a long one (every row of the batch pays for each column).
             want = max(width + HEADROOM, 2 * self.cache.capacity)
             self.cache.grow(min(want, self._budget_columns(rows)))
 

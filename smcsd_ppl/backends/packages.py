@@ -211,13 +211,25 @@ class CompiledParts:
     def _load(self, key: PartKey, path: pathlib.Path) -> None:
         start = time.perf_counter()
         try:
-            runner = _flat_call(torch._inductor.aoti_load_package(str(path)))
+            runner = _load_runner(path)
         except Exception as err:  # noqa: BLE001 - a package of another build: compile it again
             self.failed[key] = f"{type(err).__name__}: {err}".splitlines()[0]
             return
         finally:
             self.seconds += time.perf_counter() - start
         self.loaded = {**self.loaded, key: runner}  # a new dict: the forward reads it without a lock
+
+
+def _load_runner(path: pathlib.Path):
+    """A package as a function of a list of tensors to a list of tensors.
+
+    Torch's C++ loader, called straight: its Python wrapper imports about a thousand modules
+    first, which costs a one-shot command more than its parts save it (benchmarks page).
+    """
+    loader = getattr(getattr(torch._C, "_aoti", None), "AOTIModelPackageLoader", None)
+    if loader is not None:
+        return loader(str(path), "model", False, 1, -1).boxed_run
+    return _flat_call(torch._inductor.aoti_load_package(str(path)))
 
 
 def _flat_call(model):

@@ -52,13 +52,13 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Generate, print the text (streamed for SMC-SD) and the statistics; 130 on Ctrl-C."""
-    from ..methods.registry import get as get_method
-    from ..text import TextStream
-
     check_threads(args.threads)
     wanted = read_constraint(args)
     config = smc_config(args)
     prompt = read_prompt(args.prompt)
+    from ..methods.registry import get as get_method  # imports torch: after the checks that need none
+    from ..text import TextStream
+
     check_before_loading(args, [prompt], config, get_method(args.method).uses_draft)
     pair = load_pair(args)
     constraint = None if wanted is None else wanted.build(pair.tokenizer, pair.eos_token_ids)

@@ -16,9 +16,9 @@ import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 
-from ..ends import FinishReason, before_stop
+from ..ends import FinishReason, before_stop, tokens_reaching
 from ..results import Generation
-from ..text import IncrementalText
+from ..text import IncrementalText, whole_characters
 from .core import Output, RequestCancelled
 
 __all__ = ["RequestCancelled", "Ticket"]
@@ -81,17 +81,28 @@ class Ticket:
     def finish(self, generation: Generation, reason: FinishReason) -> None:
         """The request is done: its text, cut before a stop string, streams out in full, then its result.
 
-        A finished output holding a stop string ends ``stop``; a cancelled one stays ``cancelled``.
+        A finished output holding a stop string ends ``stop``, its tokens and log-probabilities
+        where its text ends; a cancelled one stays ``cancelled``.
         """
         text, stopped = before_stop(generation.text, self.stop)
-        if stopped and reason is not FinishReason.CANCELLED:
-            reason = FinishReason.STOP
+        if stopped:
+            generation = self._cut(generation, text)
+            reason = reason if reason is FinishReason.CANCELLED else FinishReason.STOP
         generation = replace(generation, text=text, finish_reason=str(reason))
         self._add(text)
         with self._lock:
             self.finish_reason, self.completion_tokens = reason, len(generation.token_ids)
             self._outcome = generation
         self._wake(done=True)
+
+    def _cut(self, generation: Generation, text: str) -> Generation:
+        """``generation`` with its tokens (and their log-probabilities) ending where ``text`` does."""
+        if self._text is None:  # no decoder: the tokens cannot be matched to the text
+            return generation
+        decode = self._text.decode
+        n = tokens_reaching(lambda ids: whole_characters(decode(ids)), generation.token_ids, len(text))
+        logprobs = None if generation.logprobs is None else generation.logprobs[:n]
+        return replace(generation, token_ids=generation.token_ids[:n], logprobs=logprobs)
 
     def fail(self, err: BaseException) -> None:
         """The request ends with ``err`` (raised by ``result`` and ``wait``)."""
