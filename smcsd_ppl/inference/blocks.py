@@ -156,13 +156,22 @@ class DraftedBlock:
     allowed: list[torch.Tensor] = field(default_factory=list)  # [V] per position: a proposal mask
     checks: list[float] | None = None  # a retrieval row: the uniform the target checks each token with
     eos: frozenset[int] = frozenset()  # the EOS ids in force
-    forwards: int = 0  # draft forwards that drew this row's tokens (0: retrieved, forced or none)
+    drawn_at: tuple[int, ...] = ()  # positions a draft forward drew for this row (none: retrieved, forced)
 
     @property
     def feed(self) -> int:
         """Drafted tokens the target reads: all that may count (an EOS among them is found on the device)."""
         dead_at = self.batch.k if self.dead_at is None else self.dead_at
         return min(self.batch.k, self.reach, self.budget, dead_at)
+
+    def forwards_until_end(self, tokens: Sequence[int]) -> int:
+        """The draft forwards that drew this row's ``tokens`` up to where its block ends.
+
+        Forwards that batch-mates still drafting ran past that are not the request's: its
+        count is the same whoever shares the call.
+        """
+        counts, _, dead = block_ending(tokens, self.reach, self.budget, self.dead_at, self.eos)
+        return sum(j < counts + dead for j in self.drawn_at)  # a dead end's forward found it
 
     @property
     def tokens(self) -> list[int]:

@@ -264,7 +264,7 @@ def _blocks(store, requests, lead_log_w, c: SMCConfig, eos, flush: Flush) -> lis
             ends,
             dead,
             read.diverged[i],
-            draft_forwards=b.forwards,
+            draft_forwards=b.forwards_until_end(read.tokens[i]),
         )
         out.append(replace(block, fault=fault) if i in faulty else block)
         nexts.append(None if ends else nxt)  # an ending row queues nothing and leaves

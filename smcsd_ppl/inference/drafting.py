@@ -166,7 +166,7 @@ def _blocks(run: Drafting, requests, limits, eos) -> list[DraftedBlock]:
         reach = min(n, run.masking.cut_at.get(i, n), ends.get(i, n))
         block = DraftedBlock(r, batch, reach, req.budget, req.constraint, dead_at.get(i), eos=_eos(req, eos))
         block.fed, block.allowed = (run.fed if asked[r] else 0), run.masking.history.get(i, [])
-        block.forwards = run.forwards if asked[r] else 0
+        block.drawn_at = tuple(run.drawn_at) if asked[r] else ()
         if run.retrieval is not None and run.retrieval.kinds.get(i) == "retrieval":
             checks = run.retrieval.checks.get(i, [])
             block.checks = checks + [1.0] * (batch.k - len(checks))
@@ -221,7 +221,7 @@ class Drafting:
     probs: list[torch.Tensor] = field(default_factory=list)  # [R, V] q at each, if kept
     fed: int = 0  # drafted tokens the draft has read: it holds [pending, d_1..d_fed]
     pending_fed: bool = False  # a forward has read the rows' queued tokens
-    forwards: int = 0  # draft forwards run
+    drawn_at: list[int] = field(default_factory=list)  # the positions a draft forward drew
     uniforms: dict[int, torch.Tensor] = field(default_factory=dict)  # position -> its draws [R]
 
     def __post_init__(self) -> None:
@@ -350,7 +350,8 @@ class Drafting:
         vocab = None if masks is None else constrained.shared_vocab(masks, vocab_size)
         kw = {} if vocab is None else {"vocab": vocab}  # logits of allowed tokens only
         logits = self.draft.extend(self.ids, self.valid, *extra, **kw)
-        self.fed, self.pending_fed, self.forwards = len(self.drafts), True, self.forwards + 1
+        self.fed, self.pending_fed = len(self.drafts), True
+        self.drawn_at.append(len(self.drafts))
         q = torch.softmax(logits[:, -1].div_(self.temperature), -1)  # [R, V], or [R, U] over vocab
         if vocab is not None:
             q = q.new_zeros(len(q), vocab_size).index_copy_(1, vocab.to(q.device), q)

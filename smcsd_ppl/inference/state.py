@@ -49,7 +49,7 @@ class Population:
             store, a step feeds it.
         request_id: the id of the request it is (empty for runs that name none).
         fault: what the engine did wrong on its rows (NaN logits): the request fails with it.
-        draft_calls: the draft forwards that drew its particles' blocks.
+        draft_calls: the draft forwards that drew its particles' blocks up to their ends.
     """
 
     particles: tuple[SMCSDModel, ...]
