@@ -38,7 +38,8 @@ class SMCConfig:
         ess_threshold: resample when ESS < threshold * N; 0 never resamples.
         resampling: one of ``RESAMPLING_SCHEMES``.
         draft_temperature: T_d of the proposal q.
-        target_temperature: T_t of the target p.
+        target_temperature: T_t of the target p; 0 is greedy: the target's argmax path, which
+            SMC-SD returns exactly (a block is kept up to its first token off the path).
         alpha: power on the target (1 = the target itself; > 1 sharpens).
         selection: ``"sample"`` picks the output particle in proportion to its
             final weight, ``"argmax"`` picks the heaviest.
@@ -107,10 +108,17 @@ class SMCConfig:
         if not 0.0 <= self.ess_threshold <= 1.0:
             raise ValueError(f"ess_threshold must be in [0, 1], got {self.ess_threshold}")
         _check_positive("draft_temperature", self.draft_temperature)
-        _check_positive("target_temperature", self.target_temperature)
-        for name in ("draft_temperature", "target_temperature"):
-            if getattr(self, name) < MIN_TEMPERATURE:
-                raise ValueError(f"{name} must be at least {MIN_TEMPERATURE}, got {getattr(self, name)!r}")
+        if self.draft_temperature < MIN_TEMPERATURE:
+            raise ValueError(
+                f"draft_temperature must be at least {MIN_TEMPERATURE}, got {self.draft_temperature!r}"
+            )
+        if self.target_temperature != 0:
+            _check_positive("target_temperature", self.target_temperature)
+            if self.target_temperature < MIN_TEMPERATURE:
+                raise ValueError(
+                    f"target_temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, "
+                    f"got {self.target_temperature!r}"
+                )
         _check_positive("alpha", self.alpha)
         if self.resampling not in RESAMPLING_SCHEMES:
             raise ValueError(f"resampling must be one of {RESAMPLING_SCHEMES}, got {self.resampling!r}")

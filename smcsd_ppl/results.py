@@ -132,6 +132,7 @@ class Generation:
             ``"error"`` (``ends.FinishReason``).
         logprobs: where asked for, the target's log-probability of each token
             (``engine.scoring.TokenLogprob``), else None.
+        prompt_logprobs: where asked for, the same of each prompt token after the first.
     """
 
     text: str
@@ -143,6 +144,7 @@ class Generation:
     speculative: SpeculativeInfo | None = None
     finish_reason: str = ""
     logprobs: tuple | None = None
+    prompt_logprobs: tuple | None = None
 
     def to_record(self) -> dict:
         """A JSON-ready dict: the text, its cost and the method's report (particles left out)."""

@@ -167,6 +167,8 @@ def test_an_unknown_field_is_refused_by_name(tiny_server):
 # A value of each field the server honours (besides model, prompt or messages), by endpoint.
 HONOURED = {
     "max_tokens": 3,
+    "echo": True,
+    "prompt_logprobs": 1,
     "max_completion_tokens": 3,
     "temperature": 0.7,
     "seed": 5,
@@ -202,10 +204,8 @@ USED = {
     "parallel_tool_calls": True,
     "functions": [{"name": "f", "parameters": {}}],
     "function_call": "auto",
-    "echo": True,
     "suffix": "x",
     "best_of": 2,
-    "prompt_logprobs": 1,
     "audio": {"voice": "x"},
     "modalities": ["text", "audio"],
     "prediction": {"type": "content", "content": "x"},
@@ -422,7 +422,7 @@ def test_a_regex_constrains_the_output(tiny_server):
         ("temperature", -1, "temperature"),
         ("n_particles", 0, "n_particles"),
         ("block_size", "8", "block_size"),
-        ("max_tokens", 0, "max_tokens"),
+        ("max_tokens", -1, "max_tokens"),
         ("top_p", 0.5, "top_p"),
         ("stop", ["a", "b", "c", "d", "e"], "stop"),
         ("method", "beam", "method"),

@@ -50,7 +50,9 @@ def test_settings_map_onto_the_config():
     own_draft = parse_chat(body | {"draft_temperature": 0.3}, BASE).config
     assert (own_draft.target_temperature, own_draft.draft_temperature) == (0.7, 0.3)
     greedy = parse_chat(body | {"temperature": 0}, BASE).config
-    assert greedy.target_temperature == greedy.draft_temperature == MIN_TEMPERATURE
+    assert (greedy.target_temperature, greedy.draft_temperature) == (0, MIN_TEMPERATURE)  # greedy
+    low = parse_chat(body | {"temperature": 0.001}, BASE).config
+    assert low.target_temperature == low.draft_temperature == MIN_TEMPERATURE
     assert parse_chat(body | {"proposal": "retrieval"}, BASE).config.proposal == "retrieval"
     with pytest.raises(APIError, match="proposal"):
         parse_chat(body | {"proposal": "beam"}, BASE)

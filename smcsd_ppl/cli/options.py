@@ -11,6 +11,7 @@ import dataclasses
 from ..config import (
     DIVERGENCE_NAMES,
     FORWARDS,
+    MIN_TEMPERATURE,
     PROPOSAL_NAMES,
     RESAMPLING_SCHEMES,
     SELECTIONS,
@@ -129,7 +130,10 @@ def smc_args(p: argparse.ArgumentParser, *, seed: bool = True) -> None:
     g.add_argument("--resampling", choices=RESAMPLING_SCHEMES, default=d.resampling, help="resampling scheme")
     g.add_argument("--draft-temperature", type=float, default=d.draft_temperature, help="T_d, at least 0.01")
     g.add_argument(
-        "--target-temperature", type=float, default=d.target_temperature, help="T_t, at least 0.01"
+        "--target-temperature",
+        type=float,
+        default=d.target_temperature,
+        help="T_t: 0 (greedy: the target's argmax path) or at least 0.01",
     )
     g.add_argument("--alpha", type=float, default=d.alpha, help="power on the target")
     g.add_argument(
@@ -174,7 +178,11 @@ def smc_config(args: argparse.Namespace, **fixed) -> SMCConfig:
     if isinstance(getattr(args, "particles", None), int):
         values["n_particles"] = args.particles
     if getattr(args, "temperature", None) is not None:
-        values |= {"draft_temperature": args.temperature, "target_temperature": args.temperature}
+        # Greedy (0) drafts at the lowest temperature: the draft's likeliest tokens pass most often.
+        values |= {
+            "draft_temperature": args.temperature or MIN_TEMPERATURE,
+            "target_temperature": args.temperature,
+        }
     return SMCConfig(**(values | fixed))
 
 

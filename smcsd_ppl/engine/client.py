@@ -46,6 +46,7 @@ class ServeRequest:
         stop: stop strings: the output ends before the first one.
         logprobs: give the target's log-probabilities of the output's tokens, with this many
             likeliest alternatives at each (0 to 20); None: none.
+        prompt_logprobs: the same for the prompt's tokens (the first has none); None: none.
     """
 
     prompt_ids: list[int]
@@ -54,6 +55,7 @@ class ServeRequest:
     constraint: ConstraintSpec | None = None
     stop: tuple[str, ...] = ()
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SERVE_METHODS:
@@ -62,10 +64,9 @@ class ServeRequest:
             )
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop strings must be non-empty texts")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(
-                f"top log-probabilities must be from 0 to {MAX_TOP_LOGPROBS}, got {self.logprobs}"
-            )
+        for top in (self.logprobs, self.prompt_logprobs):
+            if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+                raise ValueError(f"top log-probabilities must be from 0 to {MAX_TOP_LOGPROBS}, got {top}")
 
     @property
     def settings(self) -> SMCConfig:
@@ -83,7 +84,7 @@ def check_served(pair, request: ServeRequest) -> list[int]:
     """
     ids = [int(t) for t in request.prompt_ids]
     pair.check_request(ids, request.settings)
-    if request.logprobs is not None and not pair.facts.scores:
+    if (request.logprobs is not None or request.prompt_logprobs is not None) and not pair.facts.scores:
         raise ValueError("logprobs need the target as a PyTorch model (the hf backend)")
     return ids
 
@@ -168,7 +169,11 @@ class Engine:
         program = program_of(self.pair, request)
         config = request.settings
         seed = request_seed(config.seed, 0)
-        return self.submit_program(program, config, seed=seed, stop=request.stop, logprobs=request.logprobs)
+        scores = dict(logprobs=request.logprobs, prompt_logprobs=request.prompt_logprobs)
+        queued = Request(program, config, seed, request.stop, arrival=time.perf_counter(), **scores)
+        ticket = self._ticket(queued)
+        self._enqueue([queued], [ticket])
+        return ticket
 
     def submit_program(
         self,

@@ -31,7 +31,7 @@ from ..results import generation
 from .pair import PairCore
 from .request import Call, Request, RequestStatus, Work, finish, shared_key
 from .scheduling import Capacity, Plan, schedule
-from .scoring import token_logprobs
+from .scoring import scored
 from .stops import stopped_at
 
 
@@ -322,15 +322,15 @@ class EngineCore:
         gen = result_of(pop, self.kernel, self._records.pop(request.id, self.pair.draft_record))
         reason = FinishReason(gen.finish_reason)
         gen = replace(gen, stats=request.cost(pop, len(gen.token_ids), self._forward_seconds()))
-        if request.logprobs is not None:
-            scores = token_logprobs(
+        if request.logprobs is not None or request.prompt_logprobs is not None:
+            gen = scored(
                 self.pair.target.model,
                 request.program.prompt,
-                gen.token_ids,
-                request.config.target_temperature,
-                request.logprobs,
+                gen,
+                temperature=request.config.target_temperature,
+                top=request.logprobs,
+                prompt_top=request.prompt_logprobs,
             )
-            gen = replace(gen, logprobs=scores)
         finish(request, reason)
         self._told.pop(request.id, None)
         self._count("completed", len(gen.token_ids))

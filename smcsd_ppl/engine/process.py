@@ -285,9 +285,8 @@ def _take(message: tuple, core: EngineCore, pair) -> tuple[bool, list[Output]]:
         config = request.settings
         seed = request_seed(config.seed, 0)
         arrival = time.perf_counter()
-        core.add(
-            Request(program, config, seed, request.stop, arrival=arrival, logprobs=request.logprobs, id=rid)
-        )
+        scores = dict(logprobs=request.logprobs, prompt_logprobs=request.prompt_logprobs)
+        core.add(Request(program, config, seed, request.stop, arrival=arrival, id=rid, **scores))
     elif kind == "abort":
         core.abort(rest[0])
     elif kind == "close":

@@ -74,6 +74,7 @@ class Request:
             ``smc_steer``), or None.
         logprobs: give the target's log-probabilities of the output's tokens, with this many
             alternatives at each (``engine.scoring``); None: none.
+        prompt_logprobs: the same for the prompt's tokens (the first has none); None: none.
         record: what is known of the draft before it runs (None: the pair's record).
         drafts: it drafts from its first cycle (the engine decides it on arrival).
         status: waiting, running or finished.
@@ -92,6 +93,7 @@ class Request:
     arrival: float = 0.0
     reshape: Reshape | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     record: DraftRecord | None = None
     drafts: bool = True
     id: str = field(default_factory=new_id)

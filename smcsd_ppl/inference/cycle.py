@@ -20,6 +20,8 @@ from ..config import SMCConfig
 from ..ends import row_ends
 from ..proposals.blocks import RowProposal
 from ..verification import BlockBatch, draw_restricted, verify_blocks
+from ..verification.greedy import argmax_path, greedy_verdict
+from ..verification.sampling import tempered_log_probs
 from . import constrained, lookahead, structure
 from .blocks import (
     BlockRequest,
@@ -68,9 +70,10 @@ def run_tokens(store: RowStore, requests: Sequence[TokenRequest], streams: RowSt
     """The next-token log-probabilities of each asking row at its temperature, on the host (one read)."""
     store.queue({r.row: r.unsent for r in requests})
     logits = store.next_logits([r.row for r in requests]).float()  # [n, V]
-    temps = [r.temperature or streams.plans[r.row].target_temperature for r in requests]
-    temps = torch.tensor(temps, device=logits.device)
-    lp = torch.log_softmax(logits / temps[:, None], -1).cpu()
+    temps = [
+        streams.plans[r.row].target_temperature if r.temperature is None else r.temperature for r in requests
+    ]
+    lp = tempered_log_probs(logits, torch.tensor(temps, device=logits.device)).cpu()
     if bool(torch.isnan(lp).any()):  # on the host already: NaN logits are named here
         store.check_finite()
     return list(lp)
@@ -131,6 +134,7 @@ class Flush:
     """A block flush's per-row numbers: uniforms ``[R, K+2]`` and temperatures ``[R]`` by backend row.
 
     ``k``: the most any row drafts (each request's own K: requests of other K share the flush).
+    ``greedy``: ``[R]`` rows at T_t = 0, whose logits are read at T = 1 (the argmax is the same).
     """
 
     uniforms: torch.Tensor
@@ -138,20 +142,28 @@ class Flush:
     draft_t: torch.Tensor
     plans: list[RowPlan]  # by request
     k: int
+    greedy: torch.Tensor
+
+    @property
+    def any_greedy(self) -> bool:
+        """Whether some row of the flush is greedy."""
+        return bool(self.greedy.any())
 
     @classmethod
     def of(cls, store: RowStore, requests: Sequence[BlockRequest], k: int, streams: RowStreams) -> Flush:
         """The numbers of a flush of ``requests``, each drafting up to its K (``k`` where it has none)."""
         rows = [r.row for r in requests]
         temps = torch.ones(2, store.n_rows, dtype=torch.float32)
+        greedy = torch.zeros(store.n_rows, dtype=torch.bool)
         for r in rows:
             plan = streams.plans[r]
-            temps[0, r], temps[1, r] = plan.target_temperature, plan.draft_temperature
+            temps[0, r], temps[1, r] = plan.target_temperature or 1.0, plan.draft_temperature
+            greedy[r] = plan.target_temperature == 0
         plans = [streams.plans[r] for r in rows]
         k = max((p.block_size or k for p in plans), default=k)
         # A row's draws are hashes of their purpose, whatever the width: K's of others change none.
         u = streams.table(store.n_rows, rows, k + 2)
-        return cls(u, temps[0], temps[1], plans, k)
+        return cls(u, temps[0], temps[1], plans, k, greedy)
 
     def request(self, i: int, request: BlockRequest) -> BlockRequest:
         """Request ``i`` as its plan says: its draft length, proposal, K and EOS."""
@@ -181,15 +193,23 @@ def _leads(store, requests, c: SMCConfig, eos, flush: Flush) -> dict[int, Lead]:
         )
         logits = logits.masked_fill(~within.to(logits.device), -math.inf)
     factor = constrained.next_factors([requests[i].constraint for i in todo], logits.shape[-1], logits.device)
+    drawn_from = factor
     if any(tilts):  # drawn from p Phi-hat(x t) / Phi-hat(x) over the structure read (inference.structure)
         tilted = torch.stack([constrained.tilt_vector(t, logits.shape[-1]) for t in tilts])
-        factor = factor + tilted.to(factor.device)
-    lead, log_z = draw_restricted(logits, c.alpha, factor, flush.uniforms[rows, 0])
+        drawn_from = factor + tilted.to(factor.device)
+    lead, log_z = draw_restricted(logits, c.alpha, drawn_from, flush.uniforms[rows, 0])
+    greedy = flush.greedy[rows].tolist()
+    if any(greedy):  # the likeliest allowed token, of weight 1 (0 where none is allowed)
+        best, allowed = argmax_path(logits, factor)
+        on = to_device(torch.tensor(greedy), logits.device)
+        lead = torch.where(on, best, lead)
+        log_z = torch.where(on, torch.where(allowed, 0.0, -math.inf).to(log_z.dtype), log_z)
     tokens, log_z = lead.tolist(), log_z.tolist()  # one host read
     out = {}
     for j, i in enumerate(todo):
         # A tilted lead weighs p / q = Phi-hat(x) / Phi-hat(x t): the tilt is no part of the target.
-        r, t, w = requests[i], tokens[j], log_z[j] - dict(tilts[j]).get(tokens[j], 0.0)
+        tilt = 0.0 if greedy[j] else dict(tilts[j]).get(tokens[j], 0.0)
+        r, t, w = requests[i], tokens[j], log_z[j] - tilt
         stops = eos if flush.plans[i].stops_at_eos else ()
         if w == -math.inf and r.constraint is not None and not r.constraint.context:
             raise ValueError("the constraint allows no first token: no output can satisfy it")
@@ -245,6 +265,8 @@ def _blocks(store, requests, lead_log_w, c: SMCConfig, eos, flush: Flush) -> lis
         divergence=c.cut_divergence,
         padded=store.free_reads,
     )
+    if flush.any_greedy:
+        verdict = greedy_verdict(verdict, logits, batch, to_device(flush.greedy[rows], logits.device))
     read = _read_verdict(tokens, verdict)  # the cycle's one host read
     drafted[0].batch.known(rows, read.tokens)
     faulty = {i for i, w in enumerate(read.log_w) if math.isnan(w)}  # NaN logits show here, on the host

@@ -269,7 +269,8 @@ class SMCSDKernel:
         name = c.twist_on(constraint)
         if name is None:
             return None
-        key = (name, c.target_temperature, c.alpha, c.max_new_tokens)
+        # A greedy target's output is its argmax path whatever the twist: it reads the model at T = 1.
+        key = (name, c.target_temperature or 1.0, c.alpha, c.max_new_tokens)
         if key not in self.twisters:
             self.twisters[key] = Twister(self.store.target, *key[1:], name=name)
         return self.twisters[key]

@@ -43,8 +43,10 @@ def hf_generate(
 
 
 def plain_sampling(temperature: float, max_new_tokens: int) -> dict:
-    """``generate()`` settings for sampling the tempered distribution itself.
+    """``generate()`` settings for sampling the tempered distribution itself (greedy at T = 0).
 
     The default ``top_k=50`` would truncate it; ``top_p=1`` keeps every token.
     """
+    if temperature == 0:
+        return dict(do_sample=False, max_new_tokens=max_new_tokens)
     return dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens)

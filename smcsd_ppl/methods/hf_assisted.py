@@ -119,8 +119,8 @@ def hf_speculative(
         New token ids per prompt (an ending EOS included).
     """
     k, temperature = config.block_size, config.target_temperature
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature}")
     eos = [int(e) for e in eos_token_ids]
     settings = _generate_settings(target, assistant, k, config.max_new_tokens, temperature, eos)
     outs: list[list[int]] = []

@@ -21,6 +21,7 @@ from ..inference.drafting import draft_blocks, generator_draws
 from ..inference.rows import RowStore
 from ..results import Generation, SpeculativeInfo
 from ..verification import sample_tokens, speculative_accept
+from ..verification.sampling import tempered_probs
 from .registry import RunContext, register
 
 AcceptRule = Callable[
@@ -124,7 +125,7 @@ class SpeculativeLoop:
         blocks = self.blocks
         rows = [b.row for b in blocks]
         logits, hidden = self.store.score(rows, torch.tensor([b.tokens for b in blocks]).view(len(rows), -1))
-        target_probs = torch.softmax(logits.div_(self.config.target_temperature), -1)  # [R, K+1, V]
+        target_probs = tempered_probs(logits, self.config.target_temperature)  # [R, K+1, V]
         draft_probs = torch.stack([b.draft_probs for b in blocks])  # [R, K, V]
         tokens = to_device(torch.tensor([b.tokens for b in blocks]), draft_probs.device)
         n_acc, nxt, vetoed = self.accept(target_probs, draft_probs, tokens, self.g)

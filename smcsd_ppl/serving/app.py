@@ -32,6 +32,7 @@ from .metrics import metrics_text
 from .protocol import parse_chat, parse_completion
 from .responses import Answer, diagnostics, logprobs_field, request_usage
 from .schema import MODELS, ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest
+from .scored import scored_response
 from .streaming import ChoiceStreams, EventStream
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
@@ -323,6 +324,13 @@ async def complete(service: Service, request: Request, kind: str):
     for i, gen in enumerate(gens):  # a request that failed gets an error, never a 200 "stop"
         if gen.finish_reason == "error":
             raise failed(f"choice {i}: {gen.message}" if len(gens) > 1 else gen.message)
+    if call.echo or call.prompt_logprobs is not None or not call.generates:
+        reasons = [t.finish_reason.openai for t in tickets]
+        decode, namer = service.engine.tokenizer.decode, token_namer(tokenizer)
+        body = scored_response(
+            call, answer, gens, reasons, prompt_ids, decode, namer, lambda g, i: fields(g, requests[i])
+        )
+        return JSONResponse(body)
     choices = [
         answer.choice(i, g.text, t.finish_reason.openai, **fields(g, r))
         for i, (g, t, r) in enumerate(zip(gens, tickets, requests))
@@ -332,12 +340,14 @@ async def complete(service: Service, request: Request, kind: str):
 
 def _logprobs(kind: str, tokenizer, gen) -> dict | None:
     """A choice's ``logprobs`` field, its tokens' texts decoded one by one (None: ``token_id:N``)."""
-    name = (
-        (lambda token: f"token_id:{token}")
-        if tokenizer is None
-        else (lambda token: tokenizer.decode([token]))
-    )
-    return logprobs_field(kind, gen.logprobs, name)
+    return logprobs_field(kind, gen.logprobs, token_namer(tokenizer))
+
+
+def token_namer(tokenizer):
+    """A token id -> its text, decoded alone (``token_id:N`` where ``tokenizer`` is None)."""
+    if tokenizer is None:
+        return lambda token: f"token_id:{token}"
+    return lambda token: tokenizer.decode([token])
 
 
 async def results_unless_gone(request: Request, tickets: list) -> list:

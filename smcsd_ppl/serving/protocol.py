@@ -48,10 +48,8 @@ UNSUPPORTED = {
     "parallel_tool_calls": (False,),
     "functions": ([],),
     "function_call": ("none",),
-    "echo": (False,),
     "suffix": ("",),
     "best_of": (1,),
-    "prompt_logprobs": (),
     "audio": (),
     "modalities": (["text"],),
     "prediction": (),
@@ -96,6 +94,10 @@ class Call:
             token (None: not asked).
         tokens_as_ids: name each token of ``logprobs`` as ``token_id:N`` rather than by its text
             (vLLM's ``return_tokens_as_token_ids``).
+        echo: each choice's text and ``logprobs`` begin with its prompt's (completions only).
+        prompt_logprobs: the prompt's log-probabilities asked for (vLLM's field), with this many
+            alternatives per token (None: not asked).
+        generates: False where ``max_tokens`` is 0: the prompt is scored, no token is returned.
     """
 
     prompts: tuple
@@ -108,6 +110,16 @@ class Call:
     stop: tuple[str, ...]
     logprobs: int | None = None
     tokens_as_ids: bool = False
+    echo: bool = False
+    prompt_logprobs: int | None = None
+    generates: bool = True
+
+    @property
+    def prompt_scores(self) -> int | None:
+        """The alternatives per prompt token the engine gives (None: it scores no prompt)."""
+        if self.prompt_logprobs is not None:
+            return max(self.prompt_logprobs, self.logprobs or 0)
+        return self.logprobs if self.echo else None
 
     def requests(self, prompt_ids: list[list[int]]) -> list[ServeRequest]:
         """One request per choice, prompt-major: choice ``k`` is prompt ``k // n``, seeded by ``choice_seed``.
@@ -123,6 +135,7 @@ class Call:
                 self.constraint,
                 self.stop,
                 self.logprobs,
+                self.prompt_scores,
             )
             for p, ids in enumerate(prompt_ids)
             for j in range(self.n)
@@ -142,13 +155,13 @@ def choice_seed(seed: int, index: int) -> int:
 def parse_chat(body: dict, base: SMCConfig) -> Call:
     """A ``/v1/chat/completions`` body."""
     _refuse_unhonoured(validated(ChatCompletionRequest, body), body)
-    return _call(body, base, (_messages(body.get("messages")),), _chat_logprobs(body))
+    return _call(body, base, (_messages(body.get("messages")),), _chat_logprobs(body), echo=False)
 
 
 def parse_completion(body: dict, base: SMCConfig) -> Call:
     """A ``/v1/completions`` body (``prompt``: a text, a list of texts, token ids or lists of them)."""
     _refuse_unhonoured(validated(CompletionRequest, body), body)
-    return _call(body, base, _prompts(body.get("prompt")), _completion_logprobs(body))
+    return _call(body, base, _prompts(body.get("prompt")), _completion_logprobs(body), _bool(body, "echo"))
 
 
 def _refuse_unhonoured(request, body: dict) -> None:
@@ -163,7 +176,7 @@ def _refuse_unhonoured(request, body: dict) -> None:
             raise invalid(f"{name} is not supported by this server{hint}", name)
 
 
-def _call(body: dict, base: SMCConfig, prompts: tuple, logprobs: int | None) -> Call:
+def _call(body: dict, base: SMCConfig, prompts: tuple, logprobs: int | None, echo: bool) -> Call:
     n = _int(body, "n", 1)
     if n < 1 or n * len(prompts) > MAX_CHOICES:
         raise invalid(f"n must be at least 1, and prompts x n at most {MAX_CHOICES}", "n")
@@ -175,10 +188,16 @@ def _call(body: dict, base: SMCConfig, prompts: tuple, logprobs: int | None) -> 
         raise invalid("stream_options must be an object", "stream_options")
     config, constraint = _config(body, base), _constraint(body)
     config = dataclasses.replace(config, twist=config.twist_on(constraint))  # its response says which ran
+    prompt_logprobs = _top(body, "prompt_logprobs")
+    stream = _bool(body, "stream")
+    if stream and (echo or prompt_logprobs is not None or _budget(body) == 0):
+        raise invalid(
+            "echo, prompt_logprobs and max_tokens 0 are answered whole: ask without stream", "stream"
+        )
     return Call(
         prompts,
         n,
-        _bool(body, "stream"),
+        stream,
         bool(options.get("include_usage")),
         config,
         method,
@@ -186,6 +205,9 @@ def _call(body: dict, base: SMCConfig, prompts: tuple, logprobs: int | None) -> 
         _stops(body.get("stop")),
         logprobs,
         _bool(body, "return_tokens_as_token_ids"),
+        echo,
+        prompt_logprobs,
+        _budget(body) != 0,
     )
 
 
@@ -202,12 +224,25 @@ def _chat_logprobs(body: dict) -> int | None:
 
 def _completion_logprobs(body: dict) -> int | None:
     """Completions' ``logprobs``: how many alternatives per token (0-20), or None (not asked)."""
-    if body.get("logprobs") in (None, False):
+    if body.get("logprobs") is False:
         return None
-    top = _int(body, "logprobs", 0)
+    return _top(body, "logprobs")
+
+
+def _top(body: dict, name: str) -> int | None:
+    """A count of alternatives per token, 0-20 (None: not asked)."""
+    if body.get(name) is None:
+        return None
+    top = _int(body, name, 0)
     if not 0 <= top <= MAX_TOP_LOGPROBS:
-        raise invalid(f"logprobs must be from 0 to {MAX_TOP_LOGPROBS}, got {top}", "logprobs")
+        raise invalid(f"{name} must be from 0 to {MAX_TOP_LOGPROBS}, got {top}", name)
     return top
+
+
+def _budget(body: dict) -> int | None:
+    """The budget of new tokens the body sets (``max_completion_tokens`` wins), or None."""
+    name = next((k for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None), None)
+    return None if name is None else body[name]
 
 
 def _config(body: dict, base: SMCConfig) -> SMCConfig:
@@ -220,13 +255,16 @@ def _config(body: dict, base: SMCConfig) -> SMCConfig:
         changes["twist"] = ("twist", None)
     budget = next((k for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None), None)
     if budget:
-        changes["max_new_tokens"] = (budget, body[budget])
+        # 0 asks for the prompt's scores alone: one token is drawn, and none is returned.
+        changes["max_new_tokens"] = (budget, body[budget] or 1)
     if body.get("temperature") is not None:
         t = body["temperature"]
-        if isinstance(t, (int, float)) and not isinstance(t, bool) and 0 <= t < MIN_TEMPERATURE:
-            t = MIN_TEMPERATURE  # 0 asks for greedy: the lowest temperature the weights resolve
+        number = isinstance(t, (int, float)) and not isinstance(t, bool)
+        if number and 0 < t < MIN_TEMPERATURE:
+            t = MIN_TEMPERATURE  # the lowest temperature the weights resolve (0 itself is greedy)
         changes["target_temperature"] = ("temperature", t)
-        changes.setdefault("draft_temperature", ("temperature", t))
+        # Greedy drafts at the lowest temperature: the draft's likeliest tokens pass most often.
+        changes.setdefault("draft_temperature", ("temperature", MIN_TEMPERATURE if number and t == 0 else t))
     seed = body.get("seed")
     changes["seed"] = ("seed", secrets.randbelow(MAX_SEED + 1) if seed is None else seed)
     for field, (param, value) in changes.items():

@@ -48,7 +48,7 @@ class Sampling(BaseModel):
     max_tokens: StrictInt | None = Field(None, description="the budget of new tokens")
     max_completion_tokens: StrictInt | None = Field(None, description="the budget; wins over max_tokens")
     temperature: Number | None = Field(
-        None, description="T_t (and T_d unless draft_temperature); 0 runs at 0.01"
+        None, description="T_t (and T_d unless draft_temperature); 0 is greedy: the target's argmax path"
     )
     seed: StrictInt | None = Field(
         None, description="the request's seed (a fresh one if none, reported back)"
@@ -78,6 +78,9 @@ class Sampling(BaseModel):
     regex: StrictStr | None = Field(None, description="the output matches this regex in full")
     grammar: StrictStr | None = Field(None, description="the output is a sentence of this Lark grammar")
     return_tokens_as_token_ids: StrictBool | None = Field(None, description="logprobs name tokens token_id:N")
+    prompt_logprobs: StrictInt | None = Field(
+        None, description="vLLM's: the prompt's log-probabilities, with 0-20 likeliest tokens at each place"
+    )
 
 
 class ChatCompletionRequest(Sampling):
@@ -97,6 +100,9 @@ class CompletionRequest(Sampling):
         description="a text, token ids, or a list of them"
     )
     logprobs: StrictInt | StrictBool | None = Field(None, description="0-20 likeliest tokens at each place")
+    echo: StrictBool | None = Field(
+        None, description="the prompt first, in the text and logprobs (with max_tokens 0: scores alone)"
+    )
 
 
 def validated(model: type[Sampling], body: dict) -> Sampling:
@@ -160,6 +166,9 @@ class CompletionChoice(BaseModel):
     text: str
     finish_reason: str | None
     logprobs: dict[str, Any] | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = Field(
+        None, description="where asked: null, then per prompt token its own and the likeliest"
+    )
     smcsd: Diagnostics
 
 
@@ -173,6 +182,9 @@ class ChatCompletion(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     system_fingerprint: None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = Field(
+        None, description="where asked: null, then per prompt token its own and the likeliest"
+    )
 
 
 class Completion(BaseModel):

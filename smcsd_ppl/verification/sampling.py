@@ -6,12 +6,33 @@ Shapes: R rows, K positions, V vocabulary. Every stochastic function takes an ex
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
 def sample_tokens(logits: torch.Tensor, temperature: float, g: torch.Generator) -> torch.Tensor:
-    """One token per row from softmax(logits / T) (``[R, V] -> [R]``)."""
+    """One token per row from softmax(logits / T) (``[R, V] -> [R]``); the argmax at T = 0."""
+    if temperature == 0:
+        return logits.argmax(-1)
     return sample_probs(torch.softmax(logits.float() / temperature, dim=-1), g)
+
+
+def tempered_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """softmax(logits / T) over the last axis; at T = 0 the point mass on the argmax (greedy)."""
+    if temperature == 0:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    return torch.softmax(logits.float() / temperature, -1)
+
+
+def tempered_log_probs(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """Each row's log softmax(logits / T) (``[n, V]``, ``[n]``); at T = 0 its argmax's point mass."""
+    greedy = temperature == 0
+    lp = torch.log_softmax(logits.float() / torch.where(greedy, 1.0, temperature)[:, None], -1)
+    if bool(greedy.any()):
+        point = torch.full_like(lp, -math.inf).scatter_(-1, logits.argmax(-1, keepdim=True), 0.0)
+        lp = torch.where(greedy[:, None], point, lp)
+    return lp
 
 
 def sample_probs(probs: torch.Tensor, g: torch.Generator) -> torch.Tensor:
