@@ -26,9 +26,9 @@ from smcsd_ppl.config import SMCConfig
 from smcsd_ppl.engine.client import Engine, EngineClosed, EngineStats, ServeRequest
 from smcsd_ppl.inference.program import SMCSDModel
 from smcsd_ppl.serving.app import DISCONNECT_POLL_SECONDS, build_app
-from smcsd_ppl.serving.protocol import UNSUPPORTED
 from smcsd_ppl.serving.schema import ChatCompletion, Completion
 from smcsd_ppl.serving.server import BackgroundServer
+from smcsd_ppl.serving.unhonoured import UNSUPPORTED
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -99,12 +99,15 @@ class Service:
                 code="model_not_found",
             )
 
-    def encode(self, prompt) -> list[int]:
-        """Token ids of a prompt: chat messages (the template), token ids (as given) or text (as is)."""
+    def encode(self, prompt, tools=()) -> list[int]:
+        """Token ids of a prompt: chat messages (the template, with ``tools``), token ids, or text."""
         tokenizer = self.engine.tokenizer
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
             if self.engine.chat and getattr(tokenizer, "chat_template", None):
-                ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+                extra = {"tools": list(tools)} if tools else {}
+                ids = tokenizer.apply_chat_template(
+                    prompt, add_generation_prompt=True, tokenize=True, **extra
+                )
                 ids = ids["input_ids"] if hasattr(ids, "keys") else ids
             else:  # no template: the messages' text, one after another
                 ids = tokenizer("\n".join(m["content"] for m in prompt))["input_ids"]
@@ -307,11 +310,11 @@ async def complete(service: Service, request: Request, kind: str):
     body = await service.read_body(request)
     service.check_model(body)
     call = (parse_chat if kind == "chat" else parse_completion)(body, service.defaults)
-    prompt_ids = await asyncio.to_thread(lambda: [service.encode(p) for p in call.prompts])
+    prompt_ids = await asyncio.to_thread(lambda: [service.encode(p, call.tools) for p in call.prompts])
     requests = call.requests(prompt_ids)
     tickets = await asyncio.to_thread(service.submit, requests)
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
-    answer = Answer(kind, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), service.model_name)
+    answer = Answer(kind, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), service.model_name, call.tool)
     tokenizer = None if call.tokens_as_ids else service.engine.tokenizer
 
     def fields(gen, req) -> dict:  # what a finished choice carries beside its text

@@ -19,6 +19,8 @@ from ..keys import derive
 from ..potentials.spec import ConstraintSpec
 from .errors import APIError, invalid
 from .schema import ChatCompletionRequest, CompletionRequest, validated
+from .tools import ToolChoice, tool_choice
+from .unhonoured import refuse_unhonoured
 
 # Body fields beyond OpenAI's, each the SMCConfig field (or request setting) it sets.
 EXTRA_FIELDS = {
@@ -32,47 +34,6 @@ EXTRA_FIELDS = {
 CONSTRAINT_FIELDS = ("regex", "grammar")  # extra fields: the constraint's text
 MAX_CHOICES = 32  # prompts x n of one HTTP request
 MAX_STOPS = 4  # OpenAI's limit on stop strings
-# Fields of OpenAI's API (and vLLM's) this server cannot honour, with the values that mean "not
-# used" (null always does): a body that uses one is refused in one line naming it.
-UNSUPPORTED = {
-    "top_p": (1,),
-    "top_k": (-1, 0),
-    "min_p": (0,),
-    "frequency_penalty": (0,),
-    "presence_penalty": (0,),
-    "repetition_penalty": (1,),
-    "logit_bias": ({},),
-    "min_tokens": (0,),
-    "tools": ([],),
-    "tool_choice": ("none",),
-    "parallel_tool_calls": (False,),
-    "functions": ([],),
-    "function_call": ("none",),
-    "suffix": ("",),
-    "best_of": (1,),
-    "audio": (),
-    "modalities": (["text"],),
-    "prediction": (),
-    "reasoning_effort": (),
-    "verbosity": (),
-    "web_search_options": (),
-    "store": (False,),
-    "metadata": ({},),
-    "service_tier": ("auto", "default"),
-    "include_stop_str_in_output": (False,),
-    "skip_special_tokens": (True,),
-    "spaces_between_special_tokens": (True,),
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_grammar": (),
-    "guided_choice": (),
-}
-HINTS = {  # where a refused field has a way here
-    "guided_json": "response_format",
-    "guided_regex": "regex",
-    "guided_grammar": "grammar",
-    "guided_choice": "regex",
-}
 # A JSON object of any shape: what response_format json_object asks for.
 ANY_JSON_OBJECT = '{"type": "object"}'
 
@@ -98,6 +59,8 @@ class Call:
         prompt_logprobs: the prompt's log-probabilities asked for (vLLM's field), with this many
             alternatives per token (None: not asked).
         generates: False where ``max_tokens`` is 0: the prompt is scored, no token is returned.
+        tool: the tool call asked for (chat), whose schema is ``constraint``; None: none.
+        tools: the request's tools, for the chat template.
     """
 
     prompts: tuple
@@ -113,6 +76,8 @@ class Call:
     echo: bool = False
     prompt_logprobs: int | None = None
     generates: bool = True
+    tool: ToolChoice | None = None
+    tools: tuple = ()
 
     @property
     def prompt_scores(self) -> int | None:
@@ -154,29 +119,26 @@ def choice_seed(seed: int, index: int) -> int:
 
 def parse_chat(body: dict, base: SMCConfig) -> Call:
     """A ``/v1/chat/completions`` body."""
-    _refuse_unhonoured(validated(ChatCompletionRequest, body), body)
-    return _call(body, base, (_messages(body.get("messages")),), _chat_logprobs(body), echo=False)
+    refuse_unhonoured(validated(ChatCompletionRequest, body), body)
+    messages = (_messages(body.get("messages")),)
+    call = _call(body, base, messages, _chat_logprobs(body), echo=False, tool=tool_choice(body))
+    return dataclasses.replace(call, tools=tuple(body.get("tools") or ()))
 
 
 def parse_completion(body: dict, base: SMCConfig) -> Call:
     """A ``/v1/completions`` body (``prompt``: a text, a list of texts, token ids or lists of them)."""
-    _refuse_unhonoured(validated(CompletionRequest, body), body)
+    refuse_unhonoured(validated(CompletionRequest, body), body)
     return _call(body, base, _prompts(body.get("prompt")), _completion_logprobs(body), _bool(body, "echo"))
 
 
-def _refuse_unhonoured(request, body: dict) -> None:
-    """Refuse, naming it, a field this server would not honour: a used ``UNSUPPORTED`` one, or one unknown."""
-    for name in request.model_extra or {}:
-        if name not in UNSUPPORTED:
-            raise invalid(f"{name} is not a field this server knows", name)
-    for name, unused in UNSUPPORTED.items():
-        value = body.get(name)
-        if value is not None and value not in unused:
-            hint = f"; use {HINTS[name]}" if name in HINTS else ""
-            raise invalid(f"{name} is not supported by this server{hint}", name)
-
-
-def _call(body: dict, base: SMCConfig, prompts: tuple, logprobs: int | None, echo: bool) -> Call:
+def _call(
+    body: dict,
+    base: SMCConfig,
+    prompts: tuple,
+    logprobs: int | None,
+    echo: bool,
+    tool: ToolChoice | None = None,
+) -> Call:
     n = _int(body, "n", 1)
     if n < 1 or n * len(prompts) > MAX_CHOICES:
         raise invalid(f"n must be at least 1, and prompts x n at most {MAX_CHOICES}", "n")
@@ -187,6 +149,12 @@ def _call(body: dict, base: SMCConfig, prompts: tuple, logprobs: int | None, ech
     if not isinstance(options, dict):
         raise invalid("stream_options must be an object", "stream_options")
     config, constraint = _config(body, base), _constraint(body)
+    if tool is not None:  # a tool call is a schema's constraint
+        if constraint is not None:
+            raise invalid(
+                "give tool_choice or a constraint (response_format, regex, grammar), not both", "tool_choice"
+            )
+        constraint = tool.spec
     config = dataclasses.replace(config, twist=config.twist_on(constraint))  # its response says which ran
     prompt_logprobs = _top(body, "prompt_logprobs")
     stream = _bool(body, "stream")
@@ -208,6 +176,7 @@ def _call(body: dict, base: SMCConfig, prompts: tuple, logprobs: int | None, ech
         echo,
         prompt_logprobs,
         _budget(body) != 0,
+        tool,
     )
 
 
@@ -324,9 +293,17 @@ def _messages(messages) -> list[dict]:
         raise invalid("messages must be a non-empty list", "messages")
     out = []
     for m in messages:
-        if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant"):
-            raise invalid("each message needs a role: system, developer, user or assistant", "messages")
+        if not isinstance(m, dict) or m.get("role") not in (
+            "system",
+            "developer",
+            "user",
+            "assistant",
+            "tool",
+        ):
+            raise invalid("each message needs a role: system, developer, user, assistant or tool", "messages")
         content = m.get("content")
+        if m["role"] == "assistant" and m.get("tool_calls") and not content:  # its calls, as JSON text
+            content = json.dumps([c.get("function") for c in m["tool_calls"]], ensure_ascii=False)
         if isinstance(content, list):  # content parts: only text ones
             if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
                 raise invalid("only text content parts are supported", "messages")

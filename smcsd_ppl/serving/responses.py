@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 
 from ..results import Generation
+from .tools import ToolChoice
 
 # Each kind of endpoint: the object names of its response and its chunks.
 OBJECTS = {
@@ -23,6 +24,11 @@ class Answer:
     id: str
     created: int
     model: str
+    tool: ToolChoice | None = None  # the tool call a chat request asks for
+
+    def call_id(self, index: int) -> str:
+        """The id of choice ``index``'s tool call."""
+        return f"call_{self.id.rsplit('-', 1)[-1][:20]}{index}"
 
     def head(self, chunk: bool = False) -> dict:
         """The fields every body and chunk starts with."""
@@ -42,9 +48,10 @@ class Answer:
     ) -> dict:
         """One finished choice of a non-streamed response (``logprobs``: ``logprobs_field``'s)."""
         body = {"message": {"role": "assistant", "content": text}} if self.kind == "chat" else {"text": text}
-        return (
+        choice = (
             {"index": index} | body | {"finish_reason": finish_reason, "logprobs": logprobs, "smcsd": smcsd}
         )
+        return choice if self.tool is None else self.tool.answered(choice, text, self.call_id(index))
 
     def chunk(
         self,
@@ -55,13 +62,18 @@ class Answer:
         finish_reason: str | None = None,
         smcsd: dict | None = None,
         logprobs: dict | None = None,
+        whole: str | None = None,
     ) -> dict:
         """One choice's piece of a stream; the first chat chunk names the role, the last the finish reason.
 
         The last also carries the choice's log-probabilities, if asked: they come once the request
-        has finished (``engine.scoring``), as ``smcsd`` does.
+        has finished (``engine.scoring``), as ``smcsd`` does; and, under ``tool``, its whole output
+        ``whole`` (a ``"required"`` call is sent whole there).
         """
-        if self.kind == "chat":
+        if self.tool is not None:
+            body = {"delta": self.tool.delta(text, self.call_id(index), first=first, whole=whole)}
+            finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        elif self.kind == "chat":
             delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text or first else {})
             body = {"delta": delta}
         else:

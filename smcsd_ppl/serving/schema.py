@@ -29,7 +29,7 @@ class Message(BaseModel):
     """A chat message: ``developer`` is read as ``system``."""
 
     model_config = ConfigDict(extra="allow", strict=True)
-    role: StrictStr = Field(description="system, developer, user or assistant")
+    role: StrictStr = Field(description="system, developer, user, assistant or tool")
     content: StrictStr | list[ContentPart] | None = None
 
 
@@ -91,6 +91,11 @@ class ChatCompletionRequest(Sampling):
     top_logprobs: StrictInt | None = Field(
         None, description="0-20 likeliest tokens at each place, with logprobs"
     )
+    tools: list[dict[str, Any]] | None = Field(None, description="functions the model may call")
+    tool_choice: StrictStr | dict[str, Any] | None = Field(
+        None, description='"none", "required", or a named function: its arguments follow its schema'
+    )
+    parallel_tool_calls: StrictBool | None = Field(None, description="false: one call per answer")
 
 
 class CompletionRequest(Sampling):
@@ -146,7 +151,8 @@ class ChatMessage(BaseModel):
     """The assistant's answer."""
 
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(BaseModel):

@@ -72,7 +72,8 @@ class ChoiceStreams:
         while len(self.finished) < len(self.tickets):
             index, item = await queue.get()
             if isinstance(item, str):
-                yield event(self.answer.chunk(index, item))
+                if self.answer.tool is None or self.answer.tool.named is not None:  # else: whole at the end
+                    yield event(self.answer.chunk(index, item))
             elif isinstance(item, BaseException):
                 self.finished.add(index)
                 yield event(self.failure(item).body())
@@ -90,6 +91,7 @@ class ChoiceStreams:
             index,
             "",
             finish_reason=self.tickets[index].finish_reason.openai,
+            whole=gen.text,
             **self.fields(gen, self.requests[index]),
         )
         if not self.include_usage and len(self.finished) == len(self.tickets):
