@@ -25,6 +25,42 @@ MAX_SEED = 2**63 - 1
 
 
 @dataclass(frozen=True)
+class Sampling:
+    """One request's sampling settings.
+
+    Attributes:
+        top_k: keep the k likeliest tokens (0: all).
+        top_p: keep the likeliest tokens whose mass reaches p (1: all).
+        min_p: keep the tokens at least this fraction as likely as the likeliest (0: all).
+        logit_bias: (token id, bias) pairs added to the logits before the temperature.
+    """
+
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def active(self) -> bool:
+        """Whether it changes the target at all."""
+        return bool(self.top_k or self.top_p < 1 or self.min_p > 0 or self.logit_bias)
+
+    def check(self, vocab_size: int | None = None) -> None:
+        """Refuse (``ValueError``) settings out of range, naming the field."""
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0: all tokens), got {self.top_k!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        for token, bias in self.logit_bias:
+            if not isinstance(token, int) or token < 0 or (vocab_size is not None and token >= vocab_size):
+                raise ValueError(f"logit_bias names token {token!r}, outside the vocabulary")
+            if not math.isfinite(bias) and bias != -math.inf:
+                raise ValueError(f"logit_bias of token {token} must be a number or -inf, got {bias!r}")
+
+
+@dataclass(frozen=True)
 class SMCConfig:
     """Settings of one SMC-SD run, shared by the API and the CLI.
 
@@ -79,6 +115,11 @@ class SMCConfig:
             (an enum's values, the rest of an object of enums); where the structure ahead opens
             into free text, no twist and no read. Either way
             the twist cancels at the end; it does nothing without a constraint.
+        top_k, top_p, min_p, logit_bias: the processed target, as vLLM processes it (logit bias,
+            then the temperature, then min-p, top-k and top-p): keep the k likeliest tokens (0:
+            all), those whose mass reaches p (1: all), those at least min_p as likely as the
+            likeliest (0: all); ``logit_bias`` holds (token id, bias) pairs. SMC-SD samples the
+            processed target exactly (``verification.processing``).
     """
 
     n_particles: int = 8
@@ -97,6 +138,10 @@ class SMCConfig:
     token_level: bool = False
     proposal: str = "auto"
     twist: str | None = AUTO_TWIST
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         _check_int("n_particles", self.n_particles, 1)
@@ -137,8 +182,14 @@ class SMCConfig:
             raise ValueError(f"selection must be one of {SELECTIONS}, got {self.selection!r}")
         if self.twist not in (*TWIST_NAMES, AUTO_TWIST, None):
             raise ValueError(f"twist must be one of {TWIST_NAMES}, 'auto' or None, got {self.twist!r}")
+        self.sampling.check()
         if self.twist not in (AUTO_TWIST, None) and self.ignore_eos:
             raise ValueError("a twist toward valid completions needs EOS: drop ignore_eos or the twist")
+
+    @property
+    def sampling(self) -> Sampling:
+        """The target's processing this run asks for (top-k, top-p, min-p, logit bias)."""
+        return Sampling(self.top_k, self.top_p, self.min_p, tuple(self.logit_bias))
 
     def twist_on(self, constraint) -> str | None:
         """The twist this run gives ``constraint``: ``twist``, or under ``"auto"`` the constraint's own.

@@ -188,20 +188,17 @@ HONOURED = {
     "twist": "off",
     "method": "ar",
     "return_tokens_as_token_ids": True,
-}
-# A value that uses each refused field (its unused values are accepted).
-USED = {
     "top_p": 0.9,
     "top_k": 40,
     "min_p": 0.1,
+    "logit_bias": {"5": 3},
+}
+# A value that uses each refused field (its unused values are accepted).
+USED = {
     "frequency_penalty": 0.5,
     "presence_penalty": 0.5,
     "repetition_penalty": 1.2,
-    "logit_bias": {"5": 3},
     "min_tokens": 2,
-    "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
-    "tool_choice": "required",
-    "parallel_tool_calls": True,
     "functions": [{"name": "f", "parameters": {}}],
     "function_call": "auto",
     "suffix": "x",
@@ -423,7 +420,7 @@ def test_a_regex_constrains_the_output(tiny_server):
         ("n_particles", 0, "n_particles"),
         ("block_size", "8", "block_size"),
         ("max_tokens", -1, "max_tokens"),
-        ("top_p", 0.5, "top_p"),
+        ("top_p", 1.5, "top_p"),
         ("stop", ["a", "b", "c", "d", "e"], "stop"),
         ("method", "beam", "method"),
         ("n", 0, "n"),

@@ -17,7 +17,7 @@ from ..config import (
     SELECTIONS,
     SMCConfig,
 )
-from .util import cut_value, twist_value
+from .util import cut_value, logit_bias_value, twist_value
 
 SMC_DEFAULTS = SMCConfig()  # one set of defaults for the API and the command line
 
@@ -135,6 +135,7 @@ def smc_args(p: argparse.ArgumentParser, *, seed: bool = True) -> None:
         default=d.target_temperature,
         help="T_t: 0 (greedy: the target's argmax path) or at least 0.01",
     )
+    processing_args(g, d)
     g.add_argument("--alpha", type=float, default=d.alpha, help="power on the target")
     g.add_argument(
         "--selection", choices=SELECTIONS, default=d.selection, help="how the output particle is chosen"
@@ -164,6 +165,26 @@ def twist_arg(g) -> None:
         "tokens per row, and tilts the next token by it; finite reads it only where every path it "
         "follows ends the output or the tree, and twists nothing where it opens into free text "
         "(default: finite with --schema, else off)",
+    )
+
+
+def processing_args(g, d: SMCConfig) -> None:
+    """The processed target's options: top-k, top-p, min-p and a logit bias."""
+    g.add_argument(
+        "--top-k", type=int, default=d.top_k, help="keep the k likeliest tokens of the target (0: all)"
+    )
+    g.add_argument(
+        "--top-p", type=float, default=d.top_p, help="keep the likeliest target tokens whose mass reaches p"
+    )
+    g.add_argument(
+        "--min-p", type=float, default=d.min_p, help="keep target tokens at least this x as likely as the top"
+    )
+    g.add_argument(
+        "--logit-bias",
+        type=logit_bias_value,
+        default=d.logit_bias,
+        metavar="ID:BIAS,...",
+        help="add BIAS to token ID's target logit, before the temperature",
     )
 
 

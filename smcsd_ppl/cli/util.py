@@ -222,6 +222,15 @@ def twist_value(text: str) -> str | None:
     return name
 
 
+def logit_bias_value(text: str) -> tuple[tuple[int, float], ...]:
+    """``--logit-bias``'s value: ``ID:BIAS`` pairs, comma-separated."""
+    try:
+        pairs = [part.split(":") for part in text.split(",") if part.strip()]
+        return tuple((int(token), float(bias)) for token, bias in pairs)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ID:BIAS pairs, comma-separated, got {text!r}") from None
+
+
 def cut_value(text: str) -> float | None:
     """``--cut``'s value: a number, or ``off`` for the paper's uncut algorithm."""
     if text.strip().lower() in ("off", "none"):

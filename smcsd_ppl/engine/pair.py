@@ -271,6 +271,7 @@ class PairFacts:
         ``uses_draft``: the method feeds the draft (and may draft past the budget by a block);
         ``rows``: the rows the call holds at once.
         """
+        config.sampling.check(self.vocab_size)  # a logit bias names tokens of this vocabulary
         prompt = max(len(i) for i in ids)
         if not uses_draft:  # the last sampled token is never fed
             longest, extra, lms = prompt + config.max_new_tokens - 1, "", [self.target]

@@ -21,6 +21,7 @@ from ..ends import row_ends
 from ..proposals.blocks import RowProposal
 from ..verification import BlockBatch, draw_restricted, verify_blocks
 from ..verification.greedy import argmax_path, greedy_verdict
+from ..verification.processing import RowSampling, processed
 from ..verification.sampling import tempered_log_probs
 from . import constrained, lookahead, structure
 from .blocks import (
@@ -34,8 +35,9 @@ from .blocks import (
     device_ending,
 )
 from .drafting import draft_blocks
+from .flush import Flush
 from .rows import RowStore
-from .streams import RowPlan, RowStreams
+from .streams import RowStreams
 
 
 def serve(
@@ -70,10 +72,16 @@ def run_tokens(store: RowStore, requests: Sequence[TokenRequest], streams: RowSt
     """The next-token log-probabilities of each asking row at its temperature, on the host (one read)."""
     store.queue({r.row: r.unsent for r in requests})
     logits = store.next_logits([r.row for r in requests]).float()  # [n, V]
-    temps = [
-        streams.plans[r.row].target_temperature if r.temperature is None else r.temperature for r in requests
-    ]
-    lp = tempered_log_probs(logits, torch.tensor(temps, device=logits.device)).cpu()
+    plans = [streams.plans[r.row] for r in requests]
+    temps = torch.tensor(
+        [p.target_temperature if r.temperature is None else r.temperature for p, r in zip(plans, requests)],
+        device=logits.device,
+    )
+    greedy = temps == 0
+    settings = [p.sampling for p in plans]
+    by_row = RowSampling.of(settings, logits.shape[-1], logits.device) if any(settings) else None
+    logits = processed(logits, torch.where(greedy, 1.0, temps), torch.arange(len(plans)), by_row)
+    lp = tempered_log_probs(logits, (~greedy).float()).cpu()  # tempered already; greedy: its point mass
     if bool(torch.isnan(lp).any()):  # on the host already: NaN logits are named here
         store.check_finite()
     return list(lp)
@@ -129,49 +137,6 @@ class Lead:
     tilts: structure.Tilts | None = None
 
 
-@dataclass(frozen=True)
-class Flush:
-    """A block flush's per-row numbers: uniforms ``[R, K+2]`` and temperatures ``[R]`` by backend row.
-
-    ``k``: the most any row drafts (each request's own K: requests of other K share the flush).
-    ``greedy``: ``[R]`` rows at T_t = 0, whose logits are read at T = 1 (the argmax is the same).
-    """
-
-    uniforms: torch.Tensor
-    target_t: torch.Tensor
-    draft_t: torch.Tensor
-    plans: list[RowPlan]  # by request
-    k: int
-    greedy: torch.Tensor
-
-    @property
-    def any_greedy(self) -> bool:
-        """Whether some row of the flush is greedy."""
-        return bool(self.greedy.any())
-
-    @classmethod
-    def of(cls, store: RowStore, requests: Sequence[BlockRequest], k: int, streams: RowStreams) -> Flush:
-        """The numbers of a flush of ``requests``, each drafting up to its K (``k`` where it has none)."""
-        rows = [r.row for r in requests]
-        temps = torch.ones(2, store.n_rows, dtype=torch.float32)
-        greedy = torch.zeros(store.n_rows, dtype=torch.bool)
-        for r in rows:
-            plan = streams.plans[r]
-            temps[0, r], temps[1, r] = plan.target_temperature or 1.0, plan.draft_temperature
-            greedy[r] = plan.target_temperature == 0
-        plans = [streams.plans[r] for r in rows]
-        k = max((p.block_size or k for p in plans), default=k)
-        # A row's draws are hashes of their purpose, whatever the width: K's of others change none.
-        u = streams.table(store.n_rows, rows, k + 2)
-        return cls(u, temps[0], temps[1], plans, k, greedy)
-
-    def request(self, i: int, request: BlockRequest) -> BlockRequest:
-        """Request ``i`` as its plan says: its draft length, proposal, K and EOS."""
-        plan = self.plans[i]
-        size = plan.block_size or self.k
-        return replace(request, limit=plan.limit, block_size=size, stops_at_eos=plan.stops_at_eos)
-
-
 def _leads(store, requests, c: SMCConfig, eos, flush: Flush) -> dict[int, Lead]:
     """Draw the lead token of every row with nothing queued, by request index.
 
@@ -185,7 +150,7 @@ def _leads(store, requests, c: SMCConfig, eos, flush: Flush) -> dict[int, Lead]:
     rows = [requests[i].row for i in todo]
     read = lookahead.lead_tilts(store, rows, [requests[i].constraint for i in todo], flush.target_t, c.alpha)
     tilts = [t.get((), ()) for t in read]  # at the lead's own position
-    logits = store.next_logits(rows).float() / flush.target_t[rows, None].to(store.device)  # [m, V]
+    logits = flush.temper(store.next_logits(rows).float(), rows)  # [m, V]
     masks = [requests[i].mask for i in todo]
     if any(m is not None for m in masks):  # a mask_dist observation: the target within it
         within = torch.stack(
@@ -248,13 +213,15 @@ def _blocks(store, requests, lead_log_w, c: SMCConfig, eos, flush: Flush) -> lis
         temperature=flush.draft_t,
         eos=eos,
         draws=lambda j: u[:, 1 + j],
-        keep_probs=c.cut is not None,
+        keep_probs=c.cut is not None or flush.by_row is not None,  # a checked row's residual reads q
+        sampling=flush.by_row,
     )
     k = block_length(drafted)  # one length for all: they are verified together
+    flush.check(drafted, k)
     rows = [b.row for b in drafted]
     tokens = drafted[0].batch.tokens.index_select(0, to_device(torch.tensor(rows), store.device))  # [n, k]
     logits, hidden = store.score(rows, tokens, [b.feed for b in drafted])
-    logits = logits.div_(flush.target_t[rows, None, None].to(logits.device))  # [n, k+1, V]
+    logits = flush.temper(logits, rows)  # [n, k+1, V]
     batch = block_batch(drafted, tokens, lead_log_w, logits.shape[-1], k > 0)
     verdict = verify_blocks(
         logits,

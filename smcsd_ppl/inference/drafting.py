@@ -19,6 +19,7 @@ import torch
 from ..backends.base import BatchedLM, to_device
 from ..proposals.blocks import Retrieval
 from ..verification import drawn_log_probs, inverse_cdf
+from ..verification.processing import RowSampling, processed
 from . import constrained
 from .blocks import BlockRequest, DraftBatch, DraftedBlock
 from .rows import RowStore
@@ -41,6 +42,7 @@ def draft_blocks(
     eos: set[int],
     draws: Draws,
     keep_probs: bool = False,
+    sampling: RowSampling | None = None,
 ) -> list[DraftedBlock]:
     """Up to ``block_size`` batched draft forwards over all rows; rows not asked for are fed holes.
 
@@ -48,7 +50,8 @@ def draft_blocks(
     its constraint, from its proposal; its ``limit`` caps how many of its drafted tokens may
     count (0: the row does not draft); ``keep_probs`` also returns q over the whole vocabulary.
     ``temperature``: T_d, or one per backend row ``[R]``; ``draws(j)``: the uniforms ``[R]``
-    position j is drawn with (see ``generator_draws``). Drafting
+    position j is drawn with (see ``generator_draws``); ``sampling``: the rows whose requests
+    process the target draft from q processed alike (where q spans the vocabulary). Drafting
     stops early once every asked row has ended (an EOS, its budget, a constraint's dead
     end): no later token could count, so all blocks of the call are that much shorter.
     On an accelerator, unconstrained drafting stops early on budgets only: spotting EOS
@@ -65,6 +68,7 @@ def draft_blocks(
         return _empty(store, requests, eos)
     settings = dict(block_size=block_size, temperature=temperature, eos=eos, draws=draws)
     run = _start(store, requests, limits, keep_probs=keep_probs, **settings)
+    run.sampling = sampling
     for j in range(block_size):
         run.step(j)
         if run.finished(j):
@@ -216,6 +220,7 @@ class Drafting:
     host_checks: bool
     temperature: float | torch.Tensor
     keep_probs: bool
+    sampling: RowSampling | None = None
     drafts: list[torch.Tensor] = field(default_factory=list)  # [R] token per drawn position
     logqs: list[torch.Tensor] = field(default_factory=list)  # [R] log q of each
     probs: list[torch.Tensor] = field(default_factory=list)  # [R, V] q at each, if kept
@@ -352,7 +357,12 @@ class Drafting:
         logits = self.draft.extend(self.ids, self.valid, *extra, **kw)
         self.fed, self.pending_fed = len(self.drafts), True
         self.drawn_at.append(len(self.drafts))
-        q = torch.softmax(logits[:, -1].div_(self.temperature), -1)  # [R, V], or [R, U] over vocab
+        if vocab is None and self.sampling is not None:  # q processed as the target is: more pass
+            t = torch.as_tensor(self.temperature, device=logits.device).flatten().expand(self.n_rows)
+            rows = torch.arange(self.n_rows, device=logits.device)
+            q = torch.softmax(processed(logits[:, -1].float(), t, rows, self.sampling), -1)
+        else:
+            q = torch.softmax(logits[:, -1].div_(self.temperature), -1)  # [R, V], or [R, U] over vocab
         if vocab is not None:
             q = q.new_zeros(len(q), vocab_size).index_copy_(1, vocab.to(q.device), q)
         if self.retrieval is not None:

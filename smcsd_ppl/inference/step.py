@@ -282,7 +282,8 @@ class SMCSDKernel:
         kind, length = proposing.particle_plan(pop, slot, c)
         proposal = proposing.row_proposal(pop, kind, ctx)
         temps = c.target_temperature, c.draft_temperature
-        return RowPlan(length, key, *temps, kind, proposal, c.block_size, not c.ignore_eos)
+        sampling = c.sampling if c.sampling.active else None
+        return RowPlan(length, key, *temps, kind, proposal, c.block_size, not c.ignore_eos, sampling)
 
     def _settle(self, live: list[tuple[SMCSDModel, int]]) -> None:
         """After the programs stepped (with their budgets): nothing left un-awaited; out of budget ends."""

@@ -16,10 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config import Sampling
 from ..keys import derive, mix64
 from ..proposals.blocks import RowProposal
 
 LEAD, BONUS, DRAFT = 1, 2, 3  # purposes; DRAFT + j is draft position j
+CHECK = 1 << 20  # CHECK + j: the check of draft position j against a processed target
 
 
 def row_key(seed: int, cycle: int, slot: int, context: int) -> int:
@@ -49,7 +51,8 @@ class RowPlan:
     ``kind``: what the row's particle drafts from this cycle (``"target"``: nothing);
     ``proposal``: a retrieval or mixture row's ``RowProposal`` (None: the draft model's);
     ``block_size``: its request's K (0: the run's); ``stops_at_eos``: its request ends at EOS
-    (not ``ignore_eos``). Rows of requests of other K and EOS settings share a cycle.
+    (not ``ignore_eos``); ``sampling``: its request's processing of the target (None: none).
+    Rows of requests of other K and EOS settings share a cycle.
     """
 
     limit: int
@@ -60,6 +63,7 @@ class RowPlan:
     proposal: RowProposal | None = None
     block_size: int = 0
     stops_at_eos: bool = True
+    sampling: Sampling | None = None
 
 
 class RowStreams:
@@ -68,6 +72,7 @@ class RowStreams:
     def __init__(self, plans: Mapping[int, RowPlan]) -> None:
         self.plans = plans
         self.served: dict[int, int] = {}
+        self.keys: dict[int, int] = {}  # each row's key for its latest service
 
     def table(self, n_rows: int, rows: Sequence[int], width: int) -> torch.Tensor:
         """Uniforms ``[n_rows, width]`` (float64, host) for a block flush of ``rows``.
@@ -80,7 +85,19 @@ class RowStreams:
         for r in rows:
             n = self.served.get(r, 0)
             self.served[r] = n + 1
-            table.append(block_uniforms(mix64(self.plans[r].key ^ n), width))
+            self.keys[r] = mix64(self.plans[r].key ^ n)
+            table.append(block_uniforms(self.keys[r], width))
         if rows:
             u[list(rows)] = torch.tensor(table, dtype=torch.float64)
+        return u
+
+    def checks(self, n_rows: int, rows: Sequence[int], k: int) -> torch.Tensor:
+        """The uniforms ``[n_rows, k]`` (float64, host) each of ``rows``' drafted tokens is checked with.
+
+        They belong to the service ``table`` last drew, and are independent of its draws.
+        """
+        u = torch.zeros(n_rows, k, dtype=torch.float64)
+        if rows and k:
+            checks = [[uniform(self.keys[r], CHECK + j) for j in range(k)] for r in rows]
+            u[list(rows)] = torch.tensor(checks, dtype=torch.float64)
         return u

@@ -127,6 +127,11 @@ class Method:
         """Refuse settings this method cannot honour."""
         if self.samples_target and config.alpha != 1.0:
             raise ValueError(f"{self.name} samples the target itself: alpha must be 1, got {config.alpha}")
+        if self.run is not None and config.sampling.active:
+            raise ValueError(
+                f"{self.name} samples the target unprocessed: top_k, top_p, min_p and logit_bias "
+                "need an SMC-SD method (smcsd, smcsd_paper)"
+            )
 
 
 METHODS: dict[str, Method] = {}

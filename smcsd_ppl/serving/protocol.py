@@ -234,6 +234,7 @@ def _config(body: dict, base: SMCConfig) -> SMCConfig:
         changes["target_temperature"] = ("temperature", t)
         # Greedy drafts at the lowest temperature: the draft's likeliest tokens pass most often.
         changes.setdefault("draft_temperature", ("temperature", MIN_TEMPERATURE if number and t == 0 else t))
+    changes |= _sampling(body)
     seed = body.get("seed")
     changes["seed"] = ("seed", secrets.randbelow(MAX_SEED + 1) if seed is None else seed)
     for field, (param, value) in changes.items():
@@ -242,6 +243,21 @@ def _config(body: dict, base: SMCConfig) -> SMCConfig:
         except (ValueError, TypeError) as err:
             raise invalid(str(err).replace(field, param), param) from None
     return dataclasses.replace(base, **{field: value for field, (_, value) in changes.items()})
+
+
+def _sampling(body: dict) -> dict:
+    """The processed target's settings the body gives: top-k (-1: all, as 0), top-p, min-p, logit bias."""
+    changes = {name: (name, body[name]) for name in ("top_p", "min_p") if body.get(name) is not None}
+    if body.get("top_k") is not None:
+        changes["top_k"] = ("top_k", 0 if body["top_k"] == -1 else body["top_k"])
+    bias = body.get("logit_bias")
+    if bias:
+        if not isinstance(bias, dict) or not all(isinstance(k, str) and k.isdigit() for k in bias):
+            raise invalid("logit_bias maps token ids (as strings) to biases from -100 to 100", "logit_bias")
+        # OpenAI's and vLLM's bound: +-100 already makes a token certain or impossible in practice.
+        pairs = tuple((int(k), max(-100.0, min(100.0, float(v)))) for k, v in bias.items())
+        changes["logit_bias"] = ("logit_bias", pairs)
+    return changes
 
 
 def _constraint(body: dict) -> ConstraintSpec | None:

@@ -53,6 +53,12 @@ class Sampling(BaseModel):
     seed: StrictInt | None = Field(
         None, description="the request's seed (a fresh one if none, reported back)"
     )
+    top_p: Number | None = Field(None, description="keep the likeliest tokens whose mass reaches p (1: all)")
+    top_k: StrictInt | None = Field(None, description="keep the k likeliest tokens (-1 or 0: all)")
+    min_p: Number | None = Field(None, description="keep tokens at least min_p as likely as the likeliest")
+    logit_bias: dict[str, Number] | None = Field(
+        None, description="token id -> bias (-100 to 100) added to its logit before the temperature"
+    )
     n: StrictInt | None = Field(None, description="choices per prompt (at most 32 choices per request)")
     stop: StrictStr | list[StrictStr] | None = Field(None, description="up to 4 texts the output ends before")
     stream: StrictBool | None = Field(None, description="server-sent events")

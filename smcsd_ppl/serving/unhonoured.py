@@ -11,13 +11,9 @@ from .errors import invalid
 # Fields of OpenAI's API (and vLLM's) this server cannot honour, with the values that mean "not
 # used" (null always does): a body that uses one is refused in one line naming it.
 UNSUPPORTED = {
-    "top_p": (1,),
-    "top_k": (-1, 0),
-    "min_p": (0,),
     "frequency_penalty": (0,),
     "presence_penalty": (0,),
     "repetition_penalty": (1,),
-    "logit_bias": ({},),
     "min_tokens": (0,),
     "functions": ([],),
     "function_call": ("none",),
@@ -45,6 +41,7 @@ HINTS = {  # where a refused field has a way here
     "guided_regex": "regex",
     "guided_grammar": "grammar",
     "guided_choice": "regex",
+    "best_of": "n",
 }
 
 
