@@ -182,6 +182,9 @@ class SMCConfig:
             raise ValueError(f"selection must be one of {SELECTIONS}, got {self.selection!r}")
         if self.twist not in (*TWIST_NAMES, AUTO_TWIST, None):
             raise ValueError(f"twist must be one of {TWIST_NAMES}, 'auto' or None, got {self.twist!r}")
+        # A dict or pairs, as one hashable form: (token id, bias) pairs in token order.
+        pairs = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((t, b) for t, b in pairs)))
         self.sampling.check()
         if self.twist not in (AUTO_TWIST, None) and self.ignore_eos:
             raise ValueError("a twist toward valid completions needs EOS: drop ignore_eos or the twist")
@@ -189,7 +192,7 @@ class SMCConfig:
     @property
     def sampling(self) -> Sampling:
         """The target's processing this run asks for (top-k, top-p, min-p, logit bias)."""
-        return Sampling(self.top_k, self.top_p, self.min_p, tuple(self.logit_bias))
+        return Sampling(self.top_k, self.top_p, self.min_p, self.logit_bias)
 
     def twist_on(self, constraint) -> str | None:
         """The twist this run gives ``constraint``: ``twist``, or under ``"auto"`` the constraint's own.

@@ -46,7 +46,7 @@ def test_bad_prompts(tiny_smcsd, call, needle):
     [
         (dict(seed=2**64), "seed must be at most"),
         (dict(draft_temperature=0.001), "draft_temperature must be at least 0.01"),
-        (dict(target_temperature=1e-30), "target_temperature must be at least 0.01"),
+        (dict(target_temperature=1e-30), "target_temperature must be 0 \\(greedy\\) or at least 0.01"),
     ],
 )
 def test_config_bounds(settings, needle):

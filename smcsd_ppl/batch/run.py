@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import json
 import queue
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -97,6 +98,7 @@ def settings_before_loading(config: SMCConfig, method: str, constraint: Constrai
     """The settings of a batch known before any model loads: all but the models' own."""
     config = dataclasses.replace(config, twist=config.twist_on(constraint))  # the twist that runs
     fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "seed"}
+    fields = json.loads(json.dumps(fields))  # as a record holds them (a logit bias's pairs as lists)
     return (
         {"base_seed": config.seed}
         | fields

@@ -80,7 +80,9 @@ def tool_choice(body: dict) -> ToolChoice | None:
     schemas = _schemas(tools)
     if choice in (None, "auto"):
         raise invalid(
-            'tool_choice "auto" is not supported here: name a function or use "required"', "tool_choice"
+            'tool_choice "auto" (the default with tools) is not supported: it needs the model\'s own '
+            'tool-call format parsed, which this server does not do; name a function or use "required"',
+            "tool_choice",
         )
     if choice == "required":
         return ToolChoice(None, _spec({"anyOf": [_call_schema(n, s) for n, s in schemas.items()]}))
