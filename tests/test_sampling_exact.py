@@ -81,7 +81,7 @@ def test_outputs_follow_the_processed_target(case, cut):
 @pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_control_verifying_against_the_unprocessed_target_fails(case, monkeypatch):
-    def unprocessed(self, logits, rows):
+    def unprocessed(self, logits, rows, in_place=False):
         return processed(logits, self.target_t[rows].to(logits.device), torch.tensor(rows), None)
 
     monkeypatch.setattr(Flush, "temper", unprocessed)

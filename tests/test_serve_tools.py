@@ -88,7 +88,7 @@ def server(tiny_smcsd):
 @pytest.mark.parametrize(
     ("extra", "param", "needle"),
     [
-        ({"tools": TOOLS}, "tool_choice", '"auto" is not supported'),
+        ({"tools": TOOLS}, "tool_choice", '"auto" (the default with tools) is not supported'),
         ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", "name a function"),
         (
             {"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": True},

@@ -221,7 +221,7 @@ def _blocks(store, requests, lead_log_w, c: SMCConfig, eos, flush: Flush) -> lis
     rows = [b.row for b in drafted]
     tokens = drafted[0].batch.tokens.index_select(0, to_device(torch.tensor(rows), store.device))  # [n, k]
     logits, hidden = store.score(rows, tokens, [b.feed for b in drafted])
-    logits = flush.temper(logits, rows)  # [n, k+1, V]
+    logits = flush.temper(logits, rows, in_place=True)  # [n, k+1, V]
     batch = block_batch(drafted, tokens, lead_log_w, logits.shape[-1], k > 0)
     verdict = verify_blocks(
         logits,

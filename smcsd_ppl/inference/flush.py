@@ -70,10 +70,13 @@ class Flush:
             if b.checks is None and b.row in self.checked:
                 b.checks = self.checks[b.row, :k].tolist()
 
-    def temper(self, logits: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
-        """Raw ``logits [n, ..., V]`` of backend ``rows`` as the target's law reads them (processed)."""
+    def temper(self, logits: torch.Tensor, rows: Sequence[int], in_place: bool = False) -> torch.Tensor:
+        """Raw ``logits [n, ..., V]`` of backend ``rows`` as the target's law reads them (processed).
+
+        ``in_place``: ``logits`` are the caller's to overwrite.
+        """
         t = self.target_t[rows].to(logits.device)
-        return processed(logits, t, to_device(torch.tensor(rows), logits.device), self.by_row)
+        return processed(logits, t, to_device(torch.tensor(rows), logits.device), self.by_row, in_place)
 
     def request(self, i: int, request: BlockRequest) -> BlockRequest:
         """Request ``i`` as its plan says: its draft length, proposal, K and EOS."""

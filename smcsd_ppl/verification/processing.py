@@ -50,17 +50,22 @@ class RowSampling:
 
 
 def processed(
-    logits: torch.Tensor, temperature: torch.Tensor, rows: torch.Tensor, by_row: RowSampling | None
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    rows: torch.Tensor,
+    by_row: RowSampling | None,
+    in_place: bool = False,
 ) -> torch.Tensor:
     """``logits [n, ..., V]`` of backend ``rows [n]`` at their ``temperature [n]``, processed.
 
     Each row's request's settings, in vLLM's order: bias, temperature, min-p, top-k, top-p (the
-    tokens cut at -inf). ``by_row`` None: the temperature alone.
+    tokens cut at -inf). ``by_row`` None: the temperature alone. ``in_place``: ``logits`` may be
+    overwritten (a batch's logits are the largest tensor of a cycle: no second copy).
     """
     shape = (-1,) + (1,) * (logits.dim() - 1)
     if by_row is not None and by_row.bias is not None:
         logits = logits + by_row.bias[rows].view(len(rows), *([1] * (logits.dim() - 2)), -1)
-    logits = logits / temperature.view(shape)
+    logits = logits.div_(temperature.view(shape)) if in_place else logits / temperature.view(shape)
     if by_row is None:
         return logits
     at = by_row.on[rows].nonzero(as_tuple=True)[0]  # only their rows pay for the sort
