@@ -207,9 +207,9 @@ def test_device_check_times_both_backends():
 
 
 def test_a_model_whose_logits_are_not_its_head_is_refused(hf32, monkeypatch):
-    from smcsd_ppl.backends.hf import HFBatchedLM
+    from smcsd_ppl.backends.reference import ReferenceForward
 
-    monkeypatch.setattr(HFBatchedLM, "has_plain_head", lambda self: False)  # as a soft-capped model
+    monkeypatch.setattr(ReferenceForward, "has_plain_head", lambda self: False)  # as a soft-capped model
     with pytest.raises(ValueError, match="logits are not its LM head"):
         SMCSD(hf32.target, hf32.draft, backend="vllm")
 

@@ -235,9 +235,9 @@ def built_parts(model, *, role: str, cache_root: pathlib.Path) -> EngineParts:
         raise ValueError(
             f"the vLLM backend cannot run the {role} {model.name!r}: feature drafts read the target's states"
         )
-    from .hf import HFBatchedLM
+    from .reference import ReferenceForward
 
-    if not HFBatchedLM(model.model, name=role).has_plain_head():  # checked on two tokens
+    if not ReferenceForward(model.model).has_plain_head():  # checked on two tokens
         raise ValueError(
             f"the vLLM backend cannot run the {role} {model.name!r}: its logits are not its LM head "
             "applied to its last hidden state (scaled or soft-capped); use the HF backend"
